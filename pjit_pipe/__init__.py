@@ -1,0 +1,1 @@
+"""pjit_pipe: a pipeline-parallel training compiler for JAX."""

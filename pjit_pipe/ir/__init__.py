@@ -1,0 +1,36 @@
+"""The schedule IR: ops, per-worker programs, placement, text/JSON forms, validation."""
+
+from pjit_pipe.ir.dataflow import Dataflow, DeadlockError, Event
+from pjit_pipe.ir.memory import memory_trace, peak_memory
+from pjit_pipe.ir.ops import BW, OPT, RECV, SEND, B, F, Kind, Op, Payload, W, Worker
+from pjit_pipe.ir.schedule import Schedule, ScheduleError, interleaved_layout, v_layout
+from pjit_pipe.ir.text import from_json, from_text, to_json, to_text
+from pjit_pipe.ir.validate import validate
+
+__all__ = [
+    "BW",
+    "OPT",
+    "RECV",
+    "SEND",
+    "B",
+    "Dataflow",
+    "DeadlockError",
+    "Event",
+    "F",
+    "Kind",
+    "Op",
+    "Payload",
+    "Schedule",
+    "ScheduleError",
+    "W",
+    "Worker",
+    "from_json",
+    "from_text",
+    "interleaved_layout",
+    "memory_trace",
+    "peak_memory",
+    "to_json",
+    "to_text",
+    "v_layout",
+    "validate",
+]

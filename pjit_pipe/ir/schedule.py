@@ -1,0 +1,104 @@
+"""The schedule: one op program per worker, plus the placement it runs on."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+from pjit_pipe.ir.ops import COMM_KINDS, Op, Worker
+
+
+class ScheduleError(ValueError):
+    """A schedule (or a request for one) is invalid; the message names the offending op."""
+
+
+def interleaved_layout(stages: int, chunks: int) -> tuple[int, ...]:
+    """Virtual stage s lives on pipeline position s mod P (Megatron's interleaving)."""
+    return tuple(s % stages for s in range(stages * chunks))
+
+
+def v_layout(stages: int) -> tuple[int, ...]:
+    """Two chunks per position in a V: position p holds stages p and 2P-1-p."""
+    return tuple(list(range(stages)) + list(reversed(range(stages))))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """Per-worker op programs for one training iteration.
+
+    stages: P, the pipeline positions (devices) of one replica.
+    chunks: v, virtual stages per position; there are P*v virtual stages.
+    microbatches: m per replica per iteration.
+    replicas: D data-parallel copies of the pipeline.
+    layout: virtual stage -> pipeline position that holds its parameters.
+    programs: worker -> its ops in execution order. A failed worker has none.
+    failed: workers that are down; their (replica, stage) work runs on peers.
+    staggered: each stage may start iteration k+1 right after its own OPT of
+        iteration k; otherwise all workers meet at an iteration barrier.
+    kind: the generator or pass chain that made it (informational).
+    """
+
+    stages: int
+    chunks: int
+    microbatches: int
+    replicas: int
+    layout: tuple[int, ...]
+    programs: Mapping[Worker, tuple[Op, ...]]
+    failed: frozenset[Worker] = frozenset()
+    staggered: bool = False
+    kind: str = "custom"
+    _index: dict = field(default=None, init=False, repr=False, compare=False)
+
+    @property
+    def num_virtual_stages(self) -> int:
+        return self.stages * self.chunks
+
+    @property
+    def workers(self) -> list[Worker]:
+        """Every worker of the D x P mesh, failed or not, in (replica, stage) order."""
+        return [Worker(r, p) for r in range(self.replicas) for p in range(self.stages)]
+
+    @property
+    def alive_workers(self) -> list[Worker]:
+        return [w for w in self.workers if w not in self.failed]
+
+    def program(self, worker: Worker) -> tuple[Op, ...]:
+        return self.programs.get(worker, ())
+
+    def held_stages(self, position: int) -> list[int]:
+        """Virtual stages whose parameters live on pipeline position `position`."""
+        return [s for s, p in enumerate(self.layout) if p == position]
+
+    def chunk_of(self, stage: int) -> int:
+        """Index of virtual stage `stage` among the chunks its position holds."""
+        return self.held_stages(self.layout[stage]).index(stage)
+
+    def ops(self) -> Iterator[tuple[Worker, int, Op]]:
+        """All (worker, position in program, op) triples."""
+        for w in self.workers:
+            for i, op in enumerate(self.program(w)):
+                yield w, i, op
+
+    def has_comm(self) -> bool:
+        return any(op.kind in COMM_KINDS for _, _, op in self.ops())
+
+    def where(self, op: Op) -> Worker | None:
+        """The worker whose program holds `op` (compute ops and OPT are unique per worker)."""
+        if self._index is None:
+            index: dict[Op, Worker] = {}
+            for w, _, o in self.ops():
+                index.setdefault(o, w)
+            object.__setattr__(self, "_index", index)
+        return self._index.get(op)
+
+    def replace(self, **changes) -> Schedule:
+        """A copy with some fields changed (programs are re-frozen to tuples)."""
+        if "programs" in changes:
+            changes["programs"] = {w: tuple(p) for w, p in changes["programs"].items()}
+        return dataclasses.replace(self, **changes)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "programs", {w: tuple(p) for w, p in self.programs.items()})
+        object.__setattr__(self, "failed", frozenset(Worker(*w) for w in self.failed))
+        object.__setattr__(self, "layout", tuple(self.layout))

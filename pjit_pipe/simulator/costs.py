@@ -1,0 +1,83 @@
+"""The cost model: how long each op takes and how long a tensor takes to travel."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from pjit_pipe.ir.ops import Kind, Op, Worker
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+
+
+def _per_position(name: str, value: float | Sequence[float], stages: int) -> tuple[float, ...]:
+    vals = (float(value),) * stages if isinstance(value, int | float) else tuple(map(float, value))
+    if len(vals) != stages:
+        raise ScheduleError(f"{name}: {len(vals)} per-stage costs given for {stages} stages")
+    if any(v < 0 for v in vals):
+        raise ScheduleError(f"{name}: costs must be >= 0, got {list(vals)}")
+    return vals
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Per-stage op times (DESIGN.md section 3): F, B, W of one microbatch on one
+    pipeline position (all the chunks it holds), C per activation transfer, and
+    OPT per chunk. Scalars apply to every stage; sequences give one per stage.
+    """
+
+    f: float | Sequence[float] = 1.0
+    b: float | Sequence[float] = 1.0
+    w: float | Sequence[float] = 1.0
+    c: float = 0.0
+    opt: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str) -> Costs:
+        """Parse the CLI form ``F,B,W[,C]``."""
+        try:
+            parts = [float(x) for x in text.split(",")]
+        except ValueError:
+            raise ScheduleError(f"--costs: expected numbers F,B,W[,C], got {text!r}") from None
+        if len(parts) not in (3, 4):
+            raise ScheduleError(f"--costs: expected 3 or 4 numbers F,B,W[,C], got {text!r}")
+        if any(p < 0 for p in parts):
+            raise ScheduleError(f"--costs: costs must be >= 0, got {text!r}")
+        return cls(*parts)
+
+    def per_stage(self, stages: int) -> list[tuple[float, float, float]]:
+        """(F, B, W) of each pipeline position."""
+        fs, bs, ws = (
+            _per_position(n, v, stages) for n, v in (("F", self.f), ("B", self.b), ("W", self.w))
+        )
+        if self.c < 0 or self.opt < 0:
+            raise ScheduleError("communication and optimizer costs must be >= 0")
+        return list(zip(fs, bs, ws, strict=True))
+
+    def duration_fn(self, schedule: Schedule):
+        """A (worker, op) -> time function for `schedule`'s shape."""
+        table = self.per_stage(schedule.stages)
+        v = schedule.chunks
+
+        def duration(worker: Worker, op: Op) -> float:
+            f, b, w = table[schedule.layout[op.stage]]
+            match op.kind:
+                case Kind.F:
+                    return f / v
+                case Kind.B:
+                    return b / v
+                case Kind.W:
+                    return w / v
+                case Kind.BW:
+                    return (b + w) / v
+                case Kind.OPT:
+                    return self.opt
+            return 0.0
+
+        return duration
+
+    def ideal(self, schedule: Schedule) -> float:
+        """One stage's work per iteration (the busiest stage's, if uneven)."""
+        m = schedule.microbatches
+        return max(m * (f + b + w) for f, b, w in self.per_stage(schedule.stages)) + (
+            schedule.chunks * self.opt
+        )

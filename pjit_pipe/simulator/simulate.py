@@ -1,0 +1,131 @@
+"""Price a schedule under a cost model: makespan, span, bubbles, memory, steady period."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pjit_pipe.ir.dataflow import Dataflow, Event
+from pjit_pipe.ir.lockstep import tick_table
+from pjit_pipe.ir.memory import peak_memory
+from pjit_pipe.ir.ops import Kind, Worker
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.simulator.costs import Costs
+
+Mode = Literal["event", "lockstep"]
+
+
+@dataclass
+class SimResult:
+    """Figures of one simulated schedule (units of DESIGN.md section 3)."""
+
+    makespan: float
+    span: float
+    ideal: float
+    bubble_ratio: float
+    peak_memory: dict[Worker, float]
+    busy: dict[Worker, float]
+    worker_span: dict[Worker, float]
+    steady_period: float
+    iterations: int
+    mode: Mode
+    events: list[Event] = field(repr=False)
+
+    def worker_bubble(self, w: Worker) -> float:
+        return 1.0 - self.busy[w] / self.worker_span[w] if self.worker_span[w] else 0.0
+
+    def summary(self) -> dict:
+        """The JSON-ready figures the CLI prints."""
+        return {
+            "makespan": round(self.makespan, 9),
+            "span": round(self.span, 9),
+            "ideal": round(self.ideal, 9),
+            "bubble_ratio": round(self.bubble_ratio, 9),
+            "peak_memory": [self.peak_memory[w] for w in sorted(self.peak_memory)],
+            "busy": [round(self.busy[w], 9) for w in sorted(self.busy)],
+            "steady_period": round(self.steady_period, 9),
+            "iterations": self.iterations,
+            "mode": self.mode,
+        }
+
+
+def _lockstep_events(schedule: Schedule, costs: Costs, iterations: int) -> list[Event]:
+    """Events of the tick-synchronous execution: each tick lasts as long as its slowest op,
+    plus one transfer time when a tensor leaves its worker at the end of the tick."""
+    duration = costs.duration_fn(schedule)
+    index = {w: {op: i for i, op in enumerate(schedule.program(w))} for w in schedule.alive_workers}
+    flow = Dataflow(schedule)
+    consumers_elsewhere = set()
+    for w, _, op in schedule.ops():
+        for key, cross in flow.deps(w, op):
+            if cross:
+                consumers_elsewhere.add(key)
+    events, t = [], 0.0
+    table = tick_table(schedule)
+    for it in range(iterations):
+        for tick in table:
+            length = max(duration(w, op) for w, op in tick.items())
+            for w, op in tick.items():
+                events.append(Event(w, index[w][op], it, op, t, t + duration(w, op)))
+            sends = any(
+                k in consumers_elsewhere for w, op in tick.items() for k in flow.produces(w, op)
+            )
+            t += length + (costs.c if sends else 0.0)
+    return events
+
+
+def simulate(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    iterations: int = 1,
+    mode: Mode = "event",
+) -> SimResult:
+    """Execute `schedule` for `iterations` iterations and measure it.
+
+    mode="event": every op starts as soon as its worker is free and its inputs
+    have arrived (asynchronous execution, what a runtime with streams achieves).
+    mode="lockstep": the tick table of `pjit_pipe.ir.lockstep`, as an SPMD program runs it.
+    Makespan, span and busy time are of the first iteration; steady_period is
+    (end of the last iteration - end of the first) / (iterations - 1).
+    """
+    costs = costs or Costs()
+    if iterations < 1:
+        raise ScheduleError(f"iterations must be >= 1, got {iterations}")
+    if mode == "event":
+        events = Dataflow(schedule).run(
+            costs.duration_fn(schedule), lambda a, b: costs.c, iterations=iterations
+        )
+    elif mode == "lockstep":
+        events = _lockstep_events(schedule, costs, iterations)
+    else:
+        raise ScheduleError(f"mode must be 'event' or 'lockstep', got {mode!r}")
+
+    first = [e for e in events if e.iteration == 0 and e.op.kind not in (Kind.SEND, Kind.RECV)]
+    first = first or [e for e in events if e.iteration == 0]
+    makespan = max(e.end for e in first) - min(e.start for e in first)
+    busy = dict.fromkeys(schedule.alive_workers, 0.0)
+    lo: dict[Worker, float] = {}
+    hi: dict[Worker, float] = {}
+    for e in first:
+        busy[e.worker] += e.end - e.start
+        lo[e.worker] = min(lo.get(e.worker, e.start), e.start)
+        hi[e.worker] = max(hi.get(e.worker, e.end), e.end)
+    worker_span = {w: hi.get(w, 0.0) - lo.get(w, 0.0) for w in busy}
+    ends = [0.0] * iterations
+    for e in events:
+        ends[e.iteration] = max(ends[e.iteration], e.end)
+    steady = (ends[-1] - ends[0]) / (iterations - 1) if iterations > 1 else makespan
+    ideal = costs.ideal(schedule)
+    return SimResult(
+        makespan=makespan,
+        span=max(worker_span.values()),
+        ideal=ideal,
+        bubble_ratio=1.0 - ideal / makespan if makespan else 0.0,
+        peak_memory=peak_memory(schedule),
+        busy=busy,
+        worker_span=worker_span,
+        steady_period=steady,
+        iterations=iterations,
+        mode=mode,
+        events=events,
+    )
