@@ -9,11 +9,11 @@ which program holds the op, never the op itself.
 
 from __future__ import annotations
 
-from enum import Enum
+from enum import StrEnum
 from typing import NamedTuple
 
 
-class Kind(str, Enum):
+class Kind(StrEnum):
     """Op kinds. BW is B and W fused; SEND/RECV move one tensor between workers."""
 
     F = "F"
@@ -29,7 +29,7 @@ COMPUTE_KINDS = frozenset({Kind.F, Kind.B, Kind.W, Kind.BW})
 COMM_KINDS = frozenset({Kind.SEND, Kind.RECV})
 
 
-class Payload(str, Enum):
+class Payload(StrEnum):
     """What a SEND/RECV carries: a stage's output activation or its input gradient."""
 
     ACT = "act"
