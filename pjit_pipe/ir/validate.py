@@ -6,12 +6,19 @@ from collections import Counter
 
 from pjit_pipe.ir.dataflow import Dataflow
 from pjit_pipe.ir.memory import memory_trace
-from pjit_pipe.ir.ops import COMM_KINDS, Kind, Op, Worker
+from pjit_pipe.ir.ops import COMM_KINDS, Kind, Op, Payload, Worker, format_op
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 
 
 def _at(w: Worker, i: int, op: Op) -> str:
-    return f"op #{i} {op} on worker {w}"
+    return f"op #{i} {format_op(op, w.replica)} on worker {w}"
+
+
+def _params_stage(op: Op) -> int:
+    """The virtual stage whose worker must run `op` (a RECV runs at the consumer's stage)."""
+    if op.kind is Kind.RECV:
+        return op.stage + (1 if op.payload is Payload.ACT else -1)
+    return op.stage
 
 
 def _check_shape(s: Schedule) -> None:
@@ -40,10 +47,11 @@ def _check_ops(s: Schedule) -> None:
     for w, i, op in s.ops():
         if not 0 <= op.stage < S:
             raise ScheduleError(f"{_at(w, i, op)}: stage out of range [0, {S})")
-        if s.layout[op.stage] != w.stage:
+        held = _params_stage(op)
+        if not 0 <= held < S or s.layout[held] != w.stage:
+            where = s.layout[held] if 0 <= held < S else "no position"
             raise ScheduleError(
-                f"{_at(w, i, op)}: stage {op.stage} lives on position {s.layout[op.stage]}, "
-                f"not {w.stage}"
+                f"{_at(w, i, op)}: stage {held} lives on {where}, not position {w.stage}"
             )
         if op.kind is Kind.OPT:
             if op.replica != w.replica:
