@@ -1,0 +1,24 @@
+"""`make bench`: run every benchmark script and print its figures."""
+
+import importlib
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+sys.path.insert(0, os.path.dirname(__file__))
+
+BENCHMARKS = ["bench_schedules", "bench_exact", "bench_failures", "bench_lowering"]
+
+
+def main() -> None:
+    only = sys.argv[1:] or BENCHMARKS
+    for name in only:
+        print(f"\n=== {name} ===", flush=True)
+        start = time.perf_counter()
+        importlib.import_module(name).main()
+        print(f"({name}: {time.perf_counter() - start:.1f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
