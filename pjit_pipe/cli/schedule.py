@@ -1,0 +1,164 @@
+"""`pjit-pipe schedule`: build, validate, price and draw one pipeline schedule."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from pjit_pipe.ir.text import to_json, to_text
+from pjit_pipe.ir.validate import validate
+from pjit_pipe.passes import stagger
+from pjit_pipe.schedules import KINDS, make_schedule
+from pjit_pipe.simulator.costs import Costs
+from pjit_pipe.simulator.simulate import SimResult, simulate
+
+DEFAULT_ITERATIONS = 4
+PLOT_SUFFIXES = (".png", ".svg")
+
+
+def positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
+    if not value > 0:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def costs_arg(text: str) -> Costs:
+    try:
+        return Costs.parse(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--costs: ")) from None
+
+
+def plot_path(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() not in PLOT_SUFFIXES:
+        raise argparse.ArgumentTypeError(f"file name must end in .png or .svg, got {text!r}")
+    return path
+
+
+def trace_path(text: str) -> Path:
+    path = Path(text)
+    if path.suffix.lower() != ".json":
+        raise argparse.ArgumentTypeError(f"file name must end in .json, got {text!r}")
+    return path
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    """Add the `schedule` subcommand."""
+    p = subparsers.add_parser(
+        "schedule",
+        help="build, validate and simulate a pipeline schedule",
+        description=__doc__.split(":", 1)[1].strip(),
+    )
+    p.add_argument("kind", metavar="KIND", choices=KINDS, help=f"one of {', '.join(KINDS)}")
+    p.add_argument("--stages", "-P", type=positive_int, required=True, help="pipeline stages P")
+    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="microbatches M")
+    p.add_argument(
+        "--chunks",
+        "-v",
+        type=positive_int,
+        default=None,
+        help="chunks (virtual stages) per device; default: the kind's own",
+    )
+    p.add_argument(
+        "--costs",
+        type=costs_arg,
+        default=Costs(),
+        metavar="F,B,W[,C]",
+        help="times of F, B, W per microbatch and stage, and C per transfer (default 1,1,1,0)",
+    )
+    p.add_argument(
+        "--mem-limit",
+        type=positive_float,
+        default=None,
+        metavar="K",
+        help="peak in-flight activations per worker, in microbatch-stage units",
+    )
+    p.add_argument(
+        "--iterations",
+        type=positive_int,
+        default=DEFAULT_ITERATIONS,
+        metavar="N",
+        help=f"iterations simulated back to back for steady_period (default {DEFAULT_ITERATIONS})",
+    )
+    p.add_argument(
+        "--stagger",
+        action="store_true",
+        help="step each stage's optimizer as soon as its gradients are done (no barrier)",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--plot", type=plot_path, metavar="FILE.png|FILE.svg", help="draw a Gantt chart")
+    p.add_argument(
+        "--trace", type=trace_path, metavar="FILE.json", help="write a Chrome/Perfetto trace"
+    )
+    p.set_defaults(run=run)
+
+
+def _summary_line(kind: str, result: SimResult) -> str:
+    peak = ",".join(f"{v:g}" for v in result.summary()["peak_memory"])
+    return (
+        f"{kind}: makespan {result.makespan:g}  span {result.span:g}  ideal {result.ideal:g}  "
+        f"bubble {result.bubble_ratio:.1%}  peak memory [{peak}]  "
+        f"steady period {result.steady_period:g} over {result.iterations} iterations"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the schedule, validate it, simulate it, then print/draw/trace it."""
+    kwargs = {} if args.chunks is None else {"chunks": args.chunks}
+    schedule = make_schedule(
+        args.kind,
+        args.stages,
+        args.microbatches,
+        costs=args.costs,
+        mem_limit=args.mem_limit,
+        **kwargs,
+    )
+    if args.chunks is not None and schedule.chunks != args.chunks:
+        raise ValueError(
+            f"--chunks {args.chunks} does not fit kind {args.kind}, which uses "
+            f"{schedule.chunks} chunk(s) per device"
+        )
+    if args.stagger:
+        schedule = stagger(schedule)
+    validate(schedule, mem_limit=args.mem_limit)
+    result = simulate(schedule, args.costs, iterations=args.iterations)
+    if args.plot:
+        from pjit_pipe.simulator.plot import gantt
+
+        gantt(
+            result,
+            args.plot,
+            title=f"{schedule.kind} P={schedule.stages} m={schedule.microbatches}",
+        )
+    if args.trace:
+        from pjit_pipe.simulator.trace import chrome_trace
+
+        args.trace.write_text(json.dumps(chrome_trace(result)))
+    if args.json:
+        out = {
+            **result.summary(),
+            "kind": schedule.kind,
+            "valid": True,
+            "schedule": to_json(schedule),
+        }
+        print(json.dumps(out))
+    else:
+        print(to_text(schedule), end="")
+        print(_summary_line(schedule.kind, result))
+    return 0
