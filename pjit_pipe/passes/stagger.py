@@ -7,37 +7,55 @@ iteration period shrinks from the makespan towards the span.
 
 from __future__ import annotations
 
-from pjit_pipe.ir.ops import Kind, Op
+from pjit_pipe.ir.dataflow import Dataflow, DeadlockError
+from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 
 
-def _stagger_program(program: tuple[Op, ...]) -> list[Op]:
-    """Re-insert each OPT right after the last W/BW of its stage (or keep it last).
+def _move_opt(program: tuple[Op, ...], opt: Op) -> tuple[Op, ...]:
+    """`program` with `opt` right after the last W/BW of its stage (unchanged if there is none).
 
     SENDs that directly follow that W/BW stay ahead of the OPT: they cost nothing
     and another worker may be waiting for them.
     """
-    opts = [op for op in program if op.kind is Kind.OPT]
-    rest = [op for op in program if op.kind is not Kind.OPT]
-    slot: dict[int, int] = {}  # stage -> index in `rest` after which its OPT goes
-    for i, op in enumerate(rest):
-        if op.kind in (Kind.W, Kind.BW):
-            slot[op.stage] = i
-    for stage, i in slot.items():
-        while i + 1 < len(rest) and rest[i + 1].kind is Kind.SEND:
-            i += 1
-        slot[stage] = i
-    after: dict[int, list[Op]] = {}
-    for opt in opts:
-        after.setdefault(slot.get(opt.stage, len(rest) - 1), []).append(opt)
-    out = list(after.get(-1, ()))
-    for i, op in enumerate(rest):
-        out.append(op)
-        out.extend(after.get(i, ()))
-    return out
+    rest = [op for op in program if op != opt]
+    grads = [
+        i for i, op in enumerate(rest) if op.kind in (Kind.W, Kind.BW) and op.stage == opt.stage
+    ]
+    if not grads:
+        return program
+    at = grads[-1] + 1
+    while at < len(rest) and rest[at].kind is Kind.SEND:
+        at += 1
+    return (*rest[:at], opt, *rest[at:])
+
+
+def _deadlock_free(schedule: Schedule) -> bool:
+    try:
+        Dataflow(schedule).run(lambda w, op: 1.0, lambda a, b: 0.0)
+    except DeadlockError:
+        return False
+    return True
 
 
 def stagger(schedule: Schedule) -> Schedule:
-    """Move every OPT right after its stage's last W/BW and drop the iteration barrier."""
-    programs = {w: _stagger_program(prog) for w, prog in schedule.programs.items()}
+    """Move every OPT right after its stage's last W/BW and drop the iteration barrier.
+
+    With data parallelism an OPT also waits for the other replicas' gradients. When
+    moving all OPTs at once makes replicas wait on each other in a cycle (possible
+    only when their programs differ, as after re-routing), OPTs are moved one at a
+    time and an OPT whose move would deadlock stays where it was.
+    """
+    opts = [
+        (w, op) for w in schedule.alive_workers for op in schedule.program(w) if op.kind is Kind.OPT
+    ]
+    programs: dict[Worker, tuple[Op, ...]] = dict(schedule.programs)
+    for w, opt in opts:
+        programs[w] = _move_opt(programs[w], opt)
+    if not _deadlock_free(schedule.replace(programs=programs)):
+        programs = dict(schedule.programs)
+        for w, opt in opts:
+            trial = {**programs, w: _move_opt(programs[w], opt)}
+            if _deadlock_free(schedule.replace(programs=trial)):
+                programs = trial
     return schedule.replace(programs=programs, staggered=True, kind=f"{schedule.kind}+stagger")
