@@ -1,0 +1,159 @@
+"""Failure patterns: which workers of a D x P deployment are down.
+
+Replicas hold identical parameters, so two patterns that differ only by a
+permutation of replicas need the same re-routed schedule up to relabelling.
+`FailurePattern.canonical` picks one representative per such class; the
+search and the lowering build (and cache) one schedule per canonical pattern.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from itertools import combinations
+
+from pjit_pipe.ir.ops import Op, Worker
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+
+
+@dataclass(frozen=True)
+class FailurePattern:
+    """A set of failed workers (replica, stage) in a `replicas` x `stages` mesh.
+
+    Construction raises ScheduleError for a worker outside the mesh or a stage
+    whose every replica failed (its parameters and work cannot be recovered).
+    """
+
+    replicas: int
+    stages: int
+    failed: frozenset[Worker] = frozenset()
+
+    def __post_init__(self) -> None:
+        if self.replicas < 1 or self.stages < 1:
+            raise ScheduleError(
+                f"replicas and stages must be >= 1, got replicas={self.replicas} "
+                f"stages={self.stages}"
+            )
+        failed = frozenset(Worker(*w) for w in self.failed)
+        for w in sorted(failed):
+            if not (0 <= w.replica < self.replicas and 0 <= w.stage < self.stages):
+                raise ScheduleError(
+                    f"failed worker {w} is outside the {self.replicas}x{self.stages} mesh"
+                )
+        for stage in range(self.stages):
+            if not self.survivors(stage, failed):
+                raise ScheduleError(
+                    f"stage {stage} is unrecoverable: all {self.replicas} of its replicas failed"
+                )
+        object.__setattr__(self, "failed", failed)
+
+    @classmethod
+    def of(
+        cls, replicas: int, stages: int, failed: FailurePattern | Iterable[tuple[int, int]]
+    ) -> FailurePattern:
+        """Accept a FailurePattern (checked against the mesh) or any iterable of (r, s)."""
+        if isinstance(failed, FailurePattern):
+            if (failed.replicas, failed.stages) != (replicas, stages):
+                raise ScheduleError(
+                    f"failure pattern is for a {failed.replicas}x{failed.stages} mesh, "
+                    f"not {replicas}x{stages}"
+                )
+            return failed
+        return cls(replicas, stages, frozenset(Worker(*w) for w in failed))
+
+    @classmethod
+    def parse(cls, text: str, replicas: int, stages: int) -> FailurePattern:
+        """Parse the CLI form ``R:S[,R:S...]`` (an empty string means no failures)."""
+        workers = []
+        for token in filter(None, (t.strip() for t in text.split(","))):
+            try:
+                r, s = (int(x) for x in token.split(":"))
+            except ValueError:
+                raise ScheduleError(
+                    f"--failed: expected R:S[,R:S...], got {token!r} in {text!r}"
+                ) from None
+            workers.append(Worker(r, s))
+        return cls(replicas, stages, frozenset(workers))
+
+    def survivors(self, stage: int, failed: frozenset[Worker] | None = None) -> list[int]:
+        """Replicas whose worker of `stage` is alive."""
+        failed = self.failed if failed is None else failed
+        return [r for r in range(self.replicas) if Worker(r, stage) not in failed]
+
+    @property
+    def alive_replicas(self) -> list[int]:
+        """Replicas with no failed worker at all."""
+        down = {w.replica for w in self.failed}
+        return [r for r in range(self.replicas) if r not in down]
+
+    def _stages_of(self, replica: int) -> tuple[int, ...]:
+        return tuple(sorted(w.stage for w in self.failed if w.replica == replica))
+
+    def canonical(self) -> tuple[FailurePattern, tuple[int, ...]]:
+        """(canonical pattern, perm): perm[r] is the canonical index of replica r.
+
+        Replicas are ordered by their failed stages: most failures first, then
+        lexicographically, ties kept in index order. Equal up to a replica
+        permutation <=> equal canonical patterns.
+        """
+        order = sorted(
+            range(self.replicas), key=lambda r: (-len(self._stages_of(r)), self._stages_of(r), r)
+        )
+        perm = [0] * self.replicas
+        for new, old in enumerate(order):
+            perm[old] = new
+        failed = frozenset(Worker(perm[w.replica], w.stage) for w in self.failed)
+        return FailurePattern(self.replicas, self.stages, failed), tuple(perm)
+
+    def __str__(self) -> str:
+        return ",".join(str(w) for w in sorted(self.failed)) or "-"
+
+
+def enumerate_patterns(replicas: int, stages: int, max_failures: int) -> list[FailurePattern]:
+    """Every recoverable canonical pattern with 0..max_failures failed workers.
+
+    Ordered by number of failures, then by failed workers.
+    """
+    if max_failures < 0:
+        raise ScheduleError(f"max_failures must be >= 0, got {max_failures}")
+    mesh = [Worker(r, s) for r in range(replicas) for s in range(stages)]
+    seen: set[frozenset[Worker]] = set()
+    out: list[FailurePattern] = []
+    for k in range(min(max_failures, len(mesh)) + 1):
+        found = []
+        for combo in combinations(mesh, k):
+            try:
+                canon, _ = FailurePattern(replicas, stages, frozenset(combo)).canonical()
+            except ScheduleError:
+                continue  # some stage lost every replica
+            if canon.failed not in seen:
+                seen.add(canon.failed)
+                found.append(canon)
+        out += sorted(found, key=lambda p: sorted(p.failed))
+    return out
+
+
+def permute_replicas(schedule: Schedule, perm: tuple[int, ...]) -> Schedule:
+    """Relabel replica r as perm[r] everywhere: workers, ops' home replicas, peers, failed set."""
+    if sorted(perm) != list(range(schedule.replicas)):
+        raise ScheduleError(
+            f"perm {list(perm)} is not a permutation of {schedule.replicas} replicas"
+        )
+
+    def move(w: Worker) -> Worker:
+        return Worker(perm[w.replica], w.stage)
+
+    def relabel(op: Op) -> Op:
+        peer = None if op.peer is None else move(op.peer)
+        return op._replace(replica=perm[op.replica], peer=peer)
+
+    programs = {move(w): [relabel(op) for op in prog] for w, prog in schedule.programs.items()}
+    return schedule.replace(programs=programs, failed=frozenset(map(move, schedule.failed)))
+
+
+def inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
+    """The permutation that undoes `perm`."""
+    out = [0] * len(perm)
+    for old, new in enumerate(perm):
+        out[new] = old
+    return tuple(out)
