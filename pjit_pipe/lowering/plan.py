@@ -1,0 +1,153 @@
+"""The tick plan: a schedule's lockstep table as per-device integer rows.
+
+The SPMD program scans over ticks; on each tick every device reads one row of
+its own table: which branch to run (idle, or F/B/W/BW of one virtual stage),
+the microbatch, and the buffer slots it reads and writes. Slots are assigned
+here, on the host, by interval allocation over the tick timeline, so buffers
+are sized by the schedule's in-flight peak and not by the number of
+microbatches. Messages (activations going down, input gradients going up)
+leave a device in the tick that makes them and land in a slot of the
+receiver's message store at the end of that tick; a device sends at most one
+message per tick, to each pipeline-position shift that the schedule uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from pjit_pipe.ir.lockstep import tick_table
+from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+
+KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW)
+
+# Columns of a tick row.
+BRANCH, MB, IN_SLOT, G_SLOT, RES_W, RES_R, ACC, SELF_SLOT = range(8)
+RECV0 = 8  # one column per shift, in `TickPlan.shifts` order
+
+
+def branch_index(kind: Kind, stage: int) -> int:
+    """Branch 0 idles; the others are F, B, W, BW of each virtual stage."""
+    return 1 + 4 * stage + KIND_ORDER.index(kind)
+
+
+@dataclass(frozen=True)
+class TickPlan:
+    """Per-device tick rows plus the buffer sizes they index into.
+
+    rows: int32 (replicas, stages, ticks, columns). A slot index equal to the
+        store size is the scratch slot: writes there are discarded.
+    msg_slots / res_slots: message and residual store sizes (scratch excluded).
+    shifts: for each ppermute, the position shift and its (source, dest) pairs.
+    """
+
+    rows: np.ndarray
+    msg_slots: int
+    res_slots: int
+    shifts: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+
+    @property
+    def ticks(self) -> int:
+        return self.rows.shape[2]
+
+
+class _Slots:
+    """Interval allocation: a slot is busy from its write tick through its last read."""
+
+    def __init__(self) -> None:
+        self.free_from: list[int] = []
+
+    def take(self, write_tick: int, last_read: int) -> int:
+        for i, t in enumerate(self.free_from):
+            if t <= write_tick:
+                self.free_from[i] = last_read
+                return i
+        self.free_from.append(last_read)
+        return len(self.free_from) - 1
+
+
+def build_plan(schedule: Schedule, remat: bool) -> TickPlan:
+    """Assign ticks, branches and buffer slots for every device of `schedule`."""
+    S = schedule.num_virtual_stages
+    ticks = [
+        {w: op for w, op in tick.items() if op.kind in COMPUTE_KINDS}
+        for tick in tick_table(schedule)
+    ]
+    ticks = [t for t in ticks if t]
+    when: dict[Op, tuple[Worker, int]] = {}
+    for t, tick in enumerate(ticks):
+        for w, op in tick.items():
+            when[op] = (w, t)
+
+    def last_use(op_kinds: tuple[Kind, ...], stage: int, mb: int, rep: int) -> tuple[Worker, int]:
+        found = [when[Op(k, stage, mb, rep)] for k in op_kinds if Op(k, stage, mb, rep) in when]
+        return found[0][0], max(t for _, t in found)
+
+    # Every tensor that lands in a message store: (producer op, consumer worker, last read tick).
+    messages = []
+    for op, (w, t) in when.items():
+        if op.kind is Kind.F and op.stage < S - 1:
+            reads = (Kind.F, Kind.B, Kind.W, Kind.BW) if remat else (Kind.F,)
+            dest, last = last_use(reads, op.stage + 1, op.mb, op.replica)
+            messages.append((op, w, t, dest, last))
+        elif op.kind in (Kind.B, Kind.BW) and op.stage > 0:
+            dest, last = last_use((Kind.B, Kind.W, Kind.BW), op.stage - 1, op.mb, op.replica)
+            messages.append((op, w, t, dest, last))
+
+    shift_pairs: dict[int, set[tuple[int, int]]] = {}
+    for _, src, _, dest, _ in messages:
+        if src.replica != dest.replica:
+            raise ScheduleError(
+                f"the lowering keeps a microbatch inside one replica, but {src} sends to {dest}"
+            )
+        if src != dest:
+            shift = (dest.stage - src.stage) % schedule.stages
+            shift_pairs.setdefault(shift, set()).add((src.stage, dest.stage))
+    shifts = tuple((k, tuple(sorted(v))) for k, v in sorted(shift_pairs.items()))
+    shift_col = {k: RECV0 + i for i, (k, _) in enumerate(shifts)}
+
+    msg_alloc = {w: _Slots() for w in schedule.workers}
+    res_alloc = {w: _Slots() for w in schedule.workers}
+    msg_slot: dict[tuple[Kind, int, int, int], int] = {}
+    arrivals: list[tuple[Worker, int, int, int]] = []  # (dest, tick, column, slot)
+    for op, src, t, dest, last in sorted(messages, key=lambda m: m[2]):
+        slot = msg_alloc[dest].take(t, last)
+        key = ("act" if op.kind is Kind.F else "grad", op.stage, op.mb, op.replica)
+        msg_slot[key] = slot
+        col = SELF_SLOT if src == dest else shift_col[(dest.stage - src.stage) % schedule.stages]
+        arrivals.append((dest, t, col, slot))
+
+    res_slot: dict[tuple[int, int, int], int] = {}
+    if not remat:
+        for op, (w, t) in sorted(when.items(), key=lambda kv: kv[1][1]):
+            if op.kind is Kind.F:
+                _, last = last_use((Kind.W, Kind.BW), op.stage, op.mb, op.replica)
+                res_slot[(op.stage, op.mb, op.replica)] = res_alloc[w].take(t, last)
+
+    K = max((len(a.free_from) for a in msg_alloc.values()), default=0)
+    R = max((len(a.free_from) for a in res_alloc.values()), default=0)
+    v = schedule.chunks
+    rows = np.zeros((schedule.replicas, schedule.stages, len(ticks), RECV0 + len(shifts)), np.int32)
+    rows[..., [IN_SLOT, G_SLOT, SELF_SLOT]] = K
+    rows[..., RECV0:] = K
+    rows[..., [RES_W, RES_R]] = R
+    rows[..., ACC] = v
+    for t, tick in enumerate(ticks):
+        for w, op in tick.items():
+            row = rows[w.replica, w.stage, t]
+            row[BRANCH] = branch_index(op.kind, op.stage)
+            row[MB] = op.mb
+            key = (op.stage, op.mb, op.replica)
+            row[IN_SLOT] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
+            row[G_SLOT] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)
+            if op.kind is Kind.F:
+                row[RES_W] = res_slot.get(key, R)
+            else:
+                row[RES_R] = res_slot.get(key, R)
+            if op.kind in (Kind.W, Kind.BW):
+                row[ACC] = schedule.chunk_of(op.stage)
+    for dest, t, col, slot in arrivals:
+        rows[dest.replica, dest.stage, t, col] = slot
+    return TickPlan(rows=rows, msg_slots=K, res_slots=R, shifts=shifts)

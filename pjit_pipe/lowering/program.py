@@ -1,0 +1,382 @@
+"""Schedule -> one jitted shard_map program: the tick loop, the reduction, the optimizer.
+
+Every device scans over the ticks of the schedule's lockstep table. In each
+tick it runs one `lax.switch` branch (idle, or F/B/W/BW of one virtual stage)
+chosen by its own table row, then every ppermute of the schedule runs
+unconditionally and the received messages are stored in the slots the plan
+assigned. After the scan the parameter gradients are summed over 'data' and,
+for a training step, each held stage's optax update runs on its device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax import lax
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as PS
+
+from pjit_pipe.ir.ops import Kind
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.validate import validate
+from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.plan import (
+    ACC,
+    BRANCH,
+    G_SLOT,
+    IN_SLOT,
+    KIND_ORDER,
+    MB,
+    RECV0,
+    RES_R,
+    RES_W,
+    SELF_SLOT,
+    TickPlan,
+    build_plan,
+)
+from pjit_pipe.lowering.stages import StageVjp
+
+AXES = ("data", "stage")
+
+
+def _row(bufs: Buffers, i: Any) -> Buffers:
+    return {k: lax.dynamic_index_in_dim(b, i, keepdims=False) for k, b in bufs.items()}
+
+
+class Lowered:
+    """The traced pieces of one (schedule, model, shapes): branches and the device body."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: StageVjp,
+        plan: TickPlan,
+        remat: bool,
+    ):
+        self.sched = schedule
+        self.st = stages
+        self.plan = plan
+        self.remat = remat
+        S = stages.S
+        self.param_spec = FlatSpec(stages.param_avals)
+        boundaries = stages.act_avals[1:]
+        leaves = jax.tree.leaves(boundaries)
+        msg_dtype = jnp.result_type(*leaves) if leaves else jnp.float32
+        if not jnp.issubdtype(msg_dtype, jnp.floating):
+            raise ValueError(
+                f"activations between stages must be floating point, got {msg_dtype} "
+                "(only stage 0 may take integer inputs)"
+            )
+        self.msg_spec = FlatSpec(boundaries, dtype=msg_dtype)
+        self.msg_key = np.dtype(msg_dtype).name
+        self.scale = 1.0 / (schedule.replicas * schedule.microbatches)
+        self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
+        self.branches = [self._idle] + [
+            self._branch(kind, s) for s in range(S) for kind in KIND_ORDER
+        ]
+
+    # ---- outputs of one tick: message, residuals, parameter gradient, loss ----
+
+    def _zeros(self):
+        msg = jnp.zeros((self.msg_spec.sizes[self.msg_key],), self.msg_key)
+        return msg, self.st.res_spec.zeros(), self.param_spec.zeros(), jnp.zeros((), jnp.float32)
+
+    def _idle(self, params, x, y, msgs, res, row):
+        return self._zeros()
+
+    def _branch(self, kind: Kind, s: int) -> Callable:
+        S, c, st = self.st.S, self.sched.chunk_of(s), self.st
+
+        def stage_input(x, msgs, row):
+            if s == 0:
+                return jax.tree.map(lambda a: a[row[MB]], x)
+            return self.msg_spec.unpack(s - 1, {self.msg_key: msgs[row[IN_SLOT]]})
+
+        def run(params, x, y, msgs, res, row):
+            msg, res_out, dpar, loss = self._zeros()
+            p = self.param_spec.unpack(s, {k: b[c] for k, b in params.items()})
+            y_mb = jax.tree.map(lambda a: a[row[MB]], y) if s == S - 1 else None
+            if kind is Kind.F:
+                a = stage_input(x, msgs, row)
+                if self.remat:
+                    out = st.forward(s, p, a, y_mb)
+                else:
+                    out, res_out = st.forward_with_residuals(s, p, a, y_mb)
+                if s == S - 1:
+                    loss = out.astype(jnp.float32) * self.scale
+                else:
+                    msg = self.msg_spec.pack(s, out)[self.msg_key]
+                return msg, res_out, dpar, loss
+            if self.remat:
+                pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
+            else:
+                pull = st.pullback(s, p, _row(res, row[RES_R]))
+            if s == S - 1:
+                g = jnp.asarray(self.scale, st.loss_aval.dtype)
+            else:
+                g = self.msg_spec.unpack(s, {self.msg_key: msgs[row[G_SLOT]]})
+            grads = pull(g)
+            if kind in (Kind.B, Kind.BW) and s > 0:
+                msg = self.msg_spec.pack(s - 1, grads[1])[self.msg_key]
+            if kind in (Kind.W, Kind.BW):
+                dpar = self.param_spec.pack(s, grads[0])
+            return msg, res_out, dpar, loss
+
+        return run
+
+    # ---- the device program ----
+
+    def tick_loop(self, params: Buffers, x: Any, y: Any, rows: jax.Array):
+        """Run every tick on this device; return (summed loss share, local gradient rows)."""
+        v, K, R = self.sched.chunks, self.plan.msg_slots, self.plan.res_slots
+        carry = (
+            jnp.zeros((K + 1, self.msg_spec.sizes[self.msg_key]), self.msg_key),
+            self.st.res_spec.zeros(R + 1),
+            self.param_spec.zeros(v + 1),
+            jnp.zeros((), jnp.float32),
+        )
+
+        def tick(carry, row):
+            msgs, res, grads, loss = carry
+            msg, res_out, dpar, dloss = lax.switch(
+                row[BRANCH], self.branches, params, x, y, msgs, res, row
+            )
+            res = {k: b.at[row[RES_W]].set(res_out[k]) for k, b in res.items()}
+            grads = {k: b.at[row[ACC]].add(dpar[k]) for k, b in grads.items()}
+            msgs = msgs.at[row[SELF_SLOT]].set(msg)
+            for i, (_, pairs) in enumerate(self.plan.shifts):
+                got = lax.ppermute(msg, "stage", perm=pairs)
+                msgs = msgs.at[row[RECV0 + i]].set(got)
+            return (msgs, res, grads, loss + dloss), None
+
+        (_, _, grads, loss), _ = lax.scan(tick, carry, rows)
+        grads = {k: lax.psum(g[:v], "data") for k, g in grads.items()}
+        return lax.psum(loss, AXES), grads
+
+    def optimizer_step(
+        self, optimizer: optax.GradientTransformation, opt_spec: FlatSpec, params, grads, opt
+    ):
+        """Each held stage's OPT: the optax update of its own parameter pytree."""
+        pos = lax.axis_index("stage")
+        new_p = {k: [] for k in params}
+        new_o = {k: [] for k in opt}
+        for c in range(self.sched.chunks):
+            stages_c = [self.held[p][c] for p in range(self.sched.stages)]
+
+            def update(s, c=c):
+                def run():
+                    p = self.param_spec.unpack(s, {k: b[c] for k, b in params.items()})
+                    g = self.param_spec.unpack(s, {k: b[c] for k, b in grads.items()})
+                    o = opt_spec.unpack(s, {k: b[c] for k, b in opt.items()})
+                    upd, o = optimizer.update(g, o, p)
+                    return self.param_spec.pack(s, optax.apply_updates(p, upd)), opt_spec.pack(s, o)
+
+                return run
+
+            which = jnp.asarray(np.argsort(np.argsort(stages_c)), jnp.int32)[pos]
+            p_c, o_c = lax.switch(which, [update(s) for s in sorted(stages_c)])
+            for k in new_p:
+                new_p[k].append(p_c[k])
+            for k in new_o:
+                new_o[k].append(o_c[k])
+        return {k: jnp.stack(b) for k, b in new_p.items()}, {
+            k: jnp.stack(b) for k, b in new_o.items()
+        }
+
+
+class PipelineStep:
+    """A compiled pipeline for one schedule and one set of shapes (see `lower`)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        lowered: Lowered,
+        mesh: Mesh,
+        optimizer: optax.GradientTransformation | None,
+        examples: tuple[Any, Any, Any],
+    ):
+        self.schedule = schedule
+        self.optimizer = optimizer
+        self._low = lowered
+        self._mesh = mesh
+        self._examples = examples
+        self._rows = lowered.plan.rows
+        self._opt_spec = (
+            FlatSpec([jax.eval_shape(optimizer.init, a) for a in lowered.st.param_avals])
+            if optimizer is not None
+            else None
+        )
+        self._vg = jax.jit(self._value_and_grad)
+        self._train = jax.jit(self._train_step) if optimizer is not None else None
+        self._compiled_vg = None
+
+    # ---- host layout <-> device layout (traced inside jit) ----
+
+    def _pack(self, spec: FlatSpec, trees: Sequence[Any]) -> Buffers:
+        """Per-stage trees -> (P, v, L) buffers, row (position, chunk)."""
+        sched = self.schedule
+        rows = [[spec.pack(s, trees[s]) for s in self._low.held[p]] for p in range(sched.stages)]
+        return {k: jnp.stack([jnp.stack([r[k] for r in pr]) for pr in rows]) for k in spec.sizes}
+
+    def _unpack(self, spec: FlatSpec, bufs: Buffers) -> list[Any]:
+        sched = self.schedule
+        return [
+            spec.unpack(s, {k: b[sched.layout[s], sched.chunk_of(s)] for k, b in bufs.items()})
+            for s in range(sched.num_virtual_stages)
+        ]
+
+    def _split_batch(self, x: Any) -> Any:
+        D, m = self.schedule.replicas, self.schedule.microbatches
+        return jax.tree.map(lambda a: a.reshape(D, m, a.shape[0] // (D * m), *a.shape[1:]), x)
+
+    def _shard_map(self, body: Callable, n_in_bufs: int, out_specs: Any):
+        buf = PS("stage")
+        return jax.shard_map(
+            body,
+            mesh=self._mesh,
+            in_specs=(*([buf] * n_in_bufs), PS("data"), PS("data"), PS(*AXES)),
+            out_specs=out_specs,
+            check_vma=False,
+        )
+
+    def _local(self, x, y, rows):
+        return (
+            jax.tree.map(lambda a: a[0], x),
+            jax.tree.map(lambda a: a[0], y),
+            jnp.asarray(rows)[0, 0],
+        )
+
+    def _value_and_grad(self, stage_params, x, y):
+        low = self._low
+
+        def body(params, x, y, rows):
+            params = {k: b[0] for k, b in params.items()}
+            loss, grads = low.tick_loop(params, *self._local(x, y, rows))
+            return loss, {k: g[None] for k, g in grads.items()}
+
+        f = self._shard_map(body, 1, (PS(), PS("stage")))
+        loss, grads = f(
+            self._pack(low.param_spec, stage_params),
+            self._split_batch(x),
+            self._split_batch(y),
+            self._rows,
+        )
+        return loss, self._unpack(low.param_spec, grads)
+
+    def _train_step(self, stage_params, opt_state, x, y):
+        low, spec = self._low, self._opt_spec
+
+        def body(params, opt, x, y, rows):
+            params = {k: b[0] for k, b in params.items()}
+            opt = {k: b[0] for k, b in opt.items()}
+            loss, grads = low.tick_loop(params, *self._local(x, y, rows))
+            params, opt = low.optimizer_step(self.optimizer, spec, params, grads, opt)
+            return (
+                {k: b[None] for k, b in params.items()},
+                {k: b[None] for k, b in opt.items()},
+                loss,
+            )
+
+        f = self._shard_map(body, 2, (PS("stage"), PS("stage"), PS()))
+        params, opt, loss = f(
+            self._pack(low.param_spec, stage_params),
+            self._pack(spec, opt_state),
+            self._split_batch(x),
+            self._split_batch(y),
+            self._rows,
+        )
+        return self._unpack(low.param_spec, params), self._unpack(spec, opt), loss
+
+    # ---- public API ----
+
+    def value_and_grad(self, stage_params: Sequence[Any], x: Any, y: Any) -> tuple[jax.Array, list]:
+        """(mean loss over the global batch, per-stage parameter gradients)."""
+        return self._vg(list(stage_params), x, y)
+
+    def init_opt_state(self, stage_params: Sequence[Any]) -> list[Any]:
+        """One optax state per virtual stage (the optimizer runs stage by stage)."""
+        if self.optimizer is None:
+            raise ValueError("init_opt_state needs lower(..., optimizer=an optax transformation)")
+        return [self.optimizer.init(p) for p in stage_params]
+
+    def train_step(
+        self, stage_params: Sequence[Any], opt_state: Sequence[Any], x: Any, y: Any
+    ) -> tuple[list, list, jax.Array]:
+        """One synchronous step: (new stage params, new opt state, loss before the update)."""
+        if self._train is None:
+            raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
+        return self._train(list(stage_params), list(opt_state), x, y)
+
+    def memory_analysis(self) -> Any:
+        """XLA's memory analysis of the compiled value_and_grad program."""
+        if self._compiled_vg is None:
+            self._compiled_vg = self._vg.lower(*self._examples).compile()
+        return self._compiled_vg.memory_analysis()
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
+
+
+def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> None:
+    if not isinstance(schedule, Schedule):
+        raise ValueError(f"schedule must be a pjit_pipe Schedule, got {type(schedule).__name__}")
+    validate(schedule)
+    if schedule.failed:
+        raise ScheduleError("the lowering does not support schedules with failed workers yet")
+    if tuple(mesh.axis_names) != AXES:
+        raise ValueError(f"mesh axes must be {AXES}, got {tuple(mesh.axis_names)}")
+    shape = (mesh.shape["data"], mesh.shape["stage"])
+    if shape != (schedule.replicas, schedule.stages):
+        raise ValueError(
+            f"mesh (data, stage) = {shape} does not match the schedule's "
+            f"(replicas, stages) = {(schedule.replicas, schedule.stages)}"
+        )
+    S = schedule.num_virtual_stages
+    if len(stage_fns) != S or len(stage_params) != S:
+        raise ValueError(
+            f"stage_fns and stage_params need one entry per virtual stage (stages*chunks = {S}), "
+            f"got {len(stage_fns)} and {len(stage_params)}"
+        )
+    lead = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves((x, y))}
+    n = schedule.replicas * schedule.microbatches
+    if len(lead) != 1 or None in lead:
+        raise ValueError(f"x and y leaves must share one leading batch dimension, got {lead}")
+    (batch,) = lead
+    if batch % n:
+        raise ValueError(f"global batch {batch} is not divisible by replicas*microbatches = {n}")
+
+
+def lower(
+    schedule: Schedule,
+    stage_fns: Sequence[Callable],
+    loss_fn: Callable,
+    mesh: Mesh,
+    stage_params: Sequence[Any],
+    x: Any,
+    y: Any,
+    optimizer: optax.GradientTransformation | None = None,
+    remat: bool = False,
+) -> PipelineStep:
+    """Compile `schedule` for these stages into one SPMD program per entry point.
+
+    stage_fns[s](params_s, act) -> act for each of the P*v virtual stages;
+    loss_fn(out, y_mb) -> scalar mean loss of one microbatch. stage_params, x
+    and y are examples (shapes only). With remat=True, B and W recompute the
+    stage forward instead of reading stored vjp residuals.
+    """
+    _check(schedule, stage_fns, mesh, stage_params, x, y)
+    n = schedule.replicas * schedule.microbatches
+    mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
+    stages = StageVjp(
+        stage_fns, loss_fn, _abstract(list(stage_params)), jax.tree.map(mb, x), jax.tree.map(mb, y)
+    )
+    lowered = Lowered(schedule, stages, build_plan(schedule, remat), remat)
+    auto_mesh = Mesh(mesh.devices, AXES, axis_types=(AxisType.Auto,) * 2)
+    examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
+    return PipelineStep(schedule, lowered, auto_mesh, optimizer, examples)
