@@ -314,13 +314,18 @@ def steady_period(schedule: Schedule, costs: Costs, iterations: int = STEADY_ITE
     return simulate(schedule, costs, iterations=iterations).steady_period
 
 
-def _best(candidates: Iterable[Schedule], costs: Costs) -> Schedule:
-    """The candidate with the shortest steady period (the first one on ties)."""
+def best_of(candidates: Iterable[Schedule], costs: Costs, target: float = -math.inf) -> Schedule:
+    """The candidate with the shortest steady period (the first one on ties).
+
+    Stops at the first candidate whose period reaches `target` (a lower bound).
+    """
     best, best_period = None, math.inf
     for cand in candidates:
         period = steady_period(cand, costs)
         if period < best_period - 1e-9:
             best, best_period = cand, period
+        if best_period <= target + 1e-9:
+            break
     return best
 
 
@@ -366,7 +371,7 @@ def reroute(
         placement = assign(schedule, pat)
         caps = dict.fromkeys(schedule.workers, limit)
         runs = list_schedule(schedule, pat, placement, costs, caps, kind=f"{schedule.kind}+reroute")
-        return _best(runs[1:], costs)
+        return best_of(runs[1:], costs)
 
     return validate(_canonically(schedule, pattern, build), mem_limit=limit)
 
@@ -386,14 +391,17 @@ def schedule_with_failures(
 
     Starts from the fault-free `kind` schedule (its op order gives the
     priorities) and tries every round-robin rotation and a block assignment of
-    orphaned microbatches, each with re-routed work interleaved, last or first;
-    stops early after `time_limit` seconds. `mem_limit` defaults to the
-    fault-free schedule's peak memory.
+    orphaned microbatches, each with re-routed work interleaved, last or first.
+    Stops as soon as a candidate reaches the work-conserving lower bound, or
+    after `time_limit` seconds. `mem_limit` defaults to the fault-free
+    schedule's peak memory.
     """
     from pjit_pipe.schedules import make_schedule
+    from pjit_pipe.simulator.baselines import lower_bound
 
     costs = costs or Costs()
     pattern = FailurePattern.of(replicas, stages, failed)
+    target = lower_bound(stages, microbatches, replicas, pattern, costs, chunks)
     base = make_schedule(kind, stages, microbatches, chunks, costs, mem_limit, replicas)
     limit = _default_limit(base, mem_limit)
     caps = dict.fromkeys(base.workers, limit)
@@ -411,5 +419,5 @@ def schedule_with_failures(
                 if time.monotonic() > deadline:
                     return
 
-    result = _canonically(base, pattern, lambda pat: _best(candidates(pat), costs))
+    result = _canonically(base, pattern, lambda pat: best_of(candidates(pat), costs, target))
     return validate(result, mem_limit=limit)

@@ -1,0 +1,113 @@
+"""What a re-routed schedule is measured against under failures.
+
+- `lower_bound`: no schedule can beat the work of its busiest surviving worker
+  (nor the fault-free ideal), whatever the order of its ops.
+- `drop_replica`: the usual fallback: replicas with a failed worker stop, the
+  intact ones split the global batch and run the fault-free schedule.
+- `naive_reroute`: peers take the orphaned microbatches, but with fused BW and
+  an iteration barrier, so the extra work cannot fill their bubbles.
+"""
+
+from __future__ import annotations
+
+from pjit_pipe.failures import FailurePattern
+from pjit_pipe.ir.memory import peak_memory
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.validate import validate
+from pjit_pipe.passes.reroute import ORDERS, Failed, assign, best_of, list_schedule
+from pjit_pipe.schedules import make_schedule
+from pjit_pipe.simulator.costs import Costs
+
+
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def lower_bound(
+    stages: int,
+    microbatches: int,
+    replicas: int,
+    failed: Failed = (),
+    costs: Costs | None = None,
+    chunks: int = 1,
+) -> float:
+    """Work-conserving bound on the steady iteration period.
+
+    The larger of the fault-free bound and the load of the busiest surviving
+    worker: a stage with k failed replicas spreads its D*m microbatches over
+    D-k workers, one of which gets ceil(D*m/(D-k)) whole microbatches (plus
+    the optimizer steps of its `chunks` chunks). The fault-free bound is the
+    larger of the ideal m*(F+B+W) and one microbatch's round trip: stage 0
+    cannot start an iteration before its optimizer has the previous one's
+    gradients, which need every stage's F and B of one microbatch (and at
+    least 2(P-1) transfers) and its own W.
+    """
+    costs = costs or Costs()
+    pattern = FailurePattern.of(replicas, stages, failed)
+    per_stage = costs.per_stage(stages)
+    total = replicas * microbatches
+    steps = chunks * costs.opt
+    round_trip = sum(f + b for f, b, _ in per_stage) + per_stage[0][2] / chunks
+    round_trip += 2 * (stages - 1) * costs.c + costs.opt
+    busiest = max(
+        _ceil_div(total, len(pattern.survivors(p))) * sum(per_stage[p]) for p in range(stages)
+    )
+    return max(round_trip, busiest + steps)
+
+
+def drop_replica(
+    kind: str,
+    stages: int,
+    microbatches: int,
+    replicas: int,
+    failed: Failed,
+    costs: Costs | None = None,
+    mem_limit: float | None = None,
+    chunks: int = 1,
+) -> Schedule:
+    """The fault-free `kind` schedule on the intact replicas, relabelled 0..D_alive-1.
+
+    They take ceil(D*m / D_alive) microbatches each so the global batch is
+    unchanged; the optimizer is not staggered.
+    """
+    pattern = FailurePattern.of(replicas, stages, failed)
+    alive = len(pattern.alive_replicas)
+    if not alive:
+        raise ScheduleError(
+            f"drop_replica: every one of the {replicas} replicas has a failed worker ({pattern})"
+        )
+    per_replica = _ceil_div(replicas * microbatches, alive)
+    return make_schedule(kind, stages, per_replica, chunks, costs, mem_limit, replicas=alive)
+
+
+def naive_reroute(
+    schedule: Schedule,
+    failed: Failed,
+    costs: Costs | None = None,
+    mem_limit: float | None = None,
+) -> Schedule:
+    """Re-route orphaned microbatches to peers without splitting B/W or staggering.
+
+    Each worker's memory limit is `mem_limit`, or else its stage's peak in the
+    input schedule (1F1B keeps its P-p profile); op priorities follow the
+    input's order. Of the re-routed work interleaved, last or first, the
+    shortest steady period is kept, so the baseline is not a straw man.
+    """
+    costs = costs or Costs()
+    pattern = FailurePattern.of(schedule.replicas, schedule.stages, failed)
+    peaks = peak_memory(schedule)
+    caps = {
+        w: mem_limit
+        if mem_limit is not None
+        else max(peaks[u] for u in schedule.workers if u.stage == w.stage)
+        for w in schedule.workers
+    }
+    placement = assign(schedule, pattern)
+    kind = f"{schedule.kind}+naive-reroute"
+    runs = (
+        list_schedule(
+            schedule, pattern, placement, costs, caps, order, False, False, iterations=1, kind=kind
+        )[0]
+        for order in ORDERS
+    )
+    return validate(best_of(runs, costs))
