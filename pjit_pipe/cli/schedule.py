@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
 
+from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.text import to_json, to_text
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
@@ -39,9 +41,12 @@ def positive_float(text: str) -> float:
 
 def costs_arg(text: str) -> Costs:
     try:
-        return Costs.parse(text)
+        costs = Costs.parse(text)
     except ValueError as e:
         raise argparse.ArgumentTypeError(str(e).removeprefix("--costs: ")) from None
+    if not all(math.isfinite(x) for x in (costs.f, costs.b, costs.w, costs.c)):
+        raise argparse.ArgumentTypeError(f"costs must be finite numbers, got {text!r}")
+    return costs
 
 
 def plot_path(text: str) -> Path:
@@ -136,7 +141,12 @@ def run(args: argparse.Namespace) -> int:
         )
     if args.stagger:
         schedule = stagger(schedule)
-    validate(schedule, mem_limit=args.mem_limit)
+    validate(schedule)
+    if args.mem_limit is not None:
+        try:
+            validate(schedule, mem_limit=args.mem_limit)
+        except ScheduleError as e:
+            raise ScheduleError(f"--mem-limit {args.mem_limit:g} is too small: {e}") from None
     result = simulate(schedule, args.costs, iterations=args.iterations)
     if args.plot:
         from pjit_pipe.simulator.plot import gantt

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
@@ -107,5 +108,6 @@ def gantt(
         frameon=False,
     )
     ax.set_title(_title(title or kind, result), fontsize=10)
-    fig.savefig(path, dpi=110)
+    with rc_context({"svg.fonttype": "none"}):  # SVG text stays text (searchable)
+        fig.savefig(path, dpi=110)
     return path
