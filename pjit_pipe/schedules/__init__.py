@@ -1,43 +1,106 @@
 """Schedule generators: build an IR schedule from (kind, P, m, v, costs, memory limit).
 
 `make_schedule` is the one entry point the CLI, the frontend and the benchmarks use.
+
+Kinds, their chunk counts and what they need (m microbatches, P stages):
+
+  gpipe             chunks 1; peak memory m
+  1f1b              chunks 1; peak memory min(P, m)
+  interleaved-1f1b  chunks >= 2 (default 2); m a multiple of P
+  zb-h1             chunks 1; peak memory <= P (1F1B's)
+  zb-h2             chunks 1; peak memory <= 2P
+  zb-v              chunks 2; peak memory <= P
+  auto              any chunks (default 1); mem_limit >= 1; costs-aware search
+
+A fixed kind given a mem_limit below its own peak memory raises ScheduleError
+(that peak is the kind's exact minimum) rather than returning another schedule.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
+from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.schedules.auto import OBJECTIVES, Objective, auto
 from pjit_pipe.schedules.classic import gpipe, one_f_one_b
+from pjit_pipe.schedules.common import check_positive
+from pjit_pipe.schedules.interleaved import interleaved_1f1b
+from pjit_pipe.schedules.zbv import zb_v
+from pjit_pipe.schedules.zero_bubble import zb_h1, zb_h2
 from pjit_pipe.simulator.costs import Costs
 
 KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "auto")
 
-_GENERATORS: dict[str, Callable[..., Schedule]] = {
-    "gpipe": lambda P, m, v, costs, limit, D: gpipe(P, m, D),
-    "1f1b": lambda P, m, v, costs, limit, D: one_f_one_b(P, m, D),
+# Chunks per position when none are asked for (interleaved-1f1b takes any >= 2, auto any).
+DEFAULT_CHUNKS = {
+    "gpipe": 1,
+    "1f1b": 1,
+    "interleaved-1f1b": 2,
+    "zb-h1": 1,
+    "zb-h2": 1,
+    "zb-v": 2,
+    "auto": 1,
 }
+
+_GENERATORS: dict[str, Callable[[int, int, int, int], Schedule]] = {
+    "gpipe": lambda P, m, v, D: gpipe(P, m, D),
+    "1f1b": lambda P, m, v, D: one_f_one_b(P, m, D),
+    "interleaved-1f1b": lambda P, m, v, D: interleaved_1f1b(P, m, v, D),
+    "zb-h1": lambda P, m, v, D: zb_h1(P, m, D),
+    "zb-h2": lambda P, m, v, D: zb_h2(P, m, D),
+    "zb-v": lambda P, m, v, D: zb_v(P, m, D),
+}
+
+
+def _check_chunks(kind: str, chunks: int) -> None:
+    if kind in ("auto", "interleaved-1f1b"):
+        return  # auto takes any; interleaved_1f1b explains its own requirement
+    if chunks != DEFAULT_CHUNKS[kind]:
+        raise ScheduleError(f"{kind} needs chunks={DEFAULT_CHUNKS[kind]} (got chunks={chunks})")
 
 
 def make_schedule(
     kind: str,
     stages: int,
     microbatches: int,
-    chunks: int = 1,
+    chunks: int | None = None,
     costs: Costs | None = None,
     mem_limit: float | None = None,
     replicas: int = 1,
+    *,
+    objective: Objective = "makespan",
 ) -> Schedule:
     """Generate a fault-free schedule of `kind` (one of KINDS).
 
-    Raises ScheduleError, naming the parameter, for requests no schedule of
-    that kind can meet; never returns a silently different schedule.
+    chunks=None takes the kind's own (DEFAULT_CHUNKS). `costs` (negative ones
+    are rejected) steer only auto, as does `objective` ("makespan" or "span",
+    see `pjit_pipe.schedules.auto`). Raises ScheduleError, naming the parameter,
+    for requests no schedule of that kind can meet; never returns a silently
+    different schedule.
     """
     if kind not in KINDS:
         raise ScheduleError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
-    if kind not in _GENERATORS:
-        raise ScheduleError(f"schedule kind {kind!r} is not implemented yet")
-    return _GENERATORS[kind](stages, microbatches, chunks, costs or Costs(), mem_limit, replicas)
+    if objective not in OBJECTIVES:
+        raise ScheduleError(f"objective must be one of {', '.join(OBJECTIVES)}, got {objective!r}")
+    chunks = DEFAULT_CHUNKS[kind] if chunks is None else chunks
+    check_positive(stages=stages, microbatches=microbatches, chunks=chunks, replicas=replicas)
+    _check_chunks(kind, chunks)
+    costs = costs or Costs()
+    costs.per_stage(stages)  # rejects negative costs and wrong per-stage lists
+    if mem_limit is not None and not isinstance(mem_limit, int | float):
+        raise ScheduleError(f"mem_limit must be a number or None, got {mem_limit!r}")
+    if kind == "auto":
+        return auto(stages, microbatches, chunks, costs, mem_limit, replicas, objective)
+    schedule = _GENERATORS[kind](stages, microbatches, chunks, replicas)
+    if mem_limit is not None:
+        peak = max(peak_memory(schedule).values())
+        if peak > mem_limit + 1e-9:
+            raise ScheduleError(
+                f"mem_limit={mem_limit:g} is below {kind}'s peak memory {peak:g} at "
+                f"stages={stages}, microbatches={microbatches}; raise it or use auto"
+            )
+    return schedule
 
 
-__all__ = ["KINDS", "make_schedule"]
+__all__ = ["DEFAULT_CHUNKS", "KINDS", "make_schedule"]
