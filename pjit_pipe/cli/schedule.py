@@ -71,13 +71,28 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         description=__doc__.split(":", 1)[1].strip(),
     )
     p.add_argument("kind", metavar="KIND", choices=KINDS, help=f"one of {', '.join(KINDS)}")
-    p.add_argument("--stages", "-P", type=positive_int, required=True, help="pipeline stages P")
-    p.add_argument("--microbatches", "-m", type=positive_int, required=True, help="microbatches M")
+    p.add_argument(
+        "--stages",
+        "-P",
+        type=positive_int,
+        required=True,
+        metavar="P",
+        help="pipeline stages (devices per replica)",
+    )
+    p.add_argument(
+        "--microbatches",
+        "-m",
+        type=positive_int,
+        required=True,
+        metavar="M",
+        help="microbatches per iteration",
+    )
     p.add_argument(
         "--chunks",
         "-v",
         type=positive_int,
         default=None,
+        metavar="V",
         help="chunks (virtual stages) per device; default: the kind's own",
     )
     p.add_argument(
@@ -99,7 +114,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         type=positive_int,
         default=DEFAULT_ITERATIONS,
         metavar="N",
-        help=f"iterations simulated back to back for steady_period (default {DEFAULT_ITERATIONS})",
+        help=(
+            "iterations simulated back to back; steady_period is their mean period "
+            f"(default {DEFAULT_ITERATIONS}, enough for a pipeline to settle)"
+        ),
     )
     p.add_argument(
         "--stagger",
@@ -107,7 +125,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="step each stage's optimizer as soon as its gradients are done (no barrier)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--plot", type=plot_path, metavar="FILE.png|FILE.svg", help="draw a Gantt chart")
+    p.add_argument(
+        "--plot",
+        type=plot_path,
+        metavar="FILE.png|FILE.svg",
+        help="draw a Gantt chart of the simulated iterations",
+    )
     p.add_argument(
         "--trace", type=trace_path, metavar="FILE.json", help="write a Chrome/Perfetto trace"
     )
