@@ -1,1 +1,30 @@
 """pjit_pipe: a pipeline-parallel training compiler for JAX."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# Public names are loaded on first use: importing the package (e.g. for the CLI)
+# must not import JAX, so the CLI can still set XLA_FLAGS first.
+_EXPORTS = {
+    "Pipelined": "pjit_pipe.frontend",
+    "StageCut": "pjit_pipe.frontend",
+    "TrainState": "pjit_pipe.frontend",
+    "TrainStep": "pjit_pipe.frontend",
+    "boundary": "pjit_pipe.frontend",
+    "make_mesh": "pjit_pipe.frontend",
+    "pipeline": "pjit_pipe.frontend",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'pjit_pipe' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *__all__])

@@ -1,0 +1,244 @@
+"""Cut a Flax module into pipeline stages and split its parameters to match.
+
+Candidate cut points are the module's events (see `trace.py`): every
+top-level submodule call, or only the `boundary()` markers when the model has
+any. A candidate is kept only if it is a *clean* cut: the code after it reads
+nothing computed before it except its activation. We check that on the jaxpr
+of each segment, traced with the model input and every skipped call's output
+passed as arguments: if any of them reaches the segment's output, the cut in
+front of the segment is dropped. Cuts that would separate two uses of one
+parameter (tied weights) are dropped too. The remaining segments are grouped
+into stages by estimated FLOPs (or parameter count).
+
+Parameters are split by top-level name (`params['params'][name]`), so a
+stage's parameters are a sub-dict of the module's own tree and split/merge
+round-trip exactly: checkpoints never depend on the pipeline layout.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from pjit_pipe.frontend.analysis import liveness
+from pjit_pipe.frontend.balance import balance as balance_costs
+from pjit_pipe.frontend.trace import Event, Run, run_module
+
+BALANCE = ("flops", "params")
+
+
+def _zeros(avals: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
+
+
+def _avals(tree: Any) -> Any:
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
+
+
+def check_variables(variables: Any) -> dict:
+    """The 'params' dict of a Flax variables tree; other collections are refused."""
+    if not isinstance(variables, Mapping) or "params" not in variables:
+        raise ValueError("params: expected the Flax variables dict {'params': ...} of module.init")
+    extra = sorted(set(variables) - {"params"})
+    if extra:
+        raise ValueError(
+            f"params: only the 'params' collection can be pipelined, got also {extra} "
+            "(mutable state such as batch statistics is not supported)"
+        )
+    return variables["params"]
+
+
+@dataclass(frozen=True)
+class _Segment:
+    start: int | None  # event index where it begins; None: the model input
+    stop: int | None  # event index where it ends; None: the model output
+    keys: frozenset[str]  # top-level parameter names it reads
+    flops: float
+    clean: bool
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """A module cut into `len(bounds)` stages.
+
+    bounds[s]: event index where stage s begins (None for stage 0).
+    keys[s]: top-level parameter names stage s owns.
+    flops[s]: estimated FLOPs of one microbatch's forward through stage s.
+    """
+
+    module: nn.Module
+    events: tuple[Event, ...]
+    bounds: tuple[int | None, ...]
+    keys: tuple[tuple[str, ...], ...]
+    flops: tuple[float, ...]
+    x_aval: jax.ShapeDtypeStruct
+    param_avals: dict
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds)
+
+    def stage_names(self, s: int) -> list[str]:
+        """Names of the events stage s runs (for reports and errors)."""
+        stop = self.bounds[s + 1] if s + 1 < self.stages else len(self.events)
+        return [e.name for e in self.events[self.bounds[s] or 0 : stop]]
+
+    def stage_fn(self, s: int) -> Callable[[Any, Any], Any]:
+        """stage_fn(params_s, act) -> act: the model's code from cut s to cut s+1."""
+        start = self.bounds[s]
+        stop = self.bounds[s + 1] if s + 1 < self.stages else None
+        others = {k: a for k, a in self.param_avals.items() if k not in self.keys[s]}
+        calls_before = [i for i in range(start or 0) if self.events[i].kind == "call"]
+
+        def stage(params_s: Any, act: Any) -> Any:
+            # Other stages' parameters and skipped calls are zero stand-ins that
+            # only dead code reads (checked when the cut was made).
+            variables = {"params": {**_zeros(others), **params_s}}
+            if start is None:
+                return run_module(self.module, variables, act, Run(stop=stop, expected=self.events))
+            skips = {i: _zeros(self.events[i].out) for i in calls_before}
+            run = Run(start, stop, act, skips, expected=self.events)
+            return run_module(self.module, variables, _zeros(self.x_aval), run)
+
+        stage.__name__ = f"stage_{s}"
+        return stage
+
+    def stage_fns(self) -> list[Callable[[Any, Any], Any]]:
+        return [self.stage_fn(s) for s in range(self.stages)]
+
+    def split(self, variables: Any) -> list[dict]:
+        """Module variables {'params': {...}} -> one dict of parameters per stage."""
+        params = check_variables(variables)
+        if set(params) != set(self.param_avals):
+            raise ValueError(
+                f"params: top-level names {sorted(params)} differ from the ones the model "
+                f"was cut with {sorted(self.param_avals)}"
+            )
+        return [{k: params[k] for k in keys} for keys in self.keys]
+
+    def merge(self, stage_trees: Sequence[Any]) -> dict:
+        """Inverse of `split`: per-stage dicts (parameters or gradients) -> {'params': ...}."""
+        if len(stage_trees) != self.stages:
+            raise ValueError(f"merge: expected {self.stages} stage trees, got {len(stage_trees)}")
+        return {"params": {k: v for tree in stage_trees for k, v in tree.items()}}
+
+
+def _probe(module, events, x_aval, param_avals, start, stop) -> _Segment:
+    """Trace the model as stage [start, stop) with every hidden input as an argument."""
+    calls_before = [i for i in range(start or 0) if events[i].kind == "call"]
+    act_aval = x_aval if start is None else events[start].act
+
+    def segment(params, x, skips, act):
+        if start is None:
+            return run_module(module, {"params": params}, act, Run(stop=stop, expected=events))
+        run = Run(start, stop, act, dict(zip(calls_before, skips, strict=True)), events)
+        return run_module(module, {"params": params}, x, run)
+
+    skip_avals = [events[i].out for i in calls_before]
+    closed = jax.make_jaxpr(segment)(param_avals, x_aval, skip_avals, act_aval)
+    used = iter(liveness(closed.jaxpr).used)
+    keys = set()
+    for path, _ in jax.tree_util.tree_flatten_with_path(param_avals)[0]:
+        if next(used):
+            keys.add(path[0].key)
+    hidden = [next(used) for _ in jax.tree.leaves((x_aval, skip_avals))]
+    clean = not (start is not None and any(hidden))
+    return _Segment(start, stop, frozenset(keys), liveness(closed.jaxpr).flops, clean)
+
+
+def _candidates(events: Sequence[Event]) -> list[int]:
+    """Event indices where a stage may begin: markers if the model has any, else every
+    top-level call after the first; the activation must be one floating-point array."""
+    markers = any(e.kind == "boundary" for e in events)
+    return [
+        i
+        for i, e in enumerate(events)
+        if e.act is not None
+        and jnp.issubdtype(e.act.dtype, jnp.inexact)
+        and (e.kind == "boundary" if markers else i > 0)
+    ]
+
+
+def _clean_segments(module, events, x_aval, param_avals) -> list[_Segment]:
+    """Segments between candidate cuts, dropping cuts that are not clean."""
+    bounds: list[int | None] = [None, *_candidates(events)]
+    segments: list[_Segment] = []
+    for j, start in enumerate(bounds):
+        stop = bounds[j + 1] if j + 1 < len(bounds) else None
+        seg = _probe(module, events, x_aval, param_avals, start, stop)
+        while not seg.clean:  # merge with the previous segment and try again
+            prev = segments.pop()
+            seg = _probe(module, events, x_aval, param_avals, prev.start, stop)
+        segments.append(seg)
+    return _merge_tied(segments)
+
+
+def _merge_tied(segments: list[_Segment]) -> list[_Segment]:
+    """Merge segments so that every parameter is read by one segment only."""
+    first: dict[str, int] = {}
+    last: dict[str, int] = {}
+    for j, seg in enumerate(segments):
+        for k in seg.keys:
+            first.setdefault(k, j)
+            last[k] = j
+    joined = [False] * len(segments)  # joined[j]: segment j merges into j-1
+    for k in first:
+        for j in range(first[k] + 1, last[k] + 1):
+            joined[j] = True
+    merged: list[_Segment] = []
+    for seg, join in zip(segments, joined, strict=True):
+        if join:
+            prev = merged.pop()
+            seg = _Segment(prev.start, seg.stop, prev.keys | seg.keys, prev.flops + seg.flops, True)
+        merged.append(seg)
+    return merged
+
+
+def cut_module(
+    module: nn.Module, variables: Any, x: Any, stages: int, balance: str = "flops"
+) -> StageCut:
+    """Cut `module` into `stages` stages for inputs shaped like `x` (one microbatch)."""
+    if balance not in BALANCE:
+        raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
+    param_avals = _avals(check_variables(variables))
+    x_aval = _avals(x)
+    recorder = Run()
+    jax.eval_shape(
+        lambda p, xs: run_module(module, {"params": p}, xs, recorder), param_avals, x_aval
+    )
+    events = tuple(recorder.events)
+    segments = _clean_segments(module, events, x_aval, param_avals)
+    if len(segments) < stages:
+        names = [events[s.start].name for s in segments[1:]]
+        raise ValueError(
+            f"stages: the model {type(module).__name__} has {len(segments) - 1} clean cut "
+            f"points ({', '.join(names) or 'none'}), too few for {stages} stages; use a "
+            "model with more top-level layers, add pjit_pipe.boundary() markers, or "
+            "use fewer stages/chunks"
+        )
+    sizes = {k: sum(math.prod(a.shape) for a in jax.tree.leaves(v)) for k, v in param_avals.items()}
+    if balance == "flops":
+        costs = [s.flops for s in segments]
+    else:
+        costs = [float(sum(sizes[k] for k in s.keys)) for s in segments]
+    starts = balance_costs(costs, stages)
+    ends = [*starts[1:], len(segments)]
+    groups = [segments[a:b] for a, b in zip(starts, ends, strict=True)]
+    keys = [sorted(set().union(*(s.keys for s in g))) for g in groups]
+    unused = sorted(set(param_avals) - set().union(*map(set, keys)))
+    keys[0] = sorted(keys[0] + unused)  # never read: they get zero gradients anywhere
+    return StageCut(
+        module=module,
+        events=events,
+        bounds=tuple(g[0].start for g in groups),
+        keys=tuple(tuple(k) for k in keys),
+        flops=tuple(sum(s.flops for s in g) for g in groups),
+        x_aval=x_aval,
+        param_avals=param_avals,
+    )

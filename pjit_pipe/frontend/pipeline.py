@@ -1,0 +1,257 @@
+"""`pipeline`: turn a Flax module into a pipelined model with the module's own API.
+
+The user keeps plain Flax parameters (`module.init`); the pipelined object
+cuts the model into stages on first use (per input shape), splits parameters
+per stage for the lowering and merges gradients back, so everything the user
+sees or checkpoints has the module's own tree structure.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import flax.linen as nn
+import flax.struct
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from pjit_pipe.frontend.cut import BALANCE, StageCut, check_variables, cut_module
+from pjit_pipe.frontend.mesh import AXES, make_mesh
+from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.schedules import make_schedule
+from pjit_pipe.simulator.costs import Costs
+
+LossFn = Callable[[Any, Any], jax.Array]
+
+
+@flax.struct.dataclass
+class TrainState:
+    """Training state of a pipelined model.
+
+    params: the module's own variables {'params': ...} (layout-free: save them).
+    opt_state: one optax state per virtual stage, in the pipeline's stage
+        layout (it is tied to the optimizer and to this cut).
+    step: number of optimizer steps taken.
+    """
+
+    params: Any
+    opt_state: Any
+    step: int = 0
+
+
+def _positive(name: str, value: Any) -> int:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _leading(name: str, tree: Any) -> int:
+    dims = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(tree)}
+    if len(dims) != 1 or None in dims:
+        raise ValueError(f"{name}: every leaf needs the same leading batch dimension, got {dims}")
+    return dims.pop()
+
+
+class Pipelined:
+    """A Flax module run as a pipeline (see `pipeline` for the options)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        *,
+        stages: int,
+        microbatches: int,
+        schedule: str = "1f1b",
+        mesh: Mesh | None = None,
+        chunks: int = 1,
+        mem_limit: float | None = None,
+        costs: Costs | None = None,
+        optimizer: optax.GradientTransformation | None = None,
+        remat: bool = False,
+        balance: str = "flops",
+    ):
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"pipeline: expected a flax.linen.Module, got {type(module).__name__}")
+        self.module = module
+        self.stages = _positive("stages", stages)
+        self.microbatches = _positive("microbatches", microbatches)
+        self.chunks = _positive("chunks", chunks)
+        if balance not in BALANCE:
+            raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
+        self.mesh = make_mesh(data=1, stage=self.stages) if mesh is None else mesh
+        if tuple(self.mesh.axis_names) != AXES:
+            raise ValueError(f"mesh: axes must be {AXES}, got {tuple(self.mesh.axis_names)}")
+        if self.mesh.shape["stage"] != self.stages:
+            raise ValueError(
+                f"mesh: its 'stage' axis has {self.mesh.shape['stage']} devices, "
+                f"but stages={self.stages}"
+            )
+        self.replicas = self.mesh.shape["data"]
+        self.schedule: Schedule = make_schedule(
+            schedule, self.stages, self.microbatches, self.chunks, costs, mem_limit, self.replicas
+        )
+        self.optimizer = optimizer
+        self.remat = remat
+        self.balance = balance
+        self._options = dict(
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            mesh=mesh,
+            chunks=chunks,
+            mem_limit=mem_limit,
+            costs=costs,
+            optimizer=optimizer,
+            remat=remat,
+            balance=balance,
+        )
+        self._cuts: dict[Any, StageCut] = {}
+        self._steps: dict[Any, Any] = {}
+
+    def with_options(self, **changes: Any) -> Pipelined:
+        """A copy with some options changed (e.g. another mesh or optimizer)."""
+        return Pipelined(self.module, **{**self._options, **changes})
+
+    # ---- the plain module API ----
+
+    def init(self, rng: jax.Array, x: Any) -> Any:
+        """`module.init(rng, x)`: plain Flax variables."""
+        return self.module.init(rng, x)
+
+    def apply(self, params: Any, x: Any) -> Any:
+        """The unpipelined forward pass (`module.apply`), for evaluation and sampling."""
+        return self.module.apply(params, x)
+
+    # ---- cutting ----
+
+    def _batch(self, x: Any, y: Any) -> int:
+        n = self.replicas * self.microbatches
+        batch = _leading("x", x)
+        if _leading("y", y) != batch:
+            raise ValueError(f"y: batch size {_leading('y', y)} differs from x's {batch}")
+        if batch % n:
+            raise ValueError(
+                f"x: global batch {batch} is not divisible by data*microbatches = "
+                f"{self.replicas}*{self.microbatches} = {n}"
+            )
+        return batch // n
+
+    def cut(self, params: Any, x: Any) -> StageCut:
+        """The stage cut for this parameter tree and global batch `x` (cached)."""
+        mb = _leading("x", x) // (self.replicas * self.microbatches)
+        x_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb, *np.shape(a)[1:]), a.dtype), x)
+        leaves, treedef = jax.tree.flatten(check_variables(params))
+        key = (jax.tree.structure(x_mb), tuple(jax.tree.leaves(x_mb)), treedef)
+        key += tuple((np.shape(a), np.result_type(a)) for a in leaves)
+        if key not in self._cuts:
+            self._cuts[key] = cut_module(
+                self.module, params, x_mb, self.schedule.num_virtual_stages, self.balance
+            )
+        return self._cuts[key]
+
+    def _step(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> tuple[StageCut, Any]:
+        from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
+
+        self._batch(x, y)
+        cut = self.cut(params, x)
+        avals = jax.tree.map(lambda a: (np.shape(a), np.result_type(a)), (x, y))
+        key = (id(cut), loss_fn, str(avals))
+        if key not in self._steps:
+            self._steps[key] = lower(
+                self.schedule,
+                cut.stage_fns(),
+                loss_fn,
+                self.mesh,
+                cut.split(params),
+                x,
+                y,
+                optimizer=self.optimizer,
+                remat=self.remat,
+            )
+        return cut, self._steps[key]
+
+    # ---- training ----
+
+    def value_and_grad(self, loss_fn: LossFn) -> Callable[[Any, Any, Any], tuple[jax.Array, Any]]:
+        """f(params, x, y) -> (mean loss over the global batch, grads shaped like params).
+
+        loss_fn(outputs, y_mb) is the mean loss of one microbatch.
+        """
+
+        def value_and_grad(params: Any, x: Any, y: Any) -> tuple[jax.Array, Any]:
+            cut, step = self._step(params, x, y, loss_fn)
+            loss, grads = step.value_and_grad(cut.split(params), x, y)
+            return loss, cut.merge(grads)
+
+        return value_and_grad
+
+    def train_step(self, loss_fn: LossFn) -> TrainStep:
+        """A training step for `loss_fn` with the pipeline's optax optimizer."""
+        if self.optimizer is None:
+            raise ValueError("train_step: pipeline(..., optimizer=...) needs an optax optimizer")
+        return TrainStep(self, loss_fn)
+
+
+class TrainStep:
+    """step(state, (x, y)) -> (new state, loss before the update); step.init(params, batch)."""
+
+    def __init__(self, pipelined: Pipelined, loss_fn: LossFn):
+        self.pipelined = pipelined
+        self.loss_fn = loss_fn
+
+    def init(self, params: Any, batch: tuple[Any, Any]) -> TrainState:
+        """A fresh TrainState; `batch` is an example (x, y) that fixes the stage cut."""
+        cut, step = self.pipelined._step(params, *batch, self.loss_fn)
+        return TrainState(params=params, opt_state=step.init_opt_state(cut.split(params)))
+
+    def __call__(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
+        x, y = batch
+        cut, step = self.pipelined._step(state.params, x, y, self.loss_fn)
+        params, opt_state, loss = step.train_step(cut.split(state.params), state.opt_state, x, y)
+        return TrainState(cut.merge(params), opt_state, state.step + 1), loss
+
+
+class PipelinedClass:
+    """A Module class decorated with `pipeline`: instances are `Pipelined` models.
+
+    `module_class` is the undecorated class, for plain unpipelined use.
+    """
+
+    def __init__(self, module_class: type[nn.Module], options: dict[str, Any]):
+        self.module_class = module_class
+        self.options = options
+        functools.update_wrapper(self, module_class, updated=())
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Pipelined:
+        return Pipelined(self.module_class(*args, **kwargs), **self.options)
+
+
+def pipeline(
+    module: nn.Module | type[nn.Module] | Sequence[nn.Module] | None = None,
+    /,
+    **options: Any,
+) -> Any:
+    """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
+
+    `module` is a linen Module instance, a Module class (or use
+    `@pipeline(stages=..., ...)` as a class decorator: instances are then
+    pipelined), or a list of layers (run as nn.Sequential).
+
+    Options: stages (P), microbatches (m per replica), schedule (one of
+    pjit_pipe.schedules.KINDS), mesh (from make_mesh; default one replica on
+    the first P devices), chunks (v, virtual stages per device), mem_limit,
+    costs (Costs for the schedule generators), optimizer (optax, for
+    train_step), remat (recompute forwards in the backward), balance ('flops'
+    or 'params': how stages are balanced).
+    """
+    if module is None:
+        return lambda m: pipeline(m, **options)
+    if isinstance(module, type) and issubclass(module, nn.Module):
+        return PipelinedClass(module, options)
+    if isinstance(module, list | tuple):
+        module = nn.Sequential(list(module))
+    return Pipelined(module, **options)
