@@ -142,6 +142,19 @@ def test_defer_w_reaches_the_lower_bound_on_1f1b() -> None:
             assert max(peak_memory(out).values()) <= limit
 
 
+@pytest.mark.parametrize(
+    ("P", "m", "costs", "published"),
+    [(4, 12, Costs(5, 6, 4, 1), 213), (8, 32, Costs(5, 6, 4, 1), 557)],
+)
+def test_defer_w_on_1f1b_matches_the_published_zb_h1_figures(
+    P: int, m: int, costs: Costs, published: float
+) -> None:
+    """DESIGN.md section 6: the zero-bubble heuristic under memory limit P."""
+    s = split_backward(make_schedule("1f1b", P, m))
+    out = validate(defer_w(s, costs, mem_limit=P), mem_limit=P)
+    assert simulate(out, costs).makespan <= published
+
+
 def test_defer_w_without_w_ops_changes_nothing() -> None:
     s = make_schedule("1f1b", 3, 4)
     assert defer_w(s).programs == s.programs

@@ -7,10 +7,12 @@ every other op, and runs a pending W only when the worker would otherwise sit
 idle. A W is forced earlier when its stage's OPT comes next, or when the next F
 would push the worker's activation memory over `mem_limit` (W frees memory).
 
-Two fill rules are tried: "fit" runs a W only where it ends before the next op
-could start (never delays it), "eager" fills every gap. The pass returns the
-candidate with the smallest simulated makespan, and the input itself if
-neither beats it, so the makespan never grows.
+Candidates: two fill rules, "fit" (a W only where it ends before the next op
+could start, so it never delays it) and "eager" (every gap), each under
+`mem_limit` and under the input's own peak memory (forcing Ws into the early
+small gaps often shortens the tail). The pass returns the candidate with the
+smallest simulated makespan (then the least memory), and the input itself if
+none beats it, so the makespan never grows.
 """
 
 from __future__ import annotations
@@ -134,14 +136,21 @@ def defer_w(
     costs = costs or Costs()
     if mem_limit is not None and not mem_limit > 0:
         raise ScheduleError(f"mem_limit must be > 0, got {mem_limit}")
-    best, best_key = schedule, (simulate(schedule, costs).makespan, 1)
-    for rule in ("fit", "eager"):
-        cand = _replay(schedule, costs, mem_limit, rule)
-        if mem_limit is not None and max(peak_memory(cand).values()) > mem_limit + _EPS:
-            continue
-        key = (simulate(cand, costs).makespan, 0)
-        if key < best_key:
-            best, best_key = cand, key
+    own_peak = max(peak_memory(schedule).values(), default=0.0)
+    limits = [mem_limit]
+    if own_peak > 0 and (mem_limit is None or own_peak < mem_limit):
+        limits.append(own_peak)
+
+    def rank(s: Schedule, is_input: bool) -> tuple[float, float, bool]:
+        return simulate(s, costs).makespan, max(peak_memory(s).values(), default=0.0), is_input
+
+    best, best_key = schedule, rank(schedule, True)
+    for limit in limits:
+        for rule in ("fit", "eager"):
+            cand = _replay(schedule, costs, limit, rule)
+            key = rank(cand, False)
+            if (mem_limit is None or key[1] <= mem_limit + _EPS) and key < best_key:
+                best, best_key = cand, key
     if best is schedule:
         return schedule
     return best.replace(kind=f"{schedule.kind}+defer_w")
