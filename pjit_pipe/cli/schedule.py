@@ -7,10 +7,12 @@ import json
 import math
 from pathlib import Path
 
+from pjit_pipe.failures import FailurePattern
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.text import to_json, to_text
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
+from pjit_pipe.passes.reroute import schedule_with_failures
 from pjit_pipe.schedules import KINDS, make_schedule
 from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import SimResult, simulate
@@ -110,6 +112,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="peak in-flight activations per worker, in microbatch-stage units",
     )
     p.add_argument(
+        "--replicas", "-D", type=positive_int, default=1, help="data-parallel replicas D"
+    )
+    p.add_argument(
+        "--failed",
+        default="",
+        metavar="R:S[,R:S...]",
+        help="failed workers (replica:stage); their microbatches are re-routed to peers",
+    )
+    p.add_argument(
         "--iterations",
         type=positive_int,
         default=DEFAULT_ITERATIONS,
@@ -155,12 +166,25 @@ def run(args: argparse.Namespace) -> int:
         args.microbatches,
         costs=args.costs,
         mem_limit=args.mem_limit,
+        replicas=args.replicas,
         **kwargs,
     )
     if args.chunks is not None and schedule.chunks != args.chunks:
         raise ValueError(
             f"--chunks {args.chunks} does not fit kind {args.kind}, which uses "
             f"{schedule.chunks} chunk(s) per device"
+        )
+    failed = FailurePattern.parse(args.failed, args.replicas, args.stages)
+    if failed.failed:
+        schedule = schedule_with_failures(
+            args.kind,
+            args.stages,
+            args.microbatches,
+            args.replicas,
+            failed,
+            args.costs,
+            args.mem_limit,
+            schedule.chunks,
         )
     if args.stagger:
         schedule = stagger(schedule)

@@ -384,7 +384,7 @@ def schedule_with_failures(
     failed: Failed,
     costs: Costs | None = None,
     mem_limit: float | None = None,
-    chunks: int = 1,
+    chunks: int | None = None,
     time_limit: float = 10.0,
 ) -> Schedule:
     """The re-routed schedule with the shortest steady iteration period found.
@@ -394,15 +394,15 @@ def schedule_with_failures(
     orphaned microbatches, each with re-routed work interleaved, last or first.
     Stops as soon as a candidate reaches the work-conserving lower bound, or
     after `time_limit` seconds. `mem_limit` defaults to the fault-free
-    schedule's peak memory.
+    schedule's peak memory; `chunks` defaults to the kind's own.
     """
     from pjit_pipe.schedules import make_schedule
     from pjit_pipe.simulator.baselines import lower_bound
 
     costs = costs or Costs()
     pattern = FailurePattern.of(replicas, stages, failed)
-    target = lower_bound(stages, microbatches, replicas, pattern, costs, chunks)
     base = make_schedule(kind, stages, microbatches, chunks, costs, mem_limit, replicas)
+    target = lower_bound(stages, microbatches, replicas, pattern, costs, base.chunks)
     limit = _default_limit(base, mem_limit)
     caps = dict.fromkeys(base.workers, limit)
     deadline = time.monotonic() + time_limit
