@@ -77,13 +77,13 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
     first = [inf] * P
     progs: list[list[Step]] = [[] for _ in range(P)]
     heap = [(0.0, p) for p in range(P)]
+    wake, pop = heapq.heappush, heapq.heappop
+    dur = {Kind.F: shape.f, Kind.B: shape.b, Kind.W: shape.w}
+    fit = policy.fill == "fit"
     left = 3 * S * m
 
-    def wake(t: float, p: int) -> None:
-        heapq.heappush(heap, (t, p))
-
     while heap:
-        t, p = heapq.heappop(heap)
+        t, p = pop(heap)
         if t < free[p]:
             continue
         step = None
@@ -113,25 +113,25 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
             if fs is not None:
                 step = Step(Kind.F, fs, nf[fs])
             elif pending_w[p]:
-                if policy.fill == "fit":
+                if fit:
                     for s in held[p]:
                         if nb[s] < m:
                             nxt = min(nxt, grad[s][nb[s]])
                 ws, wj = pending_w[p][0]
-                if policy.fill == "eager" or t + shape.w[ws] <= nxt:
+                if not fit or t + shape.w[ws] <= nxt:
                     step = Step(Kind.W, ws, wj)
                     pending_w[p].popleft()
                 elif nxt < inf:
-                    wake(nxt, p)
+                    wake(heap, (nxt, p))
         if step is None:
             continue
         kind, s, j = step
-        end = t + shape.duration(step)
+        end = t + dur[kind][s]
         progs[p].append(step)
         first[p] = min(first[p], t)
         free[p] = end
         left -= 1
-        wake(end, p)
+        wake(heap, (end, p))
         if kind is Kind.F:
             nf[s] += 1
             mem[p] += 2
@@ -146,7 +146,7 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
             else:
                 act[s + 1][j] = end + lat_f[s + 1]
                 if layout[s + 1] != p:
-                    wake(act[s + 1][j], layout[s + 1])
+                    wake(heap, (act[s + 1][j], layout[s + 1]))
         elif kind is Kind.B:
             nb[s] += 1
             mem[p] -= 1
@@ -156,7 +156,7 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
             if s:
                 grad[s - 1][j] = end + lat_b[s - 1]
                 if layout[s - 1] != p:
-                    wake(grad[s - 1][j], layout[s - 1])
+                    wake(heap, (grad[s - 1][j], layout[s - 1]))
         else:
             mem[p] -= 1
     if left:

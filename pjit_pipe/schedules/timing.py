@@ -94,44 +94,45 @@ def finish(shape: Shape, first: Sequence[float], last: Sequence[float]) -> Timin
 
 def evaluate(shape: Shape, programs: Sequence[Sequence[Step]]) -> Timing:
     """Price the per-position `programs` (OPT excluded); ScheduleError if they deadlock."""
-    S, m = shape.num_virtual, shape.microbatches
-    act_end: list[list[float | None]] = [[None] * m for _ in range(S)]
-    grad_end: list[list[float | None]] = [[None] * m for _ in range(S)]
-    ptr = [0] * len(programs)
-    free = [0.0] * len(programs)
-    first = [None] * len(programs)
-    progress = True
-    while progress:
-        progress = False
-        for p, prog in enumerate(programs):
-            while ptr[p] < len(prog):
-                kind, s, j = step = prog[ptr[p]]
-                if kind is Kind.F:
-                    ready = 0.0 if s == 0 else act_end[s - 1][j]
-                    lat = 0.0 if s == 0 else shape.latency(s - 1, s)
-                elif kind is Kind.W:
-                    ready, lat = grad_end[s][j], 0.0
-                elif s == S - 1:
-                    ready, lat = act_end[s][j], 0.0
-                else:
-                    ready, lat = grad_end[s + 1][j], shape.latency(s + 1, s)
+    S, m, P = shape.num_virtual, shape.microbatches, len(programs)
+    # ends[0][s][j]: end of F(s, j); ends[1][s][j]: end of B or BW(s, j).
+    ends: list[list[list[float | None]]] = [[[None] * m for _ in range(S)] for _ in range(2)]
+    waiting: dict[tuple[int, int, int], list[int]] = {}
+    ptr, free, first = [0] * P, [0.0] * P, [0.0] * P
+    todo = list(range(P))
+    while todo:
+        p = todo.pop()
+        prog = programs[p]
+        while ptr[p] < len(prog):
+            kind, s, j = step = prog[ptr[p]]
+            if kind is Kind.F:
+                need, lat = ((0, s - 1, j), shape.latency(s - 1, s)) if s else (None, 0.0)
+            elif kind is Kind.W:
+                need, lat = (1, s, j), 0.0
+            elif s == S - 1:
+                need, lat = (0, s, j), 0.0
+            else:
+                need, lat = (1, s + 1, j), shape.latency(s + 1, s)
+            ready = 0.0
+            if need is not None:
+                ready = ends[need[0]][need[1]][need[2]]
                 if ready is None:
+                    waiting.setdefault(need, []).append(p)
                     break
-                start = max(free[p], ready + lat)
-                free[p] = start + shape.duration(step)
-                if first[p] is None:
-                    first[p] = start
-                if kind is Kind.F:
-                    act_end[s][j] = free[p]
-                elif kind is not Kind.W:
-                    grad_end[s][j] = free[p]
-                ptr[p] += 1
-                progress = True
+            start = max(free[p], ready + lat)
+            if ptr[p] == 0:
+                first[p] = start
+            free[p] = start + shape.duration(step)
+            if kind is not Kind.W:
+                made = 0 if kind is Kind.F else 1
+                ends[made][s][j] = free[p]
+                todo.extend(waiting.pop((made, s, j), ()))
+            ptr[p] += 1
     stuck = [p for p, prog in enumerate(programs) if ptr[p] < len(prog)]
     if stuck:
         p = stuck[0]
         raise ScheduleError(f"programs deadlock: position {p} waits at {programs[p][ptr[p]]}")
-    return finish(shape, [f or 0.0 for f in first], free)
+    return finish(shape, first, free)
 
 
 def to_ops(steps: Sequence[Step], replica: int) -> list[Op]:

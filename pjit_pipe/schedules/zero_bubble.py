@@ -8,7 +8,8 @@ previous stage sooner: the start-up bubble shrinks from (P-1)(F+B+W) to
 (P-1)(F+B-W) (ZB-H1) or is filled with extra forwards (ZB-H2).
 
   zb-h1: warmup P-p, defer p. Peak memory P - p/2 on position p (<= P, as 1F1B);
-         makespan m(F+B+W) + (P-1)(F+B-W) at C=0 and F >= W.
+         makespan m(F+B+W) + (P-1)(F+B-W) at C=0, m >= P
+         and W <= min(F, B).
   zb-h2: warmup 2(P-p)-1, defer 2p. Peak memory 2P-1-p (<= 2P);
          at unit costs and m >= 2P-1, every worker is busy from its first op
          to its last: span m(F+B+W).
