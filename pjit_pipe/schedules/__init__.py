@@ -9,7 +9,7 @@ Kinds, their chunk counts and what they need (m microbatches, P stages):
   interleaved-1f1b  chunks >= 2 (default 2); m a multiple of P
   zb-h1             chunks 1; peak memory <= P (1F1B's)
   zb-h2             chunks 1; peak memory <= 2P
-  zb-v              chunks 2; peak memory <= P
+  zb-v              chunks 2; peak memory <= P; order found for the given costs
   auto              any chunks (default 1); mem_limit >= 1; costs-aware search
 
 A fixed kind given a mem_limit below its own peak memory raises ScheduleError
@@ -43,13 +43,13 @@ DEFAULT_CHUNKS = {
     "auto": 1,
 }
 
-_GENERATORS: dict[str, Callable[[int, int, int, int], Schedule]] = {
-    "gpipe": lambda P, m, v, D: gpipe(P, m, D),
-    "1f1b": lambda P, m, v, D: one_f_one_b(P, m, D),
-    "interleaved-1f1b": lambda P, m, v, D: interleaved_1f1b(P, m, v, D),
-    "zb-h1": lambda P, m, v, D: zb_h1(P, m, D),
-    "zb-h2": lambda P, m, v, D: zb_h2(P, m, D),
-    "zb-v": lambda P, m, v, D: zb_v(P, m, D),
+_GENERATORS: dict[str, Callable[[int, int, int, int, Costs], Schedule]] = {
+    "gpipe": lambda P, m, v, D, costs: gpipe(P, m, D),
+    "1f1b": lambda P, m, v, D, costs: one_f_one_b(P, m, D),
+    "interleaved-1f1b": lambda P, m, v, D, costs: interleaved_1f1b(P, m, v, D),
+    "zb-h1": lambda P, m, v, D, costs: zb_h1(P, m, D),
+    "zb-h2": lambda P, m, v, D, costs: zb_h2(P, m, D),
+    "zb-v": lambda P, m, v, D, costs: zb_v(P, m, D, costs),
 }
 
 
@@ -74,8 +74,8 @@ def make_schedule(
     """Generate a fault-free schedule of `kind` (one of KINDS).
 
     chunks=None takes the kind's own (DEFAULT_CHUNKS). `costs` (negative ones
-    are rejected) steer only auto, as does `objective` ("makespan" or "span",
-    see `pjit_pipe.schedules.auto`). Raises ScheduleError, naming the parameter,
+    are rejected) steer zb-v and auto; `objective` ("makespan" or "span", see
+    `pjit_pipe.schedules.auto`) steers auto only. Raises ScheduleError, naming the parameter,
     for requests no schedule of that kind can meet; never returns a silently
     different schedule.
     """
@@ -92,7 +92,7 @@ def make_schedule(
         raise ScheduleError(f"mem_limit must be a number or None, got {mem_limit!r}")
     if kind == "auto":
         return auto(stages, microbatches, chunks, costs, mem_limit, replicas, objective)
-    schedule = _GENERATORS[kind](stages, microbatches, chunks, replicas)
+    schedule = _GENERATORS[kind](stages, microbatches, chunks, replicas, costs)
     if mem_limit is not None:
         peak = max(peak_memory(schedule).values())
         if peak > mem_limit + 1e-9:

@@ -89,14 +89,14 @@ def layouts(stages: int, chunks: int) -> list[tuple[int, ...]]:
 
 
 def fixed_candidates(
-    stages: int, microbatches: int, chunks: int, mem_limit: float | None
+    stages: int, microbatches: int, chunks: int, costs: Costs, mem_limit: float | None
 ) -> list[Schedule]:
     """The fixed kinds of this chunk count whose peak memory fits the limit."""
     if chunks == 1:
         builders = [gpipe, one_f_one_b, zb_h1, zb_h2]
         found = [b(stages, microbatches) for b in builders]
     else:
-        found = [zb_v(stages, microbatches)] if chunks == 2 else []
+        found = [zb_v(stages, microbatches, costs=costs)] if chunks == 2 else []
         if microbatches % stages == 0:
             found.append(interleaved_1f1b(stages, microbatches, chunks))
     if mem_limit is None:
@@ -140,7 +140,7 @@ def auto(
             plan = greedy(shape, mem_limit, policy)
             if plan is not None:
                 scored.append((plan.timing.score(objective), len(scored), shape, plan.programs))
-    for schedule in fixed_candidates(stages, microbatches, chunks, mem_limit):
+    for schedule in fixed_candidates(stages, microbatches, chunks, costs, mem_limit):
         shape = Shape.of(stages, chunks, microbatches, schedule.layout, costs)
         programs = _steps(schedule)
         scored.append((evaluate(shape, programs).score(objective), len(scored), shape, programs))

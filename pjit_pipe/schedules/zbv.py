@@ -2,10 +2,9 @@
 
 Position p holds stages p and 2P-1-p, so a microbatch's last forward and first
 backward meet on position 0 and the start-up bubble nearly vanishes. The op
-order is the one the greedy engine finds for equal F, B and W and free
-communication under the memory limit P, as the hand-made ZB-V was designed for
-F = B = W; it does not depend on the costs it is later priced with (use
-`auto` with chunks=2 for a cost-aware V schedule). At unit costs and P=4, m=8:
+order is the best the greedy engine finds on this layout for the given costs
+under the memory limit P (by makespan, then span); `auto` with chunks=2 also
+tries other limits, layouts and warm-up caps. At unit costs and P=4, m=8:
 span 24 = m(F+B+W), makespan 25.5, peak memory <= P.
 """
 
@@ -18,15 +17,17 @@ from pjit_pipe.schedules.timing import Shape, to_ops
 from pjit_pipe.simulator.costs import Costs
 
 # Without reservation the order is tighter; with it, it is guaranteed to exist.
-_POLICIES = (Policy(None, "eager", reserve=False), Policy(None, "eager", reserve=True))
+_POLICIES = tuple(
+    Policy(None, fill, reserve) for reserve in (False, True) for fill in ("eager", "fit")
+)
 
 
-def zb_v(stages: int, microbatches: int, replicas: int = 1) -> Schedule:
+def zb_v(stages: int, microbatches: int, replicas: int = 1, costs: Costs | None = None) -> Schedule:
     """The V-shaped zero-bubble schedule (peak memory <= P on every position)."""
     check_positive(stages=stages, microbatches=microbatches, replicas=replicas)
-    shape = Shape.of(stages, 2, microbatches, v_layout(stages), Costs())
+    shape = Shape.of(stages, 2, microbatches, v_layout(stages), costs or Costs())
     plans = [plan for policy in _POLICIES if (plan := greedy(shape, stages, policy))]
-    best = min(plans, key=lambda plan: plan.timing.score("span"))
+    best = min(plans, key=lambda plan: plan.timing.score("makespan"))
     return replicated(
         "zb-v",
         stages,
