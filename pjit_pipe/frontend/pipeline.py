@@ -17,7 +17,7 @@ import flax.struct
 import jax
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pjit_pipe.frontend.cut import BALANCE, StageCut, check_variables, cut_module
 from pjit_pipe.frontend.mesh import AXES, make_mesh
@@ -40,7 +40,7 @@ class TrainState:
 
     params: Any
     opt_state: Any
-    step: int = 0
+    step: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -206,7 +206,10 @@ class TrainStep:
     def init(self, params: Any, batch: tuple[Any, Any]) -> TrainState:
         """A fresh TrainState; `batch` is an example (x, y) that fixes the stage cut."""
         cut, step = self.pipelined._step(params, *batch, self.loss_fn)
-        return TrainState(params=params, opt_state=step.init_opt_state(cut.split(params)))
+        state = TrainState(params=params, opt_state=step.init_opt_state(cut.split(params)))
+        # Place it as train steps return it (replicated on the mesh), so the
+        # second step does not compile again for a new input layout.
+        return jax.device_put(state, NamedSharding(self.pipelined.mesh, PartitionSpec()))
 
     def __call__(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
         x, y = batch
