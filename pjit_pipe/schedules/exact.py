@@ -48,6 +48,7 @@ import numpy as np
 from pjit_pipe.ir.ops import Kind, Op
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
+from pjit_pipe.schedules.auto import auto
 from pjit_pipe.schedules.common import check_positive, replicated
 from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import simulate
@@ -84,13 +85,15 @@ class ExactResult:
 class _Problem:
     """Ops, durations, precedences and time windows of one (P, m, costs) instance."""
 
-    def __init__(self, stages: int, microbatches: int, costs: Costs):
+    def __init__(self, stages: int, microbatches: int, costs: Costs, limit: float | None):
         self.P, self.m = stages, microbatches
         table = costs.per_stage(stages)
         self.dur = [[row[k] for row in table] for k in range(3)]  # dur[kind][stage]
         self.costs = costs
         self.c, self.opt = costs.c, costs.opt
         self.n = 3 * stages * microbatches
+        self.edges = list(self._edges(limit))
+        self.est, self.tail = self._windows()
 
     def idx(self, k: int, s: int, j: int) -> int:
         return (s * 3 + k) * self.m + j
@@ -98,27 +101,29 @@ class _Problem:
     def d(self, k: int, s: int) -> float:
         return self.dur[k][s]
 
-    def edges(self) -> Iterator[tuple[int, int, float]]:
-        """Fixed precedences (a, b, lag): start(b) >= start(a) + lag, in topological order of b."""
+    def _edges(self, limit: float | None) -> Iterator[tuple[int, int, float]]:
+        """Fixed precedences (a, b, lag): start(b) >= start(a) + lag.
+
+        Besides the dataflow and the FIFO chains, a memory limit L forces B's
+        before F's: after F_i at most L microbatches are in flight and W_j never
+        precedes B_j, so at least i+1-L B's ran before F_i.
+        """
         P, m, c = self.P, self.m, self.c
         for s in range(P):
+            f, b, w = (self.d(k, s) for k in range(3))
             for j in range(m):
                 if s > 0:
                     yield self.idx(0, s - 1, j), self.idx(0, s, j), self.d(0, s - 1) + c
-                if j > 0:
-                    yield self.idx(0, s, j - 1), self.idx(0, s, j), self.d(0, s)
-        for s in reversed(range(P)):
-            for j in range(m):
-                yield self.idx(0, s, j), self.idx(1, s, j), self.d(0, s)
                 if s < P - 1:
                     yield self.idx(1, s + 1, j), self.idx(1, s, j), self.d(1, s + 1) + c
+                yield self.idx(0, s, j), self.idx(1, s, j), f
+                yield self.idx(1, s, j), self.idx(2, s, j), b
                 if j > 0:
-                    yield self.idx(1, s, j - 1), self.idx(1, s, j), self.d(1, s)
-        for s in range(P):
-            for j in range(m):
-                yield self.idx(1, s, j), self.idx(2, s, j), self.d(1, s)
-                if j > 0:
-                    yield self.idx(2, s, j - 1), self.idx(2, s, j), self.d(2, s)
+                    yield self.idx(0, s, j - 1), self.idx(0, s, j), f
+                    yield self.idx(1, s, j - 1), self.idx(1, s, j), b
+                    yield self.idx(2, s, j - 1), self.idx(2, s, j), w
+                if limit is not None and (needed := math.ceil(j + 1 - limit - 1e-9)) > 0:
+                    yield self.idx(1, s, needed - 1), self.idx(0, s, j), b
 
     def _load_before(self, k: int, s: int, j: int) -> float:
         """Work the FIFO chains force onto worker s before op (k, s, j) starts."""
@@ -131,21 +136,6 @@ class _Problem:
         rest = self.m - j
         return (rest * (f + b + w), rest * (b + w), rest * w)[k] + self.opt
 
-    def windows(self, upper: float) -> tuple[np.ndarray, np.ndarray]:
-        """(earliest, latest) start of every op in any schedule of makespan <= upper."""
-        edges = list(self.edges())
-        est = np.zeros(self.n)
-        for a, b, lag in edges:
-            est[b] = max(est[b], est[a] + lag)
-        for k, s, j in self._ops():  # worker load: nothing on s starts before F(s, 0)
-            est[self.idx(k, s, j)] = max(
-                est[self.idx(k, s, j)], est[self.idx(0, s, 0)] + self._load_before(k, s, j)
-            )
-        tail = np.array([self._load_from(k, s, j) for k, s, j in self._ops()])
-        for a, b, lag in reversed(edges):
-            tail[a] = max(tail[a], lag + tail[b])
-        return est, upper - tail
-
     def _ops(self) -> Iterator[tuple[int, int, int]]:
         """(kind, stage, mb) in index order."""
         for s in range(self.P):
@@ -153,16 +143,45 @@ class _Problem:
                 for j in range(self.m):
                     yield k, s, j
 
-    def lower_bound(self) -> float:
-        """Makespan bound without orders: each worker's work after its earliest possible start."""
-        est, _ = self.windows(0.0)
-        return max(
-            max(
-                est[self.idx(0, s, 0)] + self._load_from(0, s, 0),
-                est[self.idx(1, s, 0)] + self._load_from(1, s, 0),
+    def _windows(self) -> tuple[np.ndarray, np.ndarray]:
+        """Longest paths: earliest start of every op, and least time from its start to the end.
+
+        Both also count the work the chains force onto the op's worker before
+        (after) it, which every other op of that worker waits behind F(s, 0).
+        """
+        preds: list[list[tuple[int, float]]] = [[] for _ in range(self.n)]
+        succs: list[list[tuple[int, float]]] = [[] for _ in range(self.n)]
+        for a, b, lag in self.edges:
+            preds[b].append((a, lag))
+            succs[a].append((b, lag))
+        order, waiting = [], [len(p) for p in preds]
+        ready = [a for a in range(self.n) if not waiting[a]]
+        while ready:
+            a = ready.pop()
+            order.append(a)
+            for b, _ in succs[a]:
+                waiting[b] -= 1
+                if not waiting[b]:
+                    ready.append(b)
+        ops = list(self._ops())
+        est, tail = np.zeros(self.n), np.zeros(self.n)
+        for a in order:
+            k, s, j = ops[a]
+            est[a] = max(
+                [est[p] + lag for p, lag in preds[a]]
+                + [est[self.idx(0, s, 0)] + self._load_before(k, s, j)]
             )
-            for s in range(self.P)
-        )
+        for a in reversed(order):
+            tail[a] = max([lag + tail[b] for b, lag in succs[a]] + [self._load_from(*ops[a])])
+        return est, tail
+
+    def windows(self, upper: float) -> tuple[np.ndarray, np.ndarray]:
+        """(earliest, latest) start of every op in any schedule of makespan <= upper."""
+        return self.est, upper - self.tail
+
+    def lower_bound(self) -> float:
+        """Makespan bound before any order is chosen: the longest path through the windows."""
+        return float(np.max(self.est + self.tail))
 
 
 class _Model:
@@ -210,26 +229,6 @@ class _Model:
             len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger, dtype=np.uint8)
         )
         return h
-
-
-def _capped_1f1b(stages: int, microbatches: int, limit: float | None) -> list[Program]:
-    """1F1B with W right after B and the warm-up cut to the memory limit: a feasible incumbent.
-
-    Position p runs w_p = min(P-p-1, floor(limit)-1, m) warm-up forwards, so its
-    peak memory is w_p + 1 <= limit; w_p never grows with p, so no stage waits on
-    a gradient its successor can only produce after a forward it has not sent.
-    """
-    cap = microbatches if limit is None else math.floor(limit + 1e-9) - 1
-    programs = []
-    for p in range(stages):
-        warm = min(stages - p - 1, cap, microbatches)
-        ops = [(0, j) for j in range(warm)]
-        for j in range(microbatches):
-            if j + warm < microbatches:
-                ops.append((0, j + warm))
-            ops += [(1, j), (2, j)]
-        programs.append(ops)
-    return programs
 
 
 def _fifo_programs(schedule: Schedule, stages: int, microbatches: int, limit: float | None):
@@ -316,7 +315,7 @@ def _build(
         model.col(est[a], max(lst[a], est[a]))
     T = model.col(lower, upper)
     x: dict[tuple[int, int, int, int, int], int] = {}  # (s, ka, kb, i, j) -> "ka_i before kb_j"
-    for a, b, lag in prob.edges():
+    for a, b, lag in prob.edges:
         model.row(lag, math.inf, {b: 1.0, a: -1.0})
     for s in range(P):
         for ka, kb in _PAIRS:
@@ -436,7 +435,8 @@ def solve_exact(
     """The makespan-optimal F/B/W schedule of one replica with one chunk per stage.
 
     Solves the MILP with HiGHS for at most about `time_limit` seconds, starting
-    from the better of 1F1B (warm-up cut to `mem_limit`) and `warm_start`. When
+    from `warm_start` (a valid schedule under `mem_limit`; by default the auto
+    heuristic's), whose makespan also bounds the search. When
     time runs out the best schedule found is returned with optimal=False and
     the remaining gap. Raises ScheduleError for bad arguments, for sizes beyond
     MAX_ORDER_BINARIES, and when no schedule fits `mem_limit`.
@@ -444,13 +444,11 @@ def solve_exact(
     started = time.perf_counter()
     limit = _check_arguments(stages, microbatches, mem_limit, time_limit)
     costs = costs or Costs()
-    prob = _Problem(stages, microbatches, costs)
-    candidates = [_capped_1f1b(stages, microbatches, limit)]
-    if warm_start is not None:
-        candidates.append(_fifo_programs(warm_start, stages, microbatches, mem_limit))
-    spans = [simulate(_schedule(p), costs).makespan for p in candidates]
-    incumbent = candidates[int(np.argmin(spans))]
-    upper, trivial = min(spans), prob.lower_bound()
+    prob = _Problem(stages, microbatches, costs, limit)
+    if warm_start is None:
+        warm_start = auto(stages, microbatches, 1, costs, mem_limit)
+    incumbent = _fifo_programs(warm_start, stages, microbatches, mem_limit)
+    upper, trivial = simulate(_schedule(incumbent), costs).makespan, prob.lower_bound()
 
     model, T, x = _build(prob, limit, upper, min(trivial, upper))
     h = model.solver(T)
@@ -463,8 +461,8 @@ def solve_exact(
     h.setSolution(start)
     h.run()
     status = h.getModelStatus()
-    if status == highspy.HighsModelStatus.kInfeasible:
-        raise RuntimeError("exact engine: the MILP rejects its own feasible incumbent (model bug)")
+    if status == highspy.HighsModelStatus.kInfeasible:  # the incumbent is a feasible point
+        raise RuntimeError("exact engine: the MILP rejects its own incumbent (model bug)")
     info = h.getInfo()
     programs = incumbent
     if info.primal_solution_status == 2 and info.objective_function_value < upper:
@@ -479,6 +477,10 @@ def solve_exact(
         raise RuntimeError(
             f"exact engine: simulated makespan {makespan} exceeds the MILP's "
             f"{info.objective_function_value} (model and dataflow disagree)"
+        )
+    if bound > makespan + 1e-6 * upper:
+        raise RuntimeError(
+            f"exact engine: lower bound {bound} above the makespan {makespan} found (model bug)"
         )
     bound = min(bound, makespan)
     gap = (makespan - bound) / makespan if makespan > 0 else 0.0
