@@ -33,10 +33,11 @@ def busiest_load(failed, replicas=D, stages=P, microbatches=M):
     return max(3 * math.ceil(replicas * microbatches / n) for n in survivors)
 
 
-def peak(program):
+def peak(program, chunks=1):
+    """Peak activation memory: F holds one chunk's activations (1/v), B and W free half each."""
     mem, top = 0.0, 0.0
     for op in program:
-        mem += {Kind.F: 1.0, Kind.B: -0.5, Kind.W: -0.5, Kind.BW: -1.0}.get(op.kind, 0.0)
+        mem += {Kind.F: 1.0, Kind.B: -0.5, Kind.W: -0.5, Kind.BW: -1.0}.get(op.kind, 0.0) / chunks
         top = max(top, mem)
     return top
 
@@ -111,6 +112,7 @@ def test_drop_replica_spreads_the_global_batch_over_intact_replicas():
 
 @st.composite
 def deployments(draw):
+    kind = draw(st.sampled_from(["1f1b", "gpipe", "zb-h1", "zb-v"]))
     replicas = draw(st.integers(1, 3))
     stages = draw(st.integers(1, 4))
     microbatches = draw(st.integers(1, 5))
@@ -118,14 +120,14 @@ def deployments(draw):
     failed = draw(st.sets(st.sampled_from(mesh), max_size=3))
     failed = {w for w in failed if any((r, w[1]) not in failed for r in range(replicas))}
     limit = draw(st.sampled_from([None, 1.0, 1.5, stages, 2 * stages]))
-    return replicas, stages, microbatches, failed, limit
+    return kind, replicas, stages, microbatches, failed, limit
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(deployments())
 def test_rerouted_schedule_runs_every_microbatch_once_within_memory(case):
-    replicas, stages, microbatches, failed, limit = case
-    base = make_schedule("1f1b", stages, microbatches, replicas=replicas)
+    kind, replicas, stages, microbatches, failed, limit = case
+    base = make_schedule(kind, stages, microbatches, replicas=replicas)
     sched = reroute(base, failed, UNIT, mem_limit=limit)  # validates
     assert sched.staggered
     assert sched.failed == {Worker(*w) for w in failed}
@@ -137,19 +139,25 @@ def test_rerouted_schedule_runs_every_microbatch_once_within_memory(case):
             if op.kind in (Kind.F, Kind.B, Kind.W):
                 counts[(op.kind, op.stage, op.mb, op.replica)] += 1
                 where.setdefault((op.stage, op.mb, op.replica), set()).add(w)
-    slots = [(s, j, r) for s in range(stages) for j in range(microbatches) for r in range(replicas)]
+    slots = [
+        (s, j, r)
+        for s in range(sched.num_virtual_stages)
+        for j in range(microbatches)
+        for r in range(replicas)
+    ]
     for s, j, r in slots:
-        for kind in (Kind.F, Kind.B, Kind.W):
-            assert counts[(kind, s, j, r)] == 1
+        for kind_ in (Kind.F, Kind.B, Kind.W):
+            assert counts[(kind_, s, j, r)] == 1
         (worker,) = where[(s, j, r)]
-        assert worker.stage == s and worker not in sched.failed
+        assert worker.stage == base.layout[s] and worker not in sched.failed
     assert sum(counts.values()) == 3 * len(slots)
-    budget = limit if limit is not None else max(peak(p) for p in base.programs.values())
-    assert max(peak(prog) for prog in sched.programs.values()) <= budget
-    for s in range(stages):  # balanced: no survivor gets more than its share, rounded up
-        loads = Counter(w for (st_, _, _), ws in where.items() if st_ == s for w in ws)
-        alive = replicas - sum(1 for _, fs in failed if fs == s)
-        assert max(loads.values()) == math.ceil(replicas * microbatches / alive)
+    v = base.chunks
+    budget = limit if limit is not None else max(peak(p, v) for p in base.programs.values())
+    assert max(peak(prog, v) for prog in sched.programs.values()) <= budget
+    for p in range(stages):  # balanced: no survivor gets more than its share, rounded up
+        loads = Counter(w for ws in where.values() for w in ws if w.stage == p)
+        alive = replicas - sum(1 for _, fs in failed if fs == p)
+        assert max(loads.values()) == v * math.ceil(replicas * microbatches / alive)
 
 
 def _cli_json(capsys, *argv):

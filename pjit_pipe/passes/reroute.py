@@ -121,6 +121,7 @@ class _State:
     bdone: set = field(default_factory=set)
     wqueue: deque = field(default_factory=deque)
     mem: int = 0
+    reserved: int = 0
     opts: list = field(default_factory=list)
     computed: int = 0
 
@@ -168,11 +169,17 @@ class _ListScheduler:
         for w in self.live:
             limit = caps.get(w)
             units = math.inf if limit is None else math.floor(limit * 2 * v + 1e-9)
-            if units < 2:
+            if units < 2 * v:
                 raise ScheduleError(
-                    f"mem_limit {limit:g} is below one chunk's activations ({1 / v:g}) on worker {w}"
+                    f"mem_limit {limit:g} on worker {w} is below one microbatch's activations (1), "
+                    "which a worker holds until the microbatch has passed all its chunks"
                 )
             self.cap[w] = units
+        # Chunks a microbatch still visits on the same worker after virtual stage s.
+        self.ahead = [
+            sum(t > s for t in base.held_stages(base.layout[s])) for s in range(self.last + 1)
+        ]
+        self.first = {min(base.held_stages(p)) for p in range(base.stages)}
 
     def run(self, iterations: int) -> list[dict[Worker, list[Op]]]:
         """Programs of each of `iterations` back-to-back iterations."""
@@ -230,12 +237,13 @@ class _ListScheduler:
                 started = (s, j, r) in st.fdone and (s, j, r) not in st.bdone
                 if started and (s == self.last or self._ready((it, "grad", s + 1, j, r), now)):
                     return (B if self.split else BW)(s, j, r)
-            if st.mem + 2 <= self.cap[w]:
-                for s, j, r in self.forder[w]:
-                    if (s, j, r) not in st.fdone and (
-                        s == 0 or self._ready((it, "act", s - 1, j, r), now)
-                    ):
-                        return F(s, j, r)
+            for s, j, r in self.forder[w]:
+                if (
+                    (s, j, r) not in st.fdone
+                    and self._fits(w, st, s)
+                    and (s == 0 or self._ready((it, "act", s - 1, j, r), now))
+                ):
+                    return F(s, j, r)
             if st.wqueue:
                 return W(*st.wqueue[0])
             return None
@@ -244,6 +252,13 @@ class _ListScheduler:
             if count == self.need_w and at <= now:
                 return OPT(s, w.replica)
         return None
+
+    def _fits(self, w: Worker, st: _State, s: int) -> bool:
+        """Whether F of chunk s fits in memory: a microbatch entering the worker
+        reserves room for all its chunks there, so it can never get stuck halfway."""
+        if s not in self.first:
+            return True  # its room was reserved when it entered
+        return st.mem + st.reserved + 2 * (1 + self.ahead[s]) <= self.cap[w]
 
     def _send(self, key: tuple, src: Worker, dst: Worker, end: float) -> None:
         at = end + (self.c if src != dst else 0.0)
@@ -266,6 +281,7 @@ class _ListScheduler:
         if op.kind is Kind.F:
             st.fdone.add((s, j, r))
             st.mem += 2
+            st.reserved += 2 * self.ahead[s] if s in self.first else -2
             if s < self.last:
                 self._send((it, "act", s, j, r), w, self.placement[(s + 1, j, r)], end)
             return
