@@ -140,8 +140,10 @@ class _ListScheduler:
         caps: dict[Worker, float | None],
         split: bool,
         staggered: bool,
+        reserve: bool,
     ):
         self.base, self.placement, self.split, self.staggered = base, placement, split, staggered
+        self.reserve = reserve
         self.live = [w for w in base.workers if w not in pattern.failed]
         self.last = base.num_virtual_stages - 1
         v = base.chunks
@@ -255,7 +257,10 @@ class _ListScheduler:
 
     def _fits(self, w: Worker, st: _State, s: int) -> bool:
         """Whether F of chunk s fits in memory: a microbatch entering the worker
-        reserves room for all its chunks there, so it can never get stuck halfway."""
+        reserves room for all its chunks there, so it can never get stuck halfway
+        (without `reserve`, chunks > 1 may deadlock at a tight limit: ScheduleError)."""
+        if not self.reserve:
+            return st.mem + 2 <= self.cap[w]
         if s not in self.first:
             return True  # its room was reserved when it entered
         return st.mem + st.reserved + 2 * (1 + self.ahead[s]) <= self.cap[w]
@@ -315,10 +320,13 @@ def list_schedule(
     staggered: bool = True,
     iterations: int = 3,
     kind: str = "reroute",
+    reserve: bool = True,
 ) -> list[Schedule]:
     """One schedule per simulated iteration of the list scheduler (later = steadier)."""
     fkey, bkey = priorities(base, placement, order)
-    sched = _ListScheduler(base, pattern, placement, fkey, bkey, costs, caps, split, staggered)
+    sched = _ListScheduler(
+        base, pattern, placement, fkey, bkey, costs, caps, split, staggered, reserve
+    )
     return [
         base.replace(programs=progs, failed=pattern.failed, staggered=staggered, kind=kind)
         for progs in sched.run(iterations)
@@ -426,12 +434,18 @@ def schedule_with_failures(
     def candidates(pat: FailurePattern):
         spread = max(len(pat.survivors(p)) for p in range(stages))
         assignments = [(k, False) for k in range(spread)] + [(0, True)]
+        name = f"{kind}+reroute"
+        reserves = (False,) if base.chunks == 1 else (False, True)  # same thing when v=1
         for order in ORDERS:
             for offset, blocks in assignments:
                 placement = assign(base, pat, offset, blocks)
-                yield from list_schedule(
-                    base, pat, placement, costs, caps, order, kind=f"{kind}+reroute"
-                )[1:]
+                for reserve in reserves:
+                    try:
+                        yield from list_schedule(
+                            base, pat, placement, costs, caps, order, reserve=reserve, kind=name
+                        )[1:]
+                    except ScheduleError:
+                        continue  # stuck without reservation: the reserving run follows
                 if time.monotonic() > deadline:
                     return
 
