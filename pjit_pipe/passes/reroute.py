@@ -415,10 +415,13 @@ def schedule_with_failures(
 
     Starts from the fault-free `kind` schedule (its op order gives the
     priorities) and tries every round-robin rotation and a block assignment of
-    orphaned microbatches, each with re-routed work interleaved, last or first.
-    Stops as soon as a candidate reaches the work-conserving lower bound, or
+    orphaned microbatches, each with re-routed work interleaved, last or first
+    (with chunks > 1, each also without reserving memory for a microbatch's
+    later chunks, which is faster when it does not get stuck). Stops as soon as a candidate reaches the work-conserving lower bound, or
     after `time_limit` seconds. `mem_limit` defaults to the fault-free
-    schedule's peak memory; `chunks` defaults to the kind's own.
+    schedule's peak memory; `chunks` defaults to the kind's own. Patterns equal
+    up to a permutation of replicas get one schedule, relabelled (unless the
+    time limit cuts their searches at different points).
     """
     from pjit_pipe.schedules import make_schedule
     from pjit_pipe.simulator.baselines import lower_bound
@@ -445,7 +448,9 @@ def schedule_with_failures(
                             base, pat, placement, costs, caps, order, reserve=reserve, kind=name
                         )[1:]
                     except ScheduleError:
-                        continue  # stuck without reservation: the reserving run follows
+                        if reserve:
+                            raise
+                        # stuck without reservation: the reserving run follows
                 if time.monotonic() > deadline:
                     return
 
