@@ -295,6 +295,8 @@ def _check_arguments(stages, microbatches, mem_limit, time_limit) -> float | Non
         )
     if mem_limit is None:
         return None
+    if not isinstance(mem_limit, int | float):
+        raise ScheduleError(f"mem_limit must be a number or None, got {mem_limit!r}")
     if not mem_limit >= 1:
         raise ScheduleError(
             f"mem_limit={mem_limit!r}: no schedule exists, every F holds one unit of "
