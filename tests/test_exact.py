@@ -17,7 +17,8 @@ from pjit_pipe.ir.ops import OPT, B, F, Op, W, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.schedules.exact import MAX_ORDER_BINARIES, solve_exact
+from pjit_pipe.schedules.auto import auto
+from pjit_pipe.schedules.exact import MAX_ORDER_BINARIES, refiner, solve_exact
 from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import simulate
 
@@ -209,3 +210,22 @@ def test_size_limit_is_the_binary_count():
     assert 3 * P * m * (m - 1) // 2 <= MAX_ORDER_BINARIES
     with pytest.raises(ScheduleError, match="too large"):
         solve_exact(P, m + 1, time_limit=0.01)
+
+
+def test_refiner_hook_gives_auto_the_optimum():
+    """auto(..., exact=refiner()) returns the exact engine's schedule when it is faster."""
+    costs = Costs(f=[1, 3, 5, 4], b=[3, 1, 2, 2], w=[3, 5, 2, 3], c=1)
+    plain = auto(4, 8, 1, costs, 2)
+    refined = auto(4, 8, 1, costs, 2, exact=refiner(time_limit=30))
+    validate(refined, mem_limit=2)
+    best = solve_exact(4, 8, costs, mem_limit=2, time_limit=30)
+    assert best.optimal
+    assert makespan(refined, costs) == pytest.approx(best.makespan)
+    assert makespan(refined, costs) <= makespan(plain, costs)
+
+
+def test_refiner_keeps_two_chunk_winners():
+    costs = COSTS["unit"]
+    plain = auto(4, 8, 2, costs, 4)
+    refined = auto(4, 8, 2, costs, 4, exact=refiner())
+    assert refined.programs == plain.programs

@@ -48,8 +48,9 @@ import numpy as np
 from pjit_pipe.ir.ops import Kind, Op
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.schedules.auto import auto
+from pjit_pipe.schedules.auto import ExactSolver, auto
 from pjit_pipe.schedules.common import check_positive, replicated
+from pjit_pipe.schedules.timing import Shape, Step, to_ops
 from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import simulate
 
@@ -125,12 +126,12 @@ class _Problem:
                 if limit is not None and (needed := math.ceil(j + 1 - limit - 1e-9)) > 0:
                     yield self.idx(1, s, needed - 1), self.idx(0, s, j), b
 
-    def _load_before(self, k: int, s: int, j: int) -> float:
+    def load_before(self, k: int, s: int, j: int) -> float:
         """Work the FIFO chains force onto worker s before op (k, s, j) starts."""
         f, b, w = (self.d(x, s) for x in range(3))
         return (j * f, (j + 1) * f + j * b, (j + 1) * (f + b) + j * w)[k]
 
-    def _load_from(self, k: int, s: int, j: int) -> float:
+    def load_from(self, k: int, s: int, j: int) -> float:
         """Work the FIFO chains force onto worker s from the start of op (k, s, j) on."""
         f, b, w = (self.d(x, s) for x in range(3))
         rest = self.m - j
@@ -169,10 +170,10 @@ class _Problem:
             k, s, j = ops[a]
             est[a] = max(
                 [est[p] + lag for p, lag in preds[a]]
-                + [est[self.idx(0, s, 0)] + self._load_before(k, s, j)]
+                + [est[self.idx(0, s, 0)] + self.load_before(k, s, j)]
             )
         for a in reversed(order):
-            tail[a] = max([lag + tail[b] for b, lag in succs[a]] + [self._load_from(*ops[a])])
+            tail[a] = max([lag + tail[b] for b, lag in succs[a]] + [self.load_from(*ops[a])])
         return est, tail
 
     def windows(self, upper: float) -> tuple[np.ndarray, np.ndarray]:
@@ -371,19 +372,19 @@ def _build(
                 (1, (0.0, {T: 1.0, prob.idx(0, s, j): -1.0})),
                 *((-b, rel(s, 0, j, 1, k)) for k in range(j)),
                 *((-w, rel(s, 0, j, 2, k)) for k in range(j)),
-                lo=prob._load_from(0, s, j),
+                lo=prob.load_from(0, s, j),
             )
             add(
                 (1, (0.0, {T: 1.0, prob.idx(1, s, j): -1.0})),
                 *((f, rel(s, 0, i, 1, j)) for i in range(j + 1, m)),
                 *((-w, rel(s, 1, j, 2, k)) for k in range(j)),
-                lo=prob._load_from(1, s, j) + f * (m - j - 1),
+                lo=prob.load_from(1, s, j) + f * (m - j - 1),
             )
             add(
                 (1, (0.0, {T: 1.0, prob.idx(2, s, j): -1.0})),
                 *((f, rel(s, 0, i, 2, j)) for i in range(j + 1, m)),
                 *((b, rel(s, 1, i, 2, j)) for i in range(j + 1, m)),
-                lo=prob._load_from(2, s, j) + (f + b) * (m - j - 1),
+                lo=prob.load_from(2, s, j) + (f + b) * (m - j - 1),
             )
         if limit is not None:  # memory after F_i: (i+1) - (B's and W's before it)/2 <= limit
             halves = math.floor(2 * (limit - 1) + 1e-9)
@@ -404,11 +405,9 @@ def _solution(prob: _Problem, model: _Model, T: int, x: dict, programs: list[Pro
         if e.op.kind in _KINDS:
             values[prob.idx(_KINDS.index(e.op.kind), e.op.stage, e.op.mb)] = e.start
     values[T] = sim.makespan
-    for s, ops in enumerate(programs):
-        pos = {op: n for n, op in enumerate(ops)}
-        for (s2, ka, kb, i, j), col in x.items():
-            if s2 == s:
-                values[col] = float(pos[ka, i] < pos[kb, j])
+    position = [{op: n for n, op in enumerate(ops)} for ops in programs]
+    for (s, ka, kb, i, j), col in x.items():
+        values[col] = float(position[s][ka, i] < position[s][kb, j])
     return values
 
 
@@ -496,4 +495,35 @@ def solve_exact(
     )
 
 
-__all__ = ["MAX_ORDER_BINARIES", "ExactResult", "solve_exact"]
+def refiner(time_limit: float = 10.0) -> ExactSolver:
+    """An `auto(..., exact=...)` hook: replace auto's winner by the exact engine's schedule.
+
+    It refines one-chunk, plain-layout winners small enough for the engine and
+    keeps the winner (returns None) otherwise or when the engine finds nothing
+    faster. It minimises makespan, whatever objective auto ranked by.
+    """
+
+    def refine(shape: Shape, mem_limit: float | None, programs) -> list[list[Step]] | None:
+        P, m = shape.stages, shape.microbatches
+        plain = shape.chunks == 1 and shape.layout == tuple(range(P))
+        if not plain or 3 * P * m * (m - 1) // 2 > MAX_ORDER_BINARIES:
+            return None
+        costs = Costs(list(shape.f), list(shape.b), list(shape.w), shape.c, shape.opt)
+        start = replicated("auto", P, m, 1, lambda p, r: to_ops(programs[p], r))
+        before = simulate(start, costs).makespan
+        result = solve_exact(P, m, costs, mem_limit, time_limit, warm_start=start)
+        if result.makespan >= before:
+            return None
+        return [
+            [
+                Step(op.kind, op.stage, op.mb)
+                for op in result.schedule.program(w)
+                if op.kind in _KINDS
+            ]
+            for w in result.schedule.workers
+        ]
+
+    return refine
+
+
+__all__ = ["MAX_ORDER_BINARIES", "ExactResult", "refiner", "solve_exact"]
