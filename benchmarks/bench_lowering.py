@@ -1,0 +1,146 @@
+"""Step time of the lowered pipeline program.
+
+1. One CPU device (mesh 1x1, P=1): the pipelined value_and_grad against a plain
+   `lax.scan` gradient accumulation over the same microbatches (target: ratio of
+   medians <= 1.3).
+2. Eight virtual CPU devices (mesh 2x4): the step time of every schedule kind
+   that make_schedule implements, and the compiled temp memory.
+
+Run: python benchmarks/bench_lowering.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import statistics
+import time
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from pjit_pipe.ir.schedule import ScheduleError
+from pjit_pipe.lowering import lower
+from pjit_pipe.schedules import KINDS, make_schedule
+
+VOCAB, SEQ, CLASSES = 64, 4, 16
+
+
+def mlp_stages(num_stages: int, layers: int, width: int, seed: int = 0):
+    """An embedding + `layers` dense layers + a head, cut into `num_stages` stages."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), layers + 2))
+    per = np.array_split(np.arange(layers), num_stages)
+    fns, params = [], []
+    for s, idx in enumerate(per):
+        p = {"w": [jax.random.normal(next(keys), (width, width)) / np.sqrt(width) for _ in idx]}
+        if s == 0:
+            p["emb"] = jax.random.normal(next(keys), (VOCAB, width))
+        if s == num_stages - 1:
+            p["head"] = jax.random.normal(next(keys), (width, CLASSES)) / np.sqrt(width)
+        params.append(p)
+
+        def fn(p, a, first=s == 0, last=s == num_stages - 1):
+            if first:
+                a = p["emb"][a].mean(axis=1)
+            for w in p["w"]:
+                a = jax.nn.gelu(a @ w)
+            return a @ p["head"] if last else a
+
+        fns.append(fn)
+    return fns, params
+
+
+def xent(logits: jax.Array, y: jax.Array) -> jax.Array:
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def batch(n: int, seed: int = 1):
+    kx, ky = jax.random.split(jax.random.PRNGKey(seed))
+    return jax.random.randint(kx, (n, SEQ), 0, VOCAB), jax.random.randint(ky, (n,), 0, CLASSES)
+
+
+def median_time(f: Callable[[], object], repeats: int) -> float:
+    jax.block_until_ready(f())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(f())
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def scan_accumulation(fns, params, x, y, m: int):
+    """The baseline: value_and_grad per microbatch, summed by a lax.scan."""
+
+    def loss(params, xb, yb):
+        a = xb
+        for f, p in zip(fns, params, strict=True):
+            a = f(p, a)
+        return xent(a, yb)
+
+    @jax.jit
+    def step(params, x, y):
+        xs = x.reshape(m, -1, *x.shape[1:])
+        ys = y.reshape(m, -1)
+        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
+
+        def body(acc, mb):
+            lv, g = jax.value_and_grad(loss)(params, *mb)
+            return jax.tree.map(jnp.add, acc, (lv, g)), None
+
+        (lv, g), _ = jax.lax.scan(body, zero, (xs, ys))
+        return jax.tree.map(lambda a: a / m, (lv, g))
+
+    return step
+
+
+def one_device(repeats: int, layers: int, width: int, mbsize: int, m: int) -> None:
+    fns, params = mlp_stages(1, layers, width)
+    x, y = batch(m * mbsize)
+    mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "stage"))
+    base = scan_accumulation(fns, params, x, y, m)
+    t_base = median_time(lambda: base(params, x, y), repeats)
+    print(f"P=1 mesh 1x1, {layers} layers width {width}, m={m} x {mbsize}:")
+    print(f"  lax.scan accumulation   {t_base * 1e3:8.2f} ms")
+    for kind in ("gpipe", "1f1b"):
+        step = lower(make_schedule(kind, 1, m), fns, xent, mesh, params, x, y)
+        t = median_time(lambda step=step: step.value_and_grad(params, x, y), repeats)
+        print(f"  {kind:8s} pipelined    {t * 1e3:8.2f} ms   ratio {t / t_base:.2f}")
+
+
+def eight_devices(repeats: int, layers: int, width: int, mbsize: int, m: int) -> None:
+    D, P = 2, 4
+    mesh = Mesh(np.array(jax.devices()[: D * P]).reshape(D, P), ("data", "stage"))
+    x, y = batch(D * m * mbsize)
+    print(f"mesh {D}x{P}, {layers} layers width {width}, m={m} x {mbsize} per replica:")
+    for kind in KINDS:
+        v = 2 if kind in ("interleaved-1f1b", "zb-v") else 1
+        try:
+            sched = make_schedule(kind, P, m, chunks=v, replicas=D)
+        except ScheduleError as e:
+            print(f"  {kind:18s} skipped: {e}")
+            continue
+        fns, params = mlp_stages(P * v, layers, width)
+        step = lower(sched, fns, xent, mesh, params, x, y)
+        t = median_time(lambda step=step, params=params: step.value_and_grad(params, x, y), repeats)
+        temp = step.memory_analysis().temp_size_in_bytes
+        print(f"  {kind:18s} v={v}  {t * 1e3:8.2f} ms   temp {temp / 2**20:7.2f} MiB")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--repeats", type=int, default=10)
+    args = ap.parse_args()
+    one_device(args.repeats, layers=4, width=512, mbsize=64, m=8)
+    eight_devices(args.repeats, layers=8, width=256, mbsize=32, m=8)
+
+
+if __name__ == "__main__":
+    main()
