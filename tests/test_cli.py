@@ -155,3 +155,9 @@ def test_module_entry_point() -> None:
     assert (
         got["valid"] is True and got["makespan"] == simulate(make_schedule("1f1b", 2, 2)).makespan
     )
+
+
+def test_exact_flag_is_for_auto_only(capsys):
+    assert main(["schedule", "1f1b", "--stages", "2", "--microbatches", "2", "--exact", "1"]) != 0
+    err = capsys.readouterr().err.strip()
+    assert "--exact" in err and "\n" not in err

@@ -212,11 +212,11 @@ def test_size_limit_is_the_binary_count():
         solve_exact(P, m + 1, time_limit=0.01)
 
 
-def test_refiner_hook_gives_auto_the_optimum():
-    """auto(..., exact=refiner()) returns the exact engine's schedule when it is faster."""
+def test_auto_with_exact_time_limit_reaches_the_optimum():
+    """make_schedule('auto', exact_time_limit=...) hands auto's winner to the exact engine."""
     costs = Costs(f=[1, 3, 5, 4], b=[3, 1, 2, 2], w=[3, 5, 2, 3], c=1)
     plain = auto(4, 8, 1, costs, 2)
-    refined = auto(4, 8, 1, costs, 2, exact=refiner(time_limit=30))
+    refined = make_schedule("auto", 4, 8, costs=costs, mem_limit=2, exact_time_limit=30)
     validate(refined, mem_limit=2)
     best = solve_exact(4, 8, costs, mem_limit=2, time_limit=30)
     assert best.optimal

@@ -131,6 +131,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         ),
     )
     p.add_argument(
+        "--exact",
+        type=positive_float,
+        default=None,
+        metavar="SECONDS",
+        help="auto only: improve the heuristic's schedule with the exact MILP engine",
+    )
+    p.add_argument(
         "--stagger",
         action="store_true",
         help="step each stage's optimizer as soon as its gradients are done (no barrier)",
@@ -167,6 +174,7 @@ def run(args: argparse.Namespace) -> int:
         costs=args.costs,
         mem_limit=args.mem_limit,
         replicas=args.replicas,
+        exact_time_limit=args.exact,
         **kwargs,
     )
     if args.chunks is not None and schedule.chunks != args.chunks:

@@ -70,12 +70,15 @@ def make_schedule(
     replicas: int = 1,
     *,
     objective: Objective = "makespan",
+    exact_time_limit: float | None = None,
 ) -> Schedule:
     """Generate a fault-free schedule of `kind` (one of KINDS).
 
     chunks=None takes the kind's own (DEFAULT_CHUNKS). `costs` (negative ones
     are rejected) steer zb-v and auto; `objective` ("makespan" or "span", see
-    `pjit_pipe.schedules.auto`) steers auto only. Raises ScheduleError, naming the parameter,
+    `pjit_pipe.schedules.auto`) steers auto only. `exact_time_limit` (seconds)
+    lets auto hand its best schedule to the exact MILP engine
+    (`pjit_pipe.schedules.exact`) to improve or prove it. Raises ScheduleError, naming the parameter,
     for requests no schedule of that kind can meet; never returns a silently
     different schedule.
     """
@@ -90,8 +93,15 @@ def make_schedule(
     costs.per_stage(stages)  # rejects negative costs and wrong per-stage lists
     if mem_limit is not None and not isinstance(mem_limit, int | float):
         raise ScheduleError(f"mem_limit must be a number or None, got {mem_limit!r}")
+    if exact_time_limit is not None and kind != "auto":
+        raise ScheduleError(f"exact_time_limit (--exact) applies to kind 'auto' only, not {kind!r}")
     if kind == "auto":
-        return auto(stages, microbatches, chunks, costs, mem_limit, replicas, objective)
+        exact = None
+        if exact_time_limit is not None:
+            from pjit_pipe.schedules.exact import refiner  # exact imports auto: import late
+
+            exact = refiner(exact_time_limit)
+        return auto(stages, microbatches, chunks, costs, mem_limit, replicas, objective, exact)
     schedule = _GENERATORS[kind](stages, microbatches, chunks, replicas, costs)
     if mem_limit is not None:
         peak = max(peak_memory(schedule).values())
