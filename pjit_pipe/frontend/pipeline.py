@@ -15,6 +15,7 @@ from typing import Any
 import flax.linen as nn
 import flax.struct
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
@@ -146,7 +147,7 @@ class Pipelined:
         x_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb, *np.shape(a)[1:]), a.dtype), x)
         leaves, treedef = jax.tree.flatten(check_variables(params))
         key = (jax.tree.structure(x_mb), tuple(jax.tree.leaves(x_mb)), treedef)
-        key += tuple((np.shape(a), np.result_type(a)) for a in leaves)
+        key += tuple((np.shape(a), jnp.result_type(a)) for a in leaves)
         if key not in self._cuts:
             self._cuts[key] = cut_module(
                 self.module, params, x_mb, self.schedule.num_virtual_stages, self.balance
@@ -158,7 +159,7 @@ class Pipelined:
 
         self._batch(x, y)
         cut = self.cut(params, x)
-        avals = jax.tree.map(lambda a: (np.shape(a), np.result_type(a)), (x, y))
+        avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         key = (id(cut), loss_fn, str(avals))
         if key not in self._steps:
             self._steps[key] = lower(
