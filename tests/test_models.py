@@ -1,0 +1,119 @@
+"""The example models, unpipelined and pipelined, and `pjit-pipe train`."""
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pjit_pipe as pp
+from models import GPT, GPTConfig, ResidualMLP, lm_loss, mse_loss
+from models.text import CharCorpus
+from pjit_pipe.cli import main
+
+
+def rel_err(a, b) -> float:
+    """Largest leaf-wise max|a-b| / max|b|."""
+    return max(
+        float(jnp.max(jnp.abs(u - v)) / (jnp.max(jnp.abs(v)) + 1e-30))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def gpt_batch(n: int):
+    corpus = CharCorpus.load()
+    x, y = corpus.batch(np.random.default_rng(0), n, 32)
+    return GPT(GPTConfig.tiny(vocab=corpus.vocab)), x, y
+
+
+def mlp_batch(n: int):
+    rng = np.random.default_rng(0)
+    return (
+        ResidualMLP(),
+        rng.normal(size=(n, 16)).astype(np.float32),
+        rng.normal(size=(n, 8)).astype(np.float32),
+    )
+
+
+def test_gpt_is_causal_and_plain_flax():
+    model, x, _ = gpt_batch(2)
+    params = model.init(jax.random.key(0), x)
+    logits = model.apply(params, x)
+    assert logits.shape == (2, 32, model.config.vocab)
+    changed = x.copy()
+    changed[:, 20:] = (changed[:, 20:] + 1) % model.config.vocab
+    np.testing.assert_allclose(model.apply(params, changed)[:, :20], logits[:, :20], atol=1e-6)
+    assert not np.allclose(model.apply(params, changed)[:, 20:], logits[:, 20:])
+
+
+def test_corpus_round_trip():
+    corpus = CharCorpus.load()
+    assert len(corpus.text) > 2000
+    assert corpus.decode(corpus.encode(corpus.text[:300])) == corpus.text[:300]
+    with pytest.raises(ValueError, match="not in the corpus vocabulary"):
+        corpus.encode("\x00")
+
+
+@pytest.mark.parametrize(
+    "make,loss_fn,mesh,options",
+    [
+        (gpt_batch, lm_loss, (2, 4), dict(schedule="zb-h1", microbatches=4)),
+        (mlp_batch, mse_loss, (2, 2), dict(schedule="interleaved-1f1b", microbatches=4, chunks=2)),
+    ],
+    ids=["gpt-2x4-zb-h1", "mlp-2x2-interleaved"],
+)
+def test_pipelined_value_and_grad_matches_jax(make, loss_fn, mesh, options):
+    model, x, y = make(16)
+    pm = pp.pipeline(model, stages=mesh[1], mesh=pp.make_mesh(*mesh), **options)
+    params = pm.init(jax.random.key(0), x)
+    loss, grads = pm.value_and_grad(loss_fn)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: loss_fn(model.apply(p, x), y))(params)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+def test_five_adam_steps_match_unpipelined_training():
+    model, x, y = mlp_batch(8)
+    optimizer = optax.adam(1e-2)
+    pm = pp.pipeline(
+        model,
+        stages=4,
+        microbatches=4,
+        schedule="1f1b",
+        mesh=pp.make_mesh(1, 4),
+        optimizer=optimizer,
+    )
+    params = pm.init(jax.random.key(0), x)
+    step = pm.train_step(mse_loss)
+    state = step.init(params, (x, y))
+
+    @jax.jit
+    def reference(p, opt):
+        loss, g = jax.value_and_grad(lambda p: mse_loss(model.apply(p, x), y))(p)
+        updates, opt = optimizer.update(g, opt, p)
+        return optax.apply_updates(p, updates), opt, loss
+
+    ref_params, ref_opt = params, optimizer.init(params)
+    for _ in range(5):
+        state, loss = step(state, (x, y))
+        ref_params, ref_opt, ref_loss = reference(ref_params, ref_opt)
+        assert rel_err(loss, ref_loss) < 1e-5
+    assert state.step == 5
+    assert jax.tree.structure(state.params) == jax.tree.structure(params)
+    assert rel_err(state.params, ref_params) < 1e-5
+
+
+def test_train_cli_prints_json_per_step(capsys):
+    argv = ["train", "--model", "mlp", "--mesh", "1x2", "--microbatches", "2", "--steps", "3"]
+    assert main([*argv, "--json", "--lr", "0.01"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(np.isfinite(r["loss"]) and r["tokens_per_s"] > 0 for r in records)
+
+
+def test_train_cli_rejects_bad_mesh(capsys):
+    assert main(["train", "--mesh", "2by4"]) == 2
+    assert "expected DxP" in capsys.readouterr().err
