@@ -158,7 +158,7 @@ def test_remat_matches_unpipelined():
 
 def test_memory_follows_the_schedule():
     """Activation-heavy model, P=4, m=16: 1F1B keeps at most P microbatches in flight."""
-    P, m, width, rows = 4, 16, 64, 128
+    P, m, width, rows = 4, 16, 64, 512
 
     def dense_stack(p, a):
         for w in p["w"]:

@@ -76,6 +76,11 @@ class Lowered:
         self.msg_key = np.dtype(msg_dtype).name
         self.scale = 1.0 / (schedule.replicas * schedule.microbatches)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
+        spec = self.param_spec
+        self.uniform = [
+            len({(spec.treedefs[s], tuple(spec.avals[s])) for s in chunk}) == 1
+            for chunk in zip(*self.held, strict=True)
+        ]
         self.branches = [self._idle] + [
             self._branch(kind, s) for s in range(S) for kind in KIND_ORDER
         ]
@@ -99,7 +104,7 @@ class Lowered:
 
         def run(params, x, y, msgs, res, row):
             msg, res_out, dpar, loss = self._zeros()
-            p = self.param_spec.unpack(s, {k: b[c] for k, b in params.items()})
+            p = params[c] if self.uniform[c] else self.param_spec.unpack(s, params[c])
             y_mb = jax.tree.map(lambda a: a[row[MB]], y) if s == S - 1 else None
             if kind is Kind.F:
                 a = stage_input(x, msgs, row)
@@ -131,6 +136,15 @@ class Lowered:
 
     # ---- the device program ----
 
+    def chunk_params(self, params: Buffers) -> list[Any]:
+        """Per chunk: its parameter rows, unpacked once here when every position's
+        stage of that chunk has the same parameter shapes (no per-tick slicing)."""
+        out = []
+        for c, uniform in enumerate(self.uniform):
+            row = {k: b[c] for k, b in params.items()}
+            out.append(self.param_spec.unpack(self.held[0][c], row) if uniform else row)
+        return out
+
     def tick_loop(self, params: Buffers, x: Any, y: Any, rows: jax.Array):
         """Run every tick on this device; return (summed loss share, local gradient rows)."""
         v, K, R = self.sched.chunks, self.plan.msg_slots, self.plan.res_slots
@@ -140,6 +154,8 @@ class Lowered:
             self.param_spec.zeros(v + 1),
             jnp.zeros((), jnp.float32),
         )
+
+        params = self.chunk_params(params)
 
         def tick(carry, row):
             msgs, res, grads, loss = carry

@@ -2,7 +2,7 @@
 
 The last stage folds the loss in, so its output is the microbatch loss; the
 first stage reads the raw microbatch and takes no input gradient. F keeps the
-vjp residuals that B and W need; residuals that are the stage's own parameter
+vjp residuals that B and W need (matmul outputs; see SAVE_DOTS); residuals that are the stage's own parameter
 arrays are not stored but re-read from the parameter buffer (parameters do not
 change within an iteration), so weights are never copied per microbatch.
 """
@@ -16,6 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
+
+# Residuals kept from F: matmul outputs (and the stage input); B and W recompute
+# only the cheap elementwise ops from them, which is what XLA's fusion does in an
+# unpipelined step anyway, at a fraction of the memory traffic of every residual.
+SAVE_DOTS = jax.checkpoint_policies.dots_saveable
 
 
 class StageVjp:
@@ -73,10 +78,11 @@ class StageVjp:
 
     def _vjp_parts(self, s: int, p: Any, a: Any, y: Any):
         """(output, pullback, residual origin list, stored residual leaves)."""
+        fwd = jax.checkpoint(lambda p, a: self.forward(s, p, a, y), policy=SAVE_DOTS)
         if s == 0:
-            out, pull = jax.vjp(lambda p: self.forward(0, p, a, y), p)
+            out, pull = jax.vjp(lambda p: fwd(p, a), p)
         else:
-            out, pull = jax.vjp(lambda p, a: self.forward(s, p, a, y), p, a)
+            out, pull = jax.vjp(fwd, p, a)
         leaves = jax.tree.leaves(pull)
         param_leaves = jax.tree.leaves(p)
         where, stored, seen = [], [], {}
