@@ -66,14 +66,17 @@ def batch(n: int, seed: int = 1):
     return jax.random.randint(kx, (n, SEQ), 0, VOCAB), jax.random.randint(ky, (n,), 0, CLASSES)
 
 
-def median_time(f: Callable[[], object], repeats: int) -> float:
-    jax.block_until_ready(f())
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
+def median_times(fs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each callable, run round-robin so machine load hits all alike."""
+    for f in fs.values():
         jax.block_until_ready(f())
-        times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    times: dict[str, list[float]] = {k: [] for k in fs}
+    for _ in range(repeats):
+        for k, f in fs.items():
+            t = time.perf_counter()
+            jax.block_until_ready(f())
+            times[k].append(time.perf_counter() - t)
+    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def scan_accumulation(fns, params, x, y, m: int):
@@ -106,13 +109,15 @@ def one_device(repeats: int, layers: int, width: int, mbsize: int, m: int) -> No
     x, y = batch(m * mbsize)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "stage"))
     base = scan_accumulation(fns, params, x, y, m)
-    t_base = median_time(lambda: base(params, x, y), repeats)
-    print(f"P=1 mesh 1x1, {layers} layers width {width}, m={m} x {mbsize}:")
-    print(f"  lax.scan accumulation   {t_base * 1e3:8.2f} ms")
+    fs = {"lax.scan accumulation": lambda: base(params, x, y)}
     for kind in ("gpipe", "1f1b"):
         step = lower(make_schedule(kind, 1, m), fns, xent, mesh, params, x, y)
-        t = median_time(lambda step=step: step.value_and_grad(params, x, y), repeats)
-        print(f"  {kind:8s} pipelined    {t * 1e3:8.2f} ms   ratio {t / t_base:.2f}")
+        fs[f"{kind} pipelined"] = lambda step=step: step.value_and_grad(params, x, y)
+    med = median_times(fs, repeats)
+    t_base = med["lax.scan accumulation"]
+    print(f"P=1 mesh 1x1, {layers} layers width {width}, m={m} x {mbsize}:")
+    for name, t in med.items():
+        print(f"  {name:22s} {t * 1e3:8.2f} ms   ratio {t / t_base:.2f}")
 
 
 def eight_devices(repeats: int, layers: int, width: int, mbsize: int, m: int) -> None:
@@ -129,7 +134,8 @@ def eight_devices(repeats: int, layers: int, width: int, mbsize: int, m: int) ->
             continue
         fns, params = mlp_stages(P * v, layers, width)
         step = lower(sched, fns, xent, mesh, params, x, y)
-        t = median_time(lambda step=step, params=params: step.value_and_grad(params, x, y), repeats)
+        run = lambda step=step, params=params: step.value_and_grad(params, x, y)  # noqa: E731
+        t = median_times({kind: run}, repeats)[kind]
         temp = step.memory_analysis().temp_size_in_bytes
         print(f"  {kind:18s} v={v}  {t * 1e3:8.2f} ms   temp {temp / 2**20:7.2f} MiB")
 
@@ -139,6 +145,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=10)
     args = ap.parse_args()
     one_device(args.repeats, layers=4, width=512, mbsize=64, m=8)
+    one_device(args.repeats, layers=4, width=512, mbsize=256, m=8)
     eight_devices(args.repeats, layers=8, width=256, mbsize=32, m=8)
 
 
