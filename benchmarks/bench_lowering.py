@@ -140,10 +140,10 @@ def eight_devices(repeats: int, layers: int, width: int, mbsize: int, m: int) ->
         print(f"  {kind:18s} v={v}  {t * 1e3:8.2f} ms   temp {temp / 2**20:7.2f} MiB")
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=10)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     one_device(args.repeats, layers=4, width=512, mbsize=64, m=8)
     one_device(args.repeats, layers=4, width=512, mbsize=256, m=8)
     eight_devices(args.repeats, layers=8, width=256, mbsize=32, m=8)

@@ -58,7 +58,8 @@ def time_auto_large(repeats: int = 3) -> float:
     return best
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """Print the table (no options; `argv` keeps the benchmarks' common signature)."""
     for P, m, name, costs, factor in GRID:
         limit = None if factor is None else factor * P
         print(f"P={P} m={m} costs={name} mem_limit={limit if limit is not None else '-'}")
