@@ -7,12 +7,20 @@ here, on the host, by interval allocation over the tick timeline, so buffers
 are sized by the schedule's in-flight peak and not by the number of
 microbatches. Messages (activations going down, input gradients going up)
 leave a device in the tick that makes them and land in a slot of the
-receiver's message store at the end of that tick; a device sends at most one
-message per tick, to each pipeline-position shift that the schedule uses.
+receiver's message store at the end of that tick. Each ppermute carries one
+(replica, position) shift of the worker grid, so it is a permutation even when
+re-routed microbatches cross replicas; a device sends at most one message per
+tick, along every shift the schedule uses.
+
+Devices are the live workers in a given order (`Topology.workers`): row i of
+every table belongs to worker i. Each device also gets its own list of the
+(replica, microbatch) inputs and labels it reads, so a peer running another
+replica's microbatches is fed that replica's data.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,20 +45,24 @@ def branch_index(kind: Kind, stage: int) -> int:
 class TickPlan:
     """Per-device tick rows plus the buffer sizes they index into.
 
-    rows: int32 (replicas, stages, ticks, columns). A slot index equal to the
+    rows: int32 (devices, ticks, columns). A slot index equal to the
         store size is the scratch slot: writes there are discarded.
+    inputs: int32 (devices, L, 2), the (replica, microbatch) pairs whose
+        input or label each device reads; column MB of a row indexes this list.
     msg_slots / res_slots: message and residual store sizes (scratch excluded).
-    shifts: for each ppermute, the position shift and its (source, dest) pairs.
+    shifts: for each ppermute, the (replica, position) shift and its
+        (source, dest) pairs of device indices.
     """
 
     rows: np.ndarray
+    inputs: np.ndarray
     msg_slots: int
     res_slots: int
-    shifts: tuple[tuple[int, tuple[tuple[int, int], ...]], ...]
+    shifts: tuple[tuple[tuple[int, int], tuple[tuple[int, int], ...]], ...]
 
     @property
     def ticks(self) -> int:
-        return self.rows.shape[2]
+        return self.rows.shape[1]
 
 
 class _Slots:
@@ -68,9 +80,15 @@ class _Slots:
         return len(self.free_from) - 1
 
 
-def build_plan(schedule: Schedule, remat: bool) -> TickPlan:
-    """Assign ticks, branches and buffer slots for every device of `schedule`."""
+def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> TickPlan:
+    """Assign ticks, branches and buffer slots; `devices` are the live workers in row order."""
     S = schedule.num_virtual_stages
+    D, P = schedule.replicas, schedule.stages
+    index = {w: i for i, w in enumerate(devices)}
+    if set(index) != set(schedule.alive_workers):
+        raise ScheduleError(
+            f"devices {sorted(index)} are not the schedule's live workers {schedule.alive_workers}"
+        )
     ticks = [
         {w: op for w, op in tick.items() if op.kind in COMPUTE_KINDS}
         for tick in tick_table(schedule)
@@ -96,27 +114,25 @@ def build_plan(schedule: Schedule, remat: bool) -> TickPlan:
             dest, last = last_use((Kind.B, Kind.W, Kind.BW), op.stage - 1, op.mb, op.replica)
             messages.append((op, w, t, dest, last))
 
-    shift_pairs: dict[int, set[tuple[int, int]]] = {}
+    def shift(src: Worker, dest: Worker) -> tuple[int, int]:
+        return (dest.replica - src.replica) % D, (dest.stage - src.stage) % P
+
+    shift_pairs: dict[tuple[int, int], set[tuple[int, int]]] = {}
     for _, src, _, dest, _ in messages:
-        if src.replica != dest.replica:
-            raise ScheduleError(
-                f"the lowering keeps a microbatch inside one replica, but {src} sends to {dest}"
-            )
         if src != dest:
-            shift = (dest.stage - src.stage) % schedule.stages
-            shift_pairs.setdefault(shift, set()).add((src.stage, dest.stage))
+            shift_pairs.setdefault(shift(src, dest), set()).add((index[src], index[dest]))
     shifts = tuple((k, tuple(sorted(v))) for k, v in sorted(shift_pairs.items()))
     shift_col = {k: RECV0 + i for i, (k, _) in enumerate(shifts)}
 
-    msg_alloc = {w: _Slots() for w in schedule.workers}
-    res_alloc = {w: _Slots() for w in schedule.workers}
+    msg_alloc = {w: _Slots() for w in devices}
+    res_alloc = {w: _Slots() for w in devices}
     msg_slot: dict[tuple[Kind, int, int, int], int] = {}
     arrivals: list[tuple[Worker, int, int, int]] = []  # (dest, tick, column, slot)
     for op, src, t, dest, last in sorted(messages, key=lambda m: m[2]):
         slot = msg_alloc[dest].take(t, last)
         key = ("act" if op.kind is Kind.F else "grad", op.stage, op.mb, op.replica)
         msg_slot[key] = slot
-        col = SELF_SLOT if src == dest else shift_col[(dest.stage - src.stage) % schedule.stages]
+        col = SELF_SLOT if src == dest else shift_col[shift(src, dest)]
         arrivals.append((dest, t, col, slot))
 
     res_slot: dict[tuple[int, int, int], int] = {}
@@ -128,17 +144,29 @@ def build_plan(schedule: Schedule, remat: bool) -> TickPlan:
 
     K = max((len(a.free_from) for a in msg_alloc.values()), default=0)
     R = max((len(a.free_from) for a in res_alloc.values()), default=0)
+    # Each device's inputs: the (replica, microbatch) pairs its first and last
+    # virtual stages read, in order of first use.
+    local: dict[Worker, dict[tuple[int, int], int]] = {w: {} for w in devices}
+    for tick in ticks:
+        for w, op in tick.items():
+            if op.stage in (0, S - 1):
+                local[w].setdefault((op.replica, op.mb), len(local[w]))
+    inputs = np.zeros((len(devices), max(1, *map(len, local.values())), 2), np.int32)
+    for w, pairs in local.items():
+        for pair, i in pairs.items():
+            inputs[index[w], i] = pair
+
     v = schedule.chunks
-    rows = np.zeros((schedule.replicas, schedule.stages, len(ticks), RECV0 + len(shifts)), np.int32)
+    rows = np.zeros((len(devices), len(ticks), RECV0 + len(shifts)), np.int32)
     rows[..., [IN_SLOT, G_SLOT, SELF_SLOT]] = K
     rows[..., RECV0:] = K
     rows[..., [RES_W, RES_R]] = R
     rows[..., ACC] = v
     for t, tick in enumerate(ticks):
         for w, op in tick.items():
-            row = rows[w.replica, w.stage, t]
+            row = rows[index[w], t]
             row[BRANCH] = branch_index(op.kind, op.stage)
-            row[MB] = op.mb
+            row[MB] = local[w].get((op.replica, op.mb), 0)
             key = (op.stage, op.mb, op.replica)
             row[IN_SLOT] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
             row[G_SLOT] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)
@@ -149,5 +177,5 @@ def build_plan(schedule: Schedule, remat: bool) -> TickPlan:
             if op.kind in (Kind.W, Kind.BW):
                 row[ACC] = schedule.chunk_of(op.stage)
     for dest, t, col, slot in arrivals:
-        rows[dest.replica, dest.stage, t, col] = slot
-    return TickPlan(rows=rows, msg_slots=K, res_slots=R, shifts=shifts)
+        rows[index[dest], t, col] = slot
+    return TickPlan(rows=rows, inputs=inputs, msg_slots=K, res_slots=R, shifts=shifts)

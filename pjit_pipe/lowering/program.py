@@ -4,8 +4,12 @@ Every device scans over the ticks of the schedule's lockstep table. In each
 tick it runs one `lax.switch` branch (idle, or F/B/W/BW of one virtual stage)
 chosen by its own table row, then every ppermute of the schedule runs
 unconditionally and the received messages are stored in the slots the plan
-assigned. After the scan the parameter gradients are summed over 'data' and,
-for a training step, each held stage's optax update runs on its device.
+assigned. After the scan the parameter gradients are summed over the live
+replicas of each stage and, for a training step, each held stage's optax
+update runs on its device.
+
+A schedule with failed workers compiles the same way over the survivors only
+(see topology.py); it is the same step, on the same global batch.
 """
 
 from __future__ import annotations
@@ -18,11 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.ops import Kind
-from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.plan import (
@@ -40,8 +44,7 @@ from pjit_pipe.lowering.plan import (
     build_plan,
 )
 from pjit_pipe.lowering.stages import StageVjp
-
-AXES = ("data", "stage")
+from pjit_pipe.lowering.topology import AXES, Topology
 
 
 def _row(bufs: Buffers, i: Any) -> Buffers:
@@ -55,12 +58,13 @@ class Lowered:
         self,
         schedule: Schedule,
         stages: StageVjp,
-        plan: TickPlan,
+        topology: Topology,
         remat: bool,
     ):
         self.sched = schedule
         self.st = stages
-        self.plan = plan
+        self.topo = topology
+        self.plan: TickPlan = build_plan(schedule, remat, topology.workers)
         self.remat = remat
         S = stages.S
         self.param_spec = FlatSpec(stages.param_avals)
@@ -166,19 +170,27 @@ class Lowered:
             grads = {k: b.at[row[ACC]].add(dpar[k]) for k, b in grads.items()}
             msgs = msgs.at[row[SELF_SLOT]].set(msg)
             for i, (_, pairs) in enumerate(self.plan.shifts):
-                got = lax.ppermute(msg, "stage", perm=pairs)
+                got = lax.ppermute(msg, self.topo.axes, perm=pairs)
                 msgs = msgs.at[row[RECV0 + i]].set(got)
             return (msgs, res, grads, loss + dloss), None
 
         (_, _, grads, loss), _ = lax.scan(tick, carry, rows)
-        grads = {k: lax.psum(g[:v], "data") for k, g in grads.items()}
-        return lax.psum(loss, AXES), grads
+        grads = self.topo.reduce_over_replicas({k: g[:v] for k, g in grads.items()})
+        return lax.psum(loss, self.topo.axes), grads
 
     def optimizer_step(
-        self, optimizer: optax.GradientTransformation, opt_spec: FlatSpec, params, grads, opt
+        self,
+        optimizer: optax.GradientTransformation,
+        opt_spec: FlatSpec,
+        params,
+        grads,
+        opt,
+        pos: jax.Array,
     ):
-        """Each held stage's OPT: the optax update of its own parameter pytree."""
-        pos = lax.axis_index("stage")
+        """Each held stage's OPT: the optax update of its own parameter pytree.
+
+        `pos` is this device's pipeline position (it picks the stages to update).
+        """
         new_p = {k: [] for k in params}
         new_o = {k: [] for k in opt}
         for c in range(self.sched.chunks):
@@ -212,16 +224,17 @@ class PipelineStep:
         self,
         schedule: Schedule,
         lowered: Lowered,
-        mesh: Mesh,
         optimizer: optax.GradientTransformation | None,
         examples: tuple[Any, Any, Any],
     ):
         self.schedule = schedule
         self.optimizer = optimizer
+        self.topology = lowered.topo
         self._low = lowered
-        self._mesh = mesh
         self._examples = examples
-        self._rows = lowered.plan.rows
+        topo = lowered.topo
+        self._positions = topo.positions
+        self._first_holder = np.array([topo.holders(p)[0] for p in range(schedule.stages)])
         self._opt_spec = (
             FlatSpec([jax.eval_shape(optimizer.init, a) for a in lowered.st.param_avals])
             if optimizer is not None
@@ -231,80 +244,97 @@ class PipelineStep:
         self._train = jax.jit(self._train_step) if optimizer is not None else None
         self._compiled_vg = None
 
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the program runs on (the survivors' one-axis mesh after failures)."""
+        return self.topology.mesh
+
     # ---- host layout <-> device layout (traced inside jit) ----
 
     def _pack(self, spec: FlatSpec, trees: Sequence[Any]) -> Buffers:
-        """Per-stage trees -> (P, v, L) buffers, row (position, chunk)."""
-        sched = self.schedule
-        rows = [[spec.pack(s, trees[s]) for s in self._low.held[p]] for p in range(sched.stages)]
-        return {k: jnp.stack([jnp.stack([r[k] for r in pr]) for pr in rows]) for k in spec.sizes}
+        """Per-stage trees -> (devices, v, L) buffers: each live worker's held chunks."""
+        held = self._low.held
+        rows = [[spec.pack(s, trees[s]) for s in chunks] for chunks in held]
+        by_position = {
+            k: jnp.stack([jnp.stack([r[k] for r in pr]) for pr in rows]) for k in spec.sizes
+        }
+        return {k: b[self._positions] for k, b in by_position.items()}
 
     def _unpack(self, spec: FlatSpec, bufs: Buffers) -> list[Any]:
+        """(devices, v, L) buffers -> per-stage trees, read from each position's first holder."""
         sched = self.schedule
         return [
-            spec.unpack(s, {k: b[sched.layout[s], sched.chunk_of(s)] for k, b in bufs.items()})
+            spec.unpack(
+                s,
+                {
+                    k: b[self._first_holder[sched.layout[s]], sched.chunk_of(s)]
+                    for k, b in bufs.items()
+                },
+            )
             for s in range(sched.num_virtual_stages)
         ]
 
-    def _split_batch(self, x: Any) -> Any:
+    def _device_batch(self, x: Any) -> Any:
+        """Global batch -> (devices, L, rows, ...): each device's own microbatch list."""
         D, m = self.schedule.replicas, self.schedule.microbatches
-        return jax.tree.map(lambda a: a.reshape(D, m, a.shape[0] // (D * m), *a.shape[1:]), x)
+        r, j = self._low.plan.inputs[..., 0], self._low.plan.inputs[..., 1]
+        return jax.tree.map(lambda a: a.reshape(D, m, a.shape[0] // (D * m), *a.shape[1:])[r, j], x)
 
     def _shard_map(self, body: Callable, n_in_bufs: int, out_specs: Any):
-        buf = PS("stage")
+        spec = self.topology.spec
         return jax.shard_map(
             body,
-            mesh=self._mesh,
-            in_specs=(*([buf] * n_in_bufs), PS("data"), PS("data"), PS(*AXES)),
+            mesh=self.mesh,
+            in_specs=(spec,) * (n_in_bufs + 4),
             out_specs=out_specs,
             check_vma=False,
         )
 
-    def _local(self, x, y, rows):
+    def _device_args(self, x, y):
+        """Per-device inputs after the buffers: batch, labels, tick rows, positions."""
+        plan = self._low.plan
         return (
-            jax.tree.map(lambda a: a[0], x),
-            jax.tree.map(lambda a: a[0], y),
-            jnp.asarray(rows)[0, 0],
+            self._device_batch(x),
+            self._device_batch(y),
+            jnp.asarray(plan.rows),
+            jnp.asarray(self._positions),
         )
+
+    @staticmethod
+    def _local(*trees):
+        return tuple(jax.tree.map(lambda a: a[0], t) for t in trees)
 
     def _value_and_grad(self, stage_params, x, y):
         low = self._low
 
-        def body(params, x, y, rows):
-            params = {k: b[0] for k, b in params.items()}
-            loss, grads = low.tick_loop(params, *self._local(x, y, rows))
+        def body(params, x, y, rows, pos):
+            params, x, y, rows, _ = self._local(params, x, y, rows, pos)
+            loss, grads = low.tick_loop(params, x, y, rows)
             return loss, {k: g[None] for k, g in grads.items()}
 
-        f = self._shard_map(body, 1, (PS(), PS("stage")))
-        loss, grads = f(
-            self._pack(low.param_spec, stage_params),
-            self._split_batch(x),
-            self._split_batch(y),
-            self._rows,
-        )
+        f = self._shard_map(body, 1, (PS(), self.topology.spec))
+        loss, grads = f(self._pack(low.param_spec, stage_params), *self._device_args(x, y))
         return loss, self._unpack(low.param_spec, grads)
 
     def _train_step(self, stage_params, opt_state, x, y):
         low, spec = self._low, self._opt_spec
 
-        def body(params, opt, x, y, rows):
-            params = {k: b[0] for k, b in params.items()}
-            opt = {k: b[0] for k, b in opt.items()}
-            loss, grads = low.tick_loop(params, *self._local(x, y, rows))
-            params, opt = low.optimizer_step(self.optimizer, spec, params, grads, opt)
+        def body(params, opt, x, y, rows, pos):
+            params, opt, x, y, rows, pos = self._local(params, opt, x, y, rows, pos)
+            loss, grads = low.tick_loop(params, x, y, rows)
+            params, opt = low.optimizer_step(self.optimizer, spec, params, grads, opt, pos)
             return (
                 {k: b[None] for k, b in params.items()},
                 {k: b[None] for k, b in opt.items()},
                 loss,
             )
 
-        f = self._shard_map(body, 2, (PS("stage"), PS("stage"), PS()))
+        out = self.topology.spec
+        f = self._shard_map(body, 2, (out, out, PS()))
         params, opt, loss = f(
             self._pack(low.param_spec, stage_params),
             self._pack(spec, opt_state),
-            self._split_batch(x),
-            self._split_batch(y),
-            self._rows,
+            *self._device_args(x, y),
         )
         return self._unpack(low.param_spec, params), self._unpack(spec, opt), loss
 
@@ -343,8 +373,6 @@ def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> Non
     if not isinstance(schedule, Schedule):
         raise ValueError(f"schedule must be a pjit_pipe Schedule, got {type(schedule).__name__}")
     validate(schedule)
-    if schedule.failed:
-        raise ScheduleError("the lowering does not support schedules with failed workers yet")
     if tuple(mesh.axis_names) != AXES:
         raise ValueError(f"mesh axes must be {AXES}, got {tuple(mesh.axis_names)}")
     shape = (mesh.shape["data"], mesh.shape["stage"])
@@ -381,6 +409,9 @@ def lower(
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
+    `mesh` is the whole (data, stage) mesh; when the schedule has failed
+    workers the program runs on the survivors' devices only.
+
     stage_fns[s](params_s, act) -> act for each of the P*v virtual stages;
     loss_fn(out, y_mb) -> scalar mean loss of one microbatch. stage_params, x
     and y are examples (shapes only). With remat=True, B and W recompute the
@@ -392,7 +423,6 @@ def lower(
     stages = StageVjp(
         stage_fns, loss_fn, _abstract(list(stage_params)), jax.tree.map(mb, x), jax.tree.map(mb, y)
     )
-    lowered = Lowered(schedule, stages, build_plan(schedule, remat), remat)
-    auto_mesh = Mesh(mesh.devices, AXES, axis_types=(AxisType.Auto,) * 2)
+    lowered = Lowered(schedule, stages, Topology.of(mesh, schedule.failed), remat)
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
-    return PipelineStep(schedule, lowered, auto_mesh, optimizer, examples)
+    return PipelineStep(schedule, lowered, optimizer, examples)

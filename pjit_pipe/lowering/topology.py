@@ -1,0 +1,109 @@
+"""The devices one compiled program runs on: the live workers of a D x P deployment.
+
+Fault-free, that is the whole (data, stage) mesh and the gradient reduction is a
+psum over 'data'. After failures the live devices no longer form a rectangle,
+so the program runs on a one-axis mesh ('worker') of the survivors, in
+(replica, stage) order; messages between any two workers are ppermutes over
+that axis (the one collective that works over any device subset), and each
+stage's gradients are reduced over its surviving holders with a ppermute
+chain. Either way a worker's linear index is its position in `workers`, which
+is the row it owns in every per-worker array of the program.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import AxisType, Mesh
+from jax.sharding import PartitionSpec as PS
+
+from pjit_pipe.ir.ops import Worker
+
+AXES = ("data", "stage")
+SURVIVOR_AXIS = "worker"
+
+
+@dataclass(frozen=True)
+class Topology:
+    """Live workers, the mesh over their devices, and how to reduce over replicas."""
+
+    replicas: int
+    stages: int
+    workers: tuple[Worker, ...]
+    mesh: Mesh
+
+    @classmethod
+    def of(cls, mesh: Mesh, failed: Sequence[Worker] = ()) -> Topology:
+        """The topology of `mesh` (axes data, stage) with `failed` workers removed."""
+        D, P = mesh.shape["data"], mesh.shape["stage"]
+        dead = {Worker(*w) for w in failed}
+        workers = tuple(
+            Worker(r, p) for r in range(D) for p in range(P) if Worker(r, p) not in dead
+        )
+        if not dead:
+            sub = Mesh(mesh.devices, AXES, axis_types=(AxisType.Auto,) * 2)
+        else:
+            devices = np.array([mesh.devices[w.replica, w.stage] for w in workers], dtype=object)
+            sub = Mesh(devices, (SURVIVOR_AXIS,), axis_types=(AxisType.Auto,))
+        return cls(D, P, workers, sub)
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """Every mesh axis: collectives over all workers name these."""
+        return tuple(self.mesh.axis_names)
+
+    @property
+    def spec(self) -> PS:
+        """Sharding of a per-worker array: its leading dimension over every axis."""
+        return PS(self.axes)
+
+    @property
+    def complete(self) -> bool:
+        return len(self.workers) == self.replicas * self.stages
+
+    def index(self, worker: Worker) -> int:
+        """The worker's linear index (its row in per-worker arrays)."""
+        return self.workers.index(worker)
+
+    @property
+    def positions(self) -> np.ndarray:
+        """Pipeline position of each live worker, by linear index."""
+        return np.array([w.stage for w in self.workers], np.int32)
+
+    def holders(self, position: int) -> list[int]:
+        """Linear indices of the live workers of one pipeline position."""
+        return [i for i, w in enumerate(self.workers) if w.stage == position]
+
+    def reduce_over_replicas(self, tree: Any) -> Any:
+        """Sum over the live replicas of each worker's stage (inside shard_map).
+
+        With a member missing there is no mesh axis to psum over, so the sum
+        runs down a chain of ppermutes (holder 0 -> 1 -> ... -> last, adding)
+        and the total comes back up the chain. Every holder then has the same
+        bits, summed in one fixed order, so replicas stay identical.
+        """
+        if self.complete:
+            return lax.psum(tree, "data")
+        groups = [self.holders(p) for p in range(self.stages)]
+        rounds = max(len(g) for g in groups) - 1
+        me = lax.axis_index(SURVIVOR_AXIS)
+        for k in range(rounds):
+            pairs = [(g[k], g[k + 1]) for g in groups if len(g) > k + 1]
+            tree = jax.tree.map(lambda a, p=pairs: a + lax.ppermute(a, SURVIVOR_AXIS, p), tree)
+        for k in range(rounds):
+            pairs = [(g[-1 - k], g[-2 - k]) for g in groups if len(g) > k + 1]
+            takes = np.zeros(len(self.workers), bool)
+            takes[[dst for _, dst in pairs]] = True
+            mine = jnp.asarray(takes)[me]
+
+            def down(a, p=pairs, mine=mine):
+                return jnp.where(mine, lax.ppermute(a, SURVIVOR_AXIS, p), a)
+
+            tree = jax.tree.map(down, tree)
+        return tree
