@@ -15,6 +15,9 @@ _EXPORTS = {
     "boundary": "pjit_pipe.frontend",
     "make_mesh": "pjit_pipe.frontend",
     "pipeline": "pjit_pipe.frontend",
+    "InjectedFailures": "pjit_pipe.runtime",
+    "LiveDevices": "pjit_pipe.runtime",
+    "ResilientTrainer": "pjit_pipe.runtime",
 }
 
 __all__ = sorted(_EXPORTS)

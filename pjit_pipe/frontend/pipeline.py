@@ -20,9 +20,12 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pjit_pipe.failures import FailurePattern
 from pjit_pipe.frontend.cut import BALANCE, StageCut, check_variables, cut_module
 from pjit_pipe.frontend.mesh import AXES, make_mesh
 from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.lowering.topology import Topology
+from pjit_pipe.passes.reroute import schedule_with_failures
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator.costs import Costs
 
@@ -74,6 +77,8 @@ class Pipelined:
         optimizer: optax.GradientTransformation | None = None,
         remat: bool = False,
         balance: str = "flops",
+        failed: Sequence[tuple[int, int]] = (),
+        search_time: float = 2.0,
     ):
         if not isinstance(module, nn.Module):
             raise TypeError(f"pipeline: expected a flax.linen.Module, got {type(module).__name__}")
@@ -92,9 +97,31 @@ class Pipelined:
                 f"but stages={self.stages}"
             )
         self.replicas = self.mesh.shape["data"]
-        self.schedule: Schedule = make_schedule(
-            schedule, self.stages, self.microbatches, self.chunks, costs, mem_limit, self.replicas
-        )
+        self.failed = FailurePattern.of(self.replicas, self.stages, failed)
+        # The mesh the compiled program runs on: `mesh`, or the survivors' devices.
+        self.device_mesh: Mesh = Topology.of(self.mesh, self.failed.failed).mesh
+        if self.failed.failed:
+            self.schedule: Schedule = schedule_with_failures(
+                schedule,
+                self.stages,
+                self.microbatches,
+                self.replicas,
+                self.failed,
+                costs,
+                mem_limit,
+                self.chunks,
+                time_limit=search_time,
+            )
+        else:
+            self.schedule = make_schedule(
+                schedule,
+                self.stages,
+                self.microbatches,
+                self.chunks,
+                costs,
+                mem_limit,
+                self.replicas,
+            )
         self.optimizer = optimizer
         self.remat = remat
         self.balance = balance
@@ -109,6 +136,8 @@ class Pipelined:
             optimizer=optimizer,
             remat=remat,
             balance=balance,
+            failed=tuple(sorted(self.failed.failed)),
+            search_time=search_time,
         )
         self._cuts: dict[Any, StageCut] = {}
         self._steps: dict[Any, Any] = {}
@@ -116,6 +145,18 @@ class Pipelined:
     def with_options(self, **changes: Any) -> Pipelined:
         """A copy with some options changed (e.g. another mesh or optimizer)."""
         return Pipelined(self.module, **{**self._options, **changes})
+
+    def with_failures(self, failed: Sequence[tuple[int, int]]) -> Pipelined:
+        """The same model and API on the surviving devices: `failed` lists the
+        (replica, stage) workers that are down (an empty list: the fault-free
+        pipeline). Their microbatches run on peers of the same stage, so the
+        loss and gradients are those of the fault-free step on the same batch.
+
+        Raises ScheduleError naming the stage when a stage has no survivor.
+        """
+        variant = self.with_options(failed=tuple(failed))
+        variant._cuts = self._cuts  # same module and stage count: share the cuts
+        return variant
 
     # ---- the plain module API ----
 
@@ -185,10 +226,18 @@ class Pipelined:
 
         def value_and_grad(params: Any, x: Any, y: Any) -> tuple[jax.Array, Any]:
             cut, step = self._step(params, x, y, loss_fn)
+            params = self.place(params)
             loss, grads = step.value_and_grad(cut.split(params), x, y)
             return loss, cut.merge(grads)
 
         return value_and_grad
+
+    def place(self, tree: Any) -> Any:
+        """`tree` replicated on the devices this pipeline runs on (a no-op when it is).
+
+        Switching to or from a failure variant moves the state this way: a
+        rejoining device gets its copy from a live one."""
+        return jax.device_put(tree, NamedSharding(self.device_mesh, PartitionSpec()))
 
     def train_step(self, loss_fn: LossFn) -> TrainStep:
         """A training step for `loss_fn` with the pipeline's optax optimizer."""
@@ -210,13 +259,27 @@ class TrainStep:
         state = TrainState(params=params, opt_state=step.init_opt_state(cut.split(params)))
         # Place it as train steps return it (replicated on the mesh), so the
         # second step does not compile again for a new input layout.
-        return jax.device_put(state, NamedSharding(self.pipelined.mesh, PartitionSpec()))
+        return self.pipelined.place(state)
 
     def __call__(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
         x, y = batch
         cut, step = self.pipelined._step(state.params, x, y, self.loss_fn)
+        state, (x, y) = self.pipelined.place((state, (x, y)))
         params, opt_state, loss = step.train_step(cut.split(state.params), state.opt_state, x, y)
         return TrainState(cut.merge(params), opt_state, state.step + 1), loss
+
+    def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
+        """Compile ahead of time for states and batches shaped like these (arrays or
+        ShapeDtypeStructs); returns the seconds it took."""
+        x, y = batch
+        cut, step = self.pipelined._step(state.params, x, y, self.loss_fn)
+        sharding = NamedSharding(self.pipelined.device_mesh, PartitionSpec())
+        placed = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=sharding),
+            (state, x, y),
+        )
+        state, x, y = placed
+        return step.compile_train_step(cut.split(state.params), state.opt_state, x, y)
 
 
 class PipelinedClass:
@@ -250,7 +313,9 @@ def pipeline(
     the first P devices), chunks (v, virtual stages per device), mem_limit,
     costs (Costs for the schedule generators), optimizer (optax, for
     train_step), remat (recompute forwards in the backward), balance ('flops'
-    or 'params': how stages are balanced).
+    or 'params': how stages are balanced), failed ((replica, stage) workers
+    that are down; see `Pipelined.with_failures`), search_time (seconds for
+    the re-routed schedule search).
     """
     if module is None:
         return lambda m: pipeline(m, **options)

@@ -14,6 +14,7 @@ A schedule with failed workers compiles the same way over the survivors only
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -242,6 +243,7 @@ class PipelineStep:
         )
         self._vg = jax.jit(self._value_and_grad)
         self._train = jax.jit(self._train_step) if optimizer is not None else None
+        self._compiled_train = None
         self._compiled_vg = None
 
     @property
@@ -356,13 +358,31 @@ class PipelineStep:
         """One synchronous step: (new stage params, new opt state, loss before the update)."""
         if self._train is None:
             raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
-        return self._train(list(stage_params), list(opt_state), x, y)
+        run = self._compiled_train or self._train
+        return run(list(stage_params), list(opt_state), x, y)
+
+    def compile_train_step(
+        self, stage_params: Sequence[Any], opt_state: Sequence[Any], x: Any, y: Any
+    ) -> float:
+        """AOT-compile train_step for arguments shaped and placed like these (arrays
+        or ShapeDtypeStructs with shardings); later calls run that executable and
+        must pass arguments placed the same way. Returns the seconds it took."""
+        if self._train is None:
+            raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
+        start = time.perf_counter()
+        args = jax.tree.map(_abstract_placed, (list(stage_params), list(opt_state), x, y))
+        self._compiled_train = self._train.lower(*args).compile()
+        return time.perf_counter() - start
 
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the compiled value_and_grad program."""
         if self._compiled_vg is None:
             self._compiled_vg = self._vg.lower(*self._examples).compile()
         return self._compiled_vg.memory_analysis()
+
+
+def _abstract_placed(a: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=a.sharding)
 
 
 def _abstract(tree: Any) -> Any:

@@ -1,0 +1,113 @@
+"""Training that goes on through device failures.
+
+Each step is an attempt inside the detector's context: the detector says which
+workers are down, the matching variant runs (switching programs costs a
+dictionary lookup when it was precompiled, plus moving the replicated state
+onto the new device set), and its result is committed only if no worker died
+meanwhile. Otherwise the step is retried on the new variant from the last
+committed state, so no microbatch is lost and no update applied twice. When a
+worker is back, the next step runs the fault-free program again; placing the
+state on the full mesh copies the stage parameters and optimizer state to the
+rejoined device from a live peer.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+
+from pjit_pipe.frontend.pipeline import Pipelined, TrainState
+from pjit_pipe.ir.ops import Worker
+from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
+from pjit_pipe.runtime.variants import Variants
+
+
+@dataclass(frozen=True)
+class Event:
+    """Something the runtime did: 'failure' (an attempt lost), 'switch' (another program)."""
+
+    step: int
+    kind: str
+    failed: frozenset[Worker]
+    seconds: float = 0.0
+
+    def describe(self) -> str:
+        down = ", ".join(map(str, sorted(self.failed))) or "none"
+        if self.kind == "failure":
+            return f"step {self.step}: worker(s) {down} failed; retrying the step"
+        return f"step {self.step}: switched to the program for failed = {down} in {self.seconds * 1e3:.0f} ms"
+
+
+class ResilientTrainer:
+    """`state, loss = trainer.step(state, batch)`, through failures and rejoins.
+
+    pipelined: the fault-free pipeline (with an optimizer); detector: where
+    failures come from (default: none); max_failures: patterns compiled ahead
+    in the background; cache_dir: on-disk cache of executables.
+    """
+
+    def __init__(
+        self,
+        pipelined: Pipelined,
+        loss_fn: Callable,
+        detector: FailureDetector | None = None,
+        max_failures: int = 1,
+        cache_dir: str | None = None,
+        on_event: Callable[[Event], None] | None = None,
+    ):
+        self.pipelined = pipelined
+        self.loss_fn = loss_fn
+        self.detector = detector or InjectedFailures()
+        self.max_failures = max_failures
+        self.cache_dir = cache_dir
+        self.on_event = on_event
+        self.events: list[Event] = []
+        self.variants: Variants | None = None
+        self._current: frozenset[Worker] = frozenset()
+
+    def init(self, params: Any, batch: tuple[Any, Any], precompile: bool = True) -> TrainState:
+        """The initial state; compiles the fault-free step, then (in the background,
+        with `precompile`) every pattern of up to max_failures failed workers."""
+        state = self.pipelined.train_step(self.loss_fn).init(params, batch)
+        self.variants = Variants(self.pipelined, self.loss_fn, state, batch, self.cache_dir)
+        self.variants.get(())
+        if precompile:
+            self.variants.precompile(self.max_failures)
+        return state
+
+    def step(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
+        """One committed optimizer step: retried until an attempt finishes with no failure."""
+        if self.variants is None:
+            raise ValueError("ResilientTrainer.step: call init(params, batch) first")
+        while True:
+            try:
+                with self.detector.attempt(state.step) as down:
+                    variant = self._switch(state.step, down)
+                    new_state, loss = variant(state, batch)
+                    jax.block_until_ready(loss)
+            except WorkerFailure as failure:
+                self._record(Event(failure.step, "failure", failure.workers))
+                continue
+            return new_state, loss
+
+    def _switch(self, step: int, down: frozenset[Worker]):
+        start = time.perf_counter()
+        variant = self.variants.get(down)
+        if down != self._current:
+            self._current = down
+            self._record(Event(step, "switch", down, time.perf_counter() - start))
+        return variant
+
+    def _record(self, event: Event) -> None:
+        self.events.append(event)
+        if self.on_event is not None:
+            self.on_event(event)
+
+    def close(self) -> None:
+        """Stop background compilation."""
+        if self.variants is not None:
+            self.variants.close()

@@ -1,0 +1,167 @@
+"""Compiled training steps for failure patterns, prepared before they are needed.
+
+Each set of failed workers is its own program: its own re-routed schedule and
+its own executable over the surviving devices (patterns equal up to a
+replica permutation share the schedule search, not the executable, since the
+devices differ). `Variants` compiles them ahead of time (`lower().compile()`)
+in a background thread while training runs, fault-free first, then every
+pattern of up to `max_failures` failed workers; one that was not foreseen
+compiles on demand. With `cache_dir`, JAX's persistent compilation cache keeps
+the executables on disk, so a restarted job loads instead of compiling.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future
+from dataclasses import dataclass
+from itertools import combinations
+from typing import Any
+
+import jax
+
+from pjit_pipe.failures import FailurePattern
+from pjit_pipe.frontend.pipeline import Pipelined, TrainState, TrainStep
+from pjit_pipe.ir.ops import Worker
+from pjit_pipe.ir.schedule import ScheduleError
+
+Failed = frozenset[Worker]
+
+
+@dataclass(frozen=True)
+class Variant:
+    """The training step for one set of failed workers."""
+
+    failed: Failed
+    pipelined: Pipelined
+    step: TrainStep
+    compile_seconds: float
+
+    def __call__(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, Any]:
+        return self.step(state, batch)
+
+
+def failure_sets(replicas: int, stages: int, max_failures: int) -> Iterator[Failed]:
+    """Every recoverable set of up to `max_failures` failed workers, fewest first."""
+    mesh = [Worker(r, s) for r in range(replicas) for s in range(stages)]
+    for k in range(min(max_failures, len(mesh)) + 1):
+        for combo in combinations(mesh, k):
+            try:
+                FailurePattern(replicas, stages, frozenset(combo)).canonical()
+            except ScheduleError:
+                continue  # a stage with no survivor: nothing to compile
+            yield frozenset(combo)
+
+
+def use_disk_cache(cache_dir: str) -> None:
+    """Keep every compiled executable in JAX's persistent cache under `cache_dir`."""
+    jax.config.update("jax_compilation_cache_dir", str(cache_dir))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
+class Variants:
+    """Compiled steps per failure set: `get(failed)` returns one, compiling if needed.
+
+    `example_state` and `example_batch` fix the shapes (a TrainState from
+    `pipelined.train_step(loss_fn).init` and one (x, y) batch).
+    """
+
+    def __init__(
+        self,
+        pipelined: Pipelined,
+        loss_fn: Callable,
+        example_state: TrainState,
+        example_batch: tuple[Any, Any],
+        cache_dir: str | None = None,
+    ):
+        if cache_dir is not None:
+            use_disk_cache(cache_dir)
+        self.base = pipelined
+        self.loss_fn = loss_fn
+        self.example = (example_state, example_batch)
+        self._lock = threading.Lock()
+        self._futures: dict[Failed, Future] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def get(self, failed: Iterable[tuple[int, int]] = ()) -> Variant:
+        """The variant for these failed workers (waits if it is being compiled).
+
+        Raises ScheduleError, naming the stage, when a stage has no survivor.
+        """
+        failed = frozenset(Worker(*w) for w in failed)
+        FailurePattern(self.base.replicas, self.base.stages, failed).canonical()  # recoverable?
+        future, mine = self._claim(failed)
+        if mine:
+            self._build(failed, future)
+        return future.result()
+
+    def ready(self, failed: Iterable[tuple[int, int]] = ()) -> bool:
+        """Whether the variant is compiled (get would not wait)."""
+        future = self._futures.get(frozenset(Worker(*w) for w in failed))
+        return future is not None and future.done()
+
+    def precompile(
+        self,
+        max_failures: int = 1,
+        background: bool = True,
+        on_done: Callable[[Variant], None] | None = None,
+    ) -> None:
+        """Compile the fault-free step and every recoverable pattern of up to
+        `max_failures` failed workers, in a daemon thread unless `background`
+        is False. `on_done(variant)` is called after each one this call compiles."""
+        sets = list(failure_sets(self.base.replicas, self.base.stages, max_failures))
+
+        def work() -> None:
+            for failed in sets:
+                if self._stop.is_set():
+                    return
+                future, mine = self._claim(failed)
+                if mine:
+                    self._build(failed, future)
+                    if on_done is not None and future.exception() is None:
+                        on_done(future.result())
+
+        if not background:
+            work()
+            return
+        self._thread = threading.Thread(target=work, name="pjit_pipe-precompile", daemon=True)
+        self._thread.start()
+
+    def wait(self) -> None:
+        """Block until the background precompilation has finished."""
+        if self._thread is not None:
+            self._thread.join()
+
+    def close(self) -> None:
+        """Stop precompiling after the variant in progress."""
+        self._stop.set()
+        self.wait()
+
+    @property
+    def compiled(self) -> dict[Failed, Variant]:
+        """The variants compiled so far."""
+        with self._lock:
+            done = dict(self._futures)
+        return {k: f.result() for k, f in done.items() if f.done() and f.exception() is None}
+
+    def _claim(self, failed: Failed) -> tuple[Future, bool]:
+        with self._lock:
+            if failed in self._futures:
+                return self._futures[failed], False
+            future: Future = Future()
+            self._futures[failed] = future
+            return future, True
+
+    def _build(self, failed: Failed, future: Future) -> None:
+        try:
+            pv = self.base.with_failures(sorted(failed)) if failed else self.base
+            step = pv.train_step(self.loss_fn)
+            seconds = step.compile(*self.example)
+            future.set_result(Variant(failed, pv, step, seconds))
+        except BaseException as e:  # the waiter re-raises it
+            with self._lock:
+                del self._futures[failed]  # a later get may try again
+            future.set_exception(e)

@@ -1,0 +1,158 @@
+"""Training through failures: injected failures and rejoins, variants, the detector.
+
+The reference is plain unpipelined training (jax.value_and_grad + optax adam)
+on the same batches: a run with a failure at step 5 and a rejoin at step 12
+must have its loss at every step.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+import pjit_pipe as pp
+from models import ResidualMLP, mse_loss
+from pjit_pipe.ir.ops import Worker
+from pjit_pipe.ir.schedule import ScheduleError
+from pjit_pipe.runtime import (
+    InjectedFailures,
+    ResilientTrainer,
+    Variants,
+    WorkerFailure,
+    failure_sets,
+)
+
+STEPS, M, BATCH = 20, 4, 32
+MODEL = ResidualMLP(d_model=16, hidden=16, n_layers=4, d_out=4)
+
+
+def batches(n: int = STEPS) -> list[tuple[np.ndarray, np.ndarray]]:
+    rng = np.random.default_rng(0)
+    out = []
+    for _ in range(n):
+        x = rng.normal(size=(BATCH, 8)).astype(np.float32)
+        out.append((x, np.sin(x[:, :4])))
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """Loss per step of unpipelined adam training, and the initial params."""
+    data = batches()
+    params = MODEL.init(jax.random.key(0), data[0][0])
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def step(params, state, x, y):
+        loss, g = jax.value_and_grad(lambda p: mse_loss(MODEL.apply(p, x), y))(params)
+        upd, state = opt.update(g, state, params)
+        return optax.apply_updates(params, upd), state, loss
+
+    p, s, losses = params, opt.init(params), []
+    for x, y in data:
+        p, s, loss = step(p, s, x, y)
+        losses.append(float(loss))
+    return params, np.array(losses)
+
+
+def trainer(D: int, P: int, kind: str, detector=None) -> ResilientTrainer:
+    pm = pp.pipeline(
+        MODEL,
+        stages=P,
+        microbatches=M,
+        schedule=kind,
+        mesh=pp.make_mesh(data=D, stage=P),
+        optimizer=optax.adam(1e-2),
+    )
+    return ResilientTrainer(pm, mse_loss, detector)
+
+
+CASES = [
+    ("1f1b", 2, 4, {5: [(0, 2)]}, {12: [(0, 2)]}),
+    ("zb-h1", 2, 4, {5: [(1, 0)]}, {12: [(1, 0)]}),
+    ("1f1b", 4, 2, {5: [(3, 1)]}, {12: [(3, 1)]}),
+    ("zb-h1", 4, 2, {5: [(0, 0)]}, {12: [(0, 0)]}),
+    ("zb-h1", 4, 2, {5: [(0, 0)], 8: [(2, 1)]}, {12: [(0, 0), (2, 1)]}),
+]
+
+
+@pytest.mark.parametrize(
+    "kind,D,P,fail,rejoin", CASES, ids=[f"{k}-{d}x{p}-{len(f)}fail" for k, d, p, f, _ in CASES]
+)
+def test_loss_unbroken_through_failure_and_rejoin(reference, kind, D, P, fail, rejoin):
+    params, want = reference
+    tr = trainer(D, P, kind, InjectedFailures(fail, rejoin))
+    data = batches()
+    state = tr.init(params, data[0], precompile=False)
+    got = []
+    for batch in data:
+        state, loss = tr.step(state, batch)
+        got.append(float(loss))
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert state.step == STEPS  # every step applied once: no retry was committed twice
+    failures = [e for e in tr.events if e.kind == "failure"]
+    assert [e.step for e in failures] == sorted(fail)
+    switches = [(e.step, e.failed) for e in tr.events if e.kind == "switch"]
+    down, expect = frozenset(), []
+    for step in sorted({*fail, *rejoin}):
+        down = (down | {Worker(*w) for w in fail.get(step, ())}) - {
+            Worker(*w) for w in rejoin.get(step, ())
+        }
+        expect.append((step, down))
+    assert switches == expect
+    # the committed state lives on the full mesh again after the rejoin
+    devices = set(jax.tree.leaves(state.params)[0].sharding.device_set)
+    assert devices == set(tr.pipelined.mesh.devices.flat)
+
+
+def test_unrecoverable_failure_names_the_stage_and_keeps_the_state(reference):
+    params, _ = reference
+    tr = trainer(2, 4, "1f1b", InjectedFailures({1: [(0, 3), (1, 3)]}))
+    data = batches(2)
+    state = tr.init(params, data[0], precompile=False)
+    state, _ = tr.step(state, data[0])
+    before = jax.tree.map(np.asarray, state)
+    with pytest.raises(ScheduleError, match="stage 3"):
+        tr.step(state, data[1])
+    assert state.step == 1
+    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state), before)
+
+
+def test_precompiled_variants_cover_every_single_failure(reference):
+    params, _ = reference
+    tr = trainer(2, 2, "1f1b")
+    data = batches(1)
+    state = tr.init(params, data[0], precompile=False)
+    variants: Variants = tr.variants
+    done = []
+    variants.precompile(max_failures=1, background=True, on_done=done.append)
+    variants.wait()
+    singles = [frozenset({Worker(r, s)}) for r in range(2) for s in range(2)]
+    assert {v.failed for v in done} == set(singles)  # the fault-free one was compiled by init
+    assert set(variants.compiled) == {frozenset(), *singles}
+    assert all(variants.ready(f) for f in singles)
+    # every variant computes the same step as the fault-free program
+    _, loss0 = variants.get(())(state, data[0])
+    for failed in singles:
+        _, loss = variants.get(failed)(state, data[0])
+        np.testing.assert_allclose(float(loss), float(loss0), rtol=1e-6)
+
+
+def test_failure_sets_skip_unrecoverable_patterns():
+    sets = list(failure_sets(2, 2, 2))
+    assert sets[0] == frozenset() and len(sets) == 1 + 4 + 4  # two-failure sets: 6 - 2 lethal
+    assert frozenset({Worker(0, 1), Worker(1, 1)}) not in sets
+
+
+def test_injected_failures_lose_one_attempt_then_hold():
+    det = InjectedFailures({3: [(1, 2)]}, {6: [(1, 2)]})
+    with det.attempt(2) as down:
+        assert down == frozenset()
+    with pytest.raises(WorkerFailure, match="1:2"), det.attempt(3) as down:
+        assert down == frozenset()
+    with det.attempt(3) as down:  # the retry sees the failure and succeeds
+        assert down == {Worker(1, 2)}
+    with det.attempt(6) as down:
+        assert down == frozenset()
