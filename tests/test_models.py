@@ -117,3 +117,29 @@ def test_train_cli_prints_json_per_step(capsys):
 def test_train_cli_rejects_bad_mesh(capsys):
     assert main(["train", "--mesh", "2by4"]) == 2
     assert "expected DxP" in capsys.readouterr().err
+
+
+def test_train_cli_through_a_failure_matches_a_run_without(capsys):
+    argv = ["train", "--model", "mlp", "--mesh", "2x2", "--microbatches", "2", "--steps", "5"]
+    assert main([*argv, "--json"]) == 0
+    clean = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main([*argv, "--json", "--fail", "1:1:0", "--rejoin", "3:1:0", "--precompile", "0"]) == 0
+    faulty = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["failed"] for r in faulty] == [[], ["1:0"], ["1:0"], [], []]
+    assert any("failed" in e for e in faulty[1]["events"])
+    np.testing.assert_allclose([r["loss"] for r in faulty], [r["loss"] for r in clean], rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "extra,message",
+    [
+        (["--fail", "3:2:0"], "outside the mesh"),
+        (["--rejoin", "1:0:5"], "outside the mesh"),
+        (["--fail", "x:1:0"], "STEP:R:S"),
+        (["--precompile", "-1"], "must be >= 0"),
+    ],
+)
+def test_train_cli_rejects_bad_failures(capsys, extra, message):
+    assert main(["train", "--model", "mlp", "--mesh", "2x2", *extra]) != 0
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1

@@ -1,7 +1,11 @@
 """`pjit-pipe demo` (`make demo`): train the tiny GPT on 8 CPU devices and show the result.
 
 data=2 x stage=4 with the ZB-H1 schedule: a progress bar with loss and
-tokens/s, the schedule's Gantt chart written to a file, and a text sample.
+tokens/s. First every single-worker failure variant is compiled; a third of
+the way in, worker 1:2 fails, its microbatches move to its peer 0:2 on the
+precompiled program, and at two thirds it rejoins. Written
+to files: the schedule's Gantt chart, the re-routed schedule's, and the loss
+curve with the failure and the rejoin marked. Last, a text sample.
 """
 
 from __future__ import annotations
@@ -12,6 +16,24 @@ from typing import Any
 from pjit_pipe.cli.train import ensure_host_devices, mesh_arg
 
 GANTT_FILE = "demo_schedule.png"
+REROUTED_FILE = "demo_rerouted.png"
+LOSS_FILE = "demo_loss.png"
+FAILED_WORKER = (1, 2)
+
+
+def loss_curve(losses: list[float], marks: dict[int, str], path: str) -> str:
+    """Loss per step, with a dashed line and a label at each marked step."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(8, 3.5), layout="constrained")
+    ax = fig.add_subplot()
+    ax.plot(range(len(losses)), losses, lw=1.2)
+    for step, label in sorted(marks.items()):
+        ax.axvline(step, color="#e15759" if label == "failure" else "#59a14f", ls="--", lw=1)
+        ax.annotate(label, (step, max(losses)), xytext=(3, -12), textcoords="offset points")
+    ax.set(xlabel="step", ylabel="loss", title="Training through a failure and a rejoin")
+    fig.savefig(path, dpi=120)
+    return path
 
 
 def register(subparsers: Any) -> None:
@@ -20,6 +42,10 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--gantt", default=GANTT_FILE, help="where to save the schedule chart")
+    parser.add_argument(
+        "--rerouted", default=REROUTED_FILE, help="where to save the re-routed schedule's chart"
+    )
+    parser.add_argument("--loss-plot", default=LOSS_FILE, help="where to save the loss curve")
     parser.set_defaults(run=run)
 
 
@@ -30,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
     from models.text import sample
-    from pjit_pipe.cli.train import train
+    from pjit_pipe.cli.train import StepRecord, train
     from pjit_pipe.simulator.plot import gantt
 
     options = argparse.Namespace(
@@ -43,21 +69,54 @@ def run(args: argparse.Namespace) -> int:
         steps=args.steps,
         lr=3e-3,
         seed=0,
+        fail={args.steps // 3: [FAILED_WORKER]},
+        rejoin={2 * args.steps // 3: [FAILED_WORKER]},
+        precompile=1,
+        cache_dir=None,
     )
     print(
         f"Training the tiny GPT on {mesh[0] * mesh[1]} {jax.devices()[0].platform} devices: "
         f"data={mesh[0]} x stage={mesh[1]}, schedule {options.schedule}, "
         f"{options.microbatches} microbatches of {options.batch // (mesh[0] * 8)} sequences"
     )
-    with tqdm(total=args.steps, desc="demo", unit="step") as bar:
+    print(
+        f"Worker {FAILED_WORKER[0]}:{FAILED_WORKER[1]} fails during step {args.steps // 3} "
+        f"and rejoins before step {2 * args.steps // 3}."
+    )
+    records: list[StepRecord] = []
+    workers = mesh[0] * mesh[1]
+    compiling = tqdm(total=workers, desc="compile failure variants", unit="variant")
+    bar = None
 
-        def on_step(step: int, loss: float, seconds: float, tokens: int) -> None:
-            bar.set_postfix(loss=f"{loss:.3f}", tok_s=f"{tokens / seconds:,.0f}")
-            bar.update()
+    def on_compiled(variant: Any) -> None:
+        compiling.set_postfix(last=f"{variant.compile_seconds:.1f}s")
+        compiling.update()
 
-        pm, state, task = train(options, on_step)
+    def on_step(rec: StepRecord) -> None:
+        nonlocal bar
+        if bar is None:
+            compiling.close()
+            bar = tqdm(total=args.steps, desc="demo", unit="step")
+        records.append(rec)
+        for line in rec.events:
+            bar.write(line)
+        bar.set_postfix(loss=f"{rec.loss:.3f}", tok_s=f"{rec.tokens / rec.seconds:,.0f}")
+        bar.update()
+
+    try:
+        pm, state, task = train(options, on_step, on_compiled)
+    finally:
+        compiling.close()
+        if bar is not None:
+            bar.close()
     path = gantt(pm.schedule, args.gantt)
     print(f"Schedule chart ({options.schedule}, unit costs) saved to {path}")
+    variant = pm.with_failures([FAILED_WORKER])
+    path = gantt(variant.schedule, args.rerouted)
+    print(f"Re-routed schedule with {FAILED_WORKER[0]}:{FAILED_WORKER[1]} down saved to {path}")
+    marks = {r.step: ("failure" if r.failed else "rejoin") for r in records if r.events}
+    path = loss_curve([r.loss for r in records], marks, args.loss_plot)
+    print(f"Loss curve saved to {path}")
     prompt = "The sea was "
     tokens = sample(
         pm.apply,

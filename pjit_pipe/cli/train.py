@@ -27,6 +27,33 @@ def mesh_arg(text: str) -> tuple[int, int]:
     return int(match[1]), int(match[2])
 
 
+def step_workers_arg(text: str) -> dict[int, list[tuple[int, int]]]:
+    """Parse STEP:R:S[,STEP:R:S...] (worker (R, S) at step STEP) into {step: [(R, S), ...]}."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        match = re.fullmatch(r"(\d+):(\d+):(\d+)", token)
+        if not match:
+            raise argparse.ArgumentTypeError(
+                f"expected STEP:R:S[,STEP:R:S...] with non-negative integers, got {token!r}"
+            )
+        step, r, s = map(int, match.groups())
+        out.setdefault(step, []).append((r, s))
+    return out
+
+
+def check_workers(option: str, events: dict[int, list[tuple[int, int]]], data: int, stages: int):
+    """Every (R, S) of `events` must be a worker of the DxP mesh."""
+    from pjit_pipe.cli import UsageError
+
+    for step, workers in events.items():
+        for r, s in workers:
+            if r >= data or s >= stages:
+                raise UsageError(
+                    f"{option}: worker {r}:{s} at step {step} is outside the mesh "
+                    f"{data}x{stages} (R < {data}, S < {stages})"
+                )
+
+
 def ensure_host_devices(count: int) -> None:
     """Ask XLA for at least `count` CPU devices, if JAX has not been imported yet."""
     if "jax" in sys.modules:
@@ -57,11 +84,41 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
 
 
+def add_failure_args(parser: argparse.ArgumentParser) -> None:
+    """Injected failures and rejoins, and how many failures to precompile for."""
+    from pjit_pipe.cli.schedule import nonneg_int
+
+    parser.add_argument(
+        "--fail",
+        type=step_workers_arg,
+        default={},
+        metavar="STEP:R:S[,...]",
+        help="worker (R, S) dies during step STEP (the step is retried on its peers)",
+    )
+    parser.add_argument(
+        "--rejoin",
+        type=step_workers_arg,
+        default={},
+        metavar="STEP:R:S[,...]",
+        help="worker (R, S) is back before step STEP",
+    )
+    parser.add_argument(
+        "--precompile",
+        type=nonneg_int,
+        default=None,
+        metavar="K",
+        help="compile variants for up to K failed workers in the background "
+        "(default 1 with --fail, else 0)",
+    )
+    parser.add_argument("--cache-dir", default=None, help="on-disk cache of compiled programs")
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "train", help="train an example model on a pipeline", description=__doc__
     )
     add_training_args(parser)
+    add_failure_args(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     parser.set_defaults(run=run)
 
@@ -103,15 +160,33 @@ def make_task(name: str, batch: int, seed: int) -> Task:
     return Task(ResidualMLP(), mse_loss, regression, 1)
 
 
-def train(args: argparse.Namespace, on_step: Any) -> tuple[Any, Any, Task]:
-    """Build the pipeline and run args.steps steps; on_step(step, loss, seconds, tokens)
-    after each (tokens: input positions in the step's global batch)."""
+@dataclass
+class StepRecord:
+    """What one committed step did."""
+
+    step: int
+    loss: float
+    seconds: float
+    tokens: int
+    failed: list[str]  # workers down during the committed attempt, as R:S
+    events: list[str]  # failures and program switches on the way
+
+
+def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tuple[Any, Any, Task]:
+    """Build the pipeline and run args.steps steps through the injected failures;
+    on_step(StepRecord) after each (tokens: input positions in the global batch).
+    With on_compiled(variant), failure variants are compiled before training
+    starts, calling it after each; otherwise in the background."""
     data, stages = args.mesh
+    fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
+    check_workers("--fail", fail, data, stages)
+    check_workers("--rejoin", rejoin, data, stages)
     ensure_host_devices(data * stages)
     import jax
     import optax
 
     import pjit_pipe as pp
+    from pjit_pipe.runtime import InjectedFailures, ResilientTrainer
 
     batch = args.batch or 2 * data * args.microbatches
     task = make_task(args.model, batch, args.seed)
@@ -124,31 +199,71 @@ def train(args: argparse.Namespace, on_step: Any) -> tuple[Any, Any, Task]:
         mesh=pp.make_mesh(data=data, stage=stages),
         optimizer=optax.adam(args.lr),
     )
+    precompile = getattr(args, "precompile", None)
+    if precompile is None:
+        precompile = 1 if fail else 0
+    events: list[str] = []
+    trainer = ResilientTrainer(
+        pm,
+        task.loss_fn,
+        InjectedFailures(fail, rejoin),
+        max_failures=precompile,
+        cache_dir=getattr(args, "cache_dir", None),
+        on_event=lambda e: events.append(e.describe()),
+    )
     x, y = task.next_batch()
     params = pm.init(jax.random.key(args.seed), x)
-    step_fn = pm.train_step(task.loss_fn)
-    state = step_fn.init(params, (x, y))
-    for step in range(args.steps):
-        start = time.perf_counter()
-        state, loss = step_fn(state, (x, y))
-        loss = float(loss)
-        on_step(step, loss, time.perf_counter() - start, batch * task.tokens_per_example)
-        x, y = task.next_batch()
+    state = trainer.init(
+        params,
+        (x, y),
+        precompile=precompile > 0,
+        background=on_compiled is None,
+        on_compiled=on_compiled,
+    )
+    try:
+        for step in range(args.steps):
+            start = time.perf_counter()
+            state, loss = trainer.step(state, (x, y))
+            down = sorted(trainer.detector.down)
+            record = StepRecord(
+                step,
+                float(loss),
+                time.perf_counter() - start,
+                batch * task.tokens_per_example,
+                [f"{w.replica}:{w.stage}" for w in down],
+                events[:],
+            )
+            events.clear()
+            on_step(record)
+            x, y = task.next_batch()
+    finally:
+        trainer.close()
     return pm, state, task
 
 
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    check_workers("--fail", args.fail, *args.mesh)
+    check_workers("--rejoin", args.rejoin, *args.mesh)
     bar = None if args.json else tqdm(total=args.steps, desc=f"train {args.model}", unit="step")
 
-    def on_step(step: int, loss: float, seconds: float, tokens: int) -> None:
-        tokens_per_s = tokens / seconds
+    def on_step(rec: StepRecord) -> None:
+        tokens_per_s = rec.tokens / rec.seconds
         if bar is None:
-            record = {"step": step, "loss": loss, "seconds": seconds, "tokens_per_s": tokens_per_s}
+            record = {
+                "step": rec.step,
+                "loss": rec.loss,
+                "seconds": rec.seconds,
+                "tokens_per_s": tokens_per_s,
+                "failed": rec.failed,
+                "events": rec.events,
+            }
             print(json.dumps(record), flush=True)
         else:
-            bar.set_postfix(loss=f"{loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+            for line in rec.events:
+                bar.write(line)
+            bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
             bar.update()
 
     try:

@@ -36,11 +36,6 @@ BRANCH, MB, IN_SLOT, G_SLOT, RES_W, RES_R, ACC, SELF_SLOT = range(8)
 RECV0 = 8  # one column per shift, in `TickPlan.shifts` order
 
 
-def branch_index(kind: Kind, stage: int) -> int:
-    """Branch 0 idles; the others are F, B, W, BW of each virtual stage."""
-    return 1 + 4 * stage + KIND_ORDER.index(kind)
-
-
 @dataclass(frozen=True)
 class TickPlan:
     """Per-device tick rows plus the buffer sizes they index into.
@@ -52,6 +47,8 @@ class TickPlan:
     msg_slots / res_slots: message and residual store sizes (scratch excluded).
     shifts: for each ppermute, the (replica, position) shift and its
         (source, dest) pairs of device indices.
+    branches: the (kind, virtual stage) of branch 1, 2, ...; branch 0 idles.
+        Only pairs the schedule uses get a branch (each one is compiled).
     """
 
     rows: np.ndarray
@@ -59,6 +56,7 @@ class TickPlan:
     msg_slots: int
     res_slots: int
     shifts: tuple[tuple[tuple[int, int], tuple[tuple[int, int], ...]], ...]
+    branches: tuple[tuple[Kind, int], ...]
 
     @property
     def ticks(self) -> int:
@@ -156,6 +154,11 @@ def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> Ti
         for pair, i in pairs.items():
             inputs[index[w], i] = pair
 
+    branches = sorted(
+        {(op.kind, op.stage) for tick in ticks for op in tick.values()},
+        key=lambda ks: (ks[1], KIND_ORDER.index(ks[0])),
+    )
+    branch = {ks: 1 + i for i, ks in enumerate(branches)}
     v = schedule.chunks
     rows = np.zeros((len(devices), len(ticks), RECV0 + len(shifts)), np.int32)
     rows[..., [IN_SLOT, G_SLOT, SELF_SLOT]] = K
@@ -165,7 +168,7 @@ def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> Ti
     for t, tick in enumerate(ticks):
         for w, op in tick.items():
             row = rows[index[w], t]
-            row[BRANCH] = branch_index(op.kind, op.stage)
+            row[BRANCH] = branch[(op.kind, op.stage)]
             row[MB] = local[w].get((op.replica, op.mb), 0)
             key = (op.stage, op.mb, op.replica)
             row[IN_SLOT] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
@@ -178,4 +181,11 @@ def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> Ti
                 row[ACC] = schedule.chunk_of(op.stage)
     for dest, t, col, slot in arrivals:
         rows[index[dest], t, col] = slot
-    return TickPlan(rows=rows, inputs=inputs, msg_slots=K, res_slots=R, shifts=shifts)
+    return TickPlan(
+        rows=rows,
+        inputs=inputs,
+        msg_slots=K,
+        res_slots=R,
+        shifts=shifts,
+        branches=tuple(branches),
+    )

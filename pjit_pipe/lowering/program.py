@@ -35,7 +35,6 @@ from pjit_pipe.lowering.plan import (
     BRANCH,
     G_SLOT,
     IN_SLOT,
-    KIND_ORDER,
     MB,
     RECV0,
     RES_R,
@@ -67,7 +66,6 @@ class Lowered:
         self.topo = topology
         self.plan: TickPlan = build_plan(schedule, remat, topology.workers)
         self.remat = remat
-        S = stages.S
         self.param_spec = FlatSpec(stages.param_avals)
         boundaries = stages.act_avals[1:]
         leaves = jax.tree.leaves(boundaries)
@@ -86,9 +84,7 @@ class Lowered:
             len({(spec.treedefs[s], tuple(spec.avals[s])) for s in chunk}) == 1
             for chunk in zip(*self.held, strict=True)
         ]
-        self.branches = [self._idle] + [
-            self._branch(kind, s) for s in range(S) for kind in KIND_ORDER
-        ]
+        self.branches = [self._idle] + [self._branch(kind, s) for kind, s in self.plan.branches]
 
     # ---- outputs of one tick: message, residuals, parameter gradient, loss ----
 

@@ -23,7 +23,7 @@ import jax
 from pjit_pipe.frontend.pipeline import Pipelined, TrainState
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
-from pjit_pipe.runtime.variants import Variants
+from pjit_pipe.runtime.variants import Variant, Variants
 
 
 @dataclass(frozen=True)
@@ -69,14 +69,22 @@ class ResilientTrainer:
         self.variants: Variants | None = None
         self._current: frozenset[Worker] = frozenset()
 
-    def init(self, params: Any, batch: tuple[Any, Any], precompile: bool = True) -> TrainState:
-        """The initial state; compiles the fault-free step, then (in the background,
-        with `precompile`) every pattern of up to max_failures failed workers."""
+    def init(
+        self,
+        params: Any,
+        batch: tuple[Any, Any],
+        precompile: bool = True,
+        background: bool = True,
+        on_compiled: Callable[[Variant], None] | None = None,
+    ) -> TrainState:
+        """The initial state. Compiles the fault-free step, then, with `precompile`,
+        every pattern of up to max_failures failed workers (in a background thread
+        unless `background` is False; `on_compiled(variant)` after each)."""
         state = self.pipelined.train_step(self.loss_fn).init(params, batch)
         self.variants = Variants(self.pipelined, self.loss_fn, state, batch, self.cache_dir)
         self.variants.get(())
         if precompile:
-            self.variants.precompile(self.max_failures)
+            self.variants.precompile(self.max_failures, background, on_compiled)
         return state
 
     def step(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
