@@ -8,7 +8,13 @@ import time
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 sys.path.insert(0, os.path.dirname(__file__))
 
-BENCHMARKS = ["bench_schedules", "bench_exact", "bench_failures", "bench_lowering"]
+BENCHMARKS = [
+    "bench_schedules",
+    "bench_exact",
+    "bench_failures",
+    "bench_lowering",
+    "bench_variants",
+]
 
 
 def main() -> None:
