@@ -13,10 +13,21 @@ from pjit_pipe.ir.ops import COMM_KINDS, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 
 TickTable = list[dict[Worker, Op]]
+IterationTicks = list[dict[Worker, tuple[int, Op]]]
 
 
 def tick_table(schedule: Schedule) -> TickTable:
-    """The ops each worker runs in each tick (a worker missing from a tick idles)."""
+    """The ops each worker runs in each tick of one iteration (missing: idle)."""
+    return [{w: op for w, (_, op) in tick.items()} for tick in iteration_ticks(schedule, 1)]
+
+
+def iteration_ticks(schedule: Schedule, iterations: int) -> IterationTicks:
+    """(iteration, op) per worker per tick over back-to-back iterations.
+
+    Between iterations the dataflow's rule holds: unless the schedule is
+    staggered, nobody starts iteration k+1 before every OPT of iteration k;
+    staggered, a worker goes on right after its own OPTs.
+    """
     compute_only = schedule.replace(
         programs={
             w: [op for op in p if op.kind not in COMM_KINDS] for w, p in schedule.programs.items()
@@ -28,23 +39,33 @@ def tick_table(schedule: Schedule) -> TickTable:
     ptr = dict.fromkeys(progs, 0)
     counts: dict[tuple, int] = {}
     ready: set[tuple] = set()
-    ticks: TickTable = []
-    remaining = sum(len(p) for p in progs.values())
+    ticks: IterationTicks = []
+    remaining = sum(len(p) for p in progs.values()) * iterations
     while remaining:
         tick = {}
         for w, ops in progs.items():
-            i = ptr[w]
-            if i < len(ops) and all(k in ready for k in deps[w][i]):
-                tick[w] = ops[i]
+            if ptr[w] == len(ops) * iterations:
+                continue
+            it, i = divmod(ptr[w], len(ops))
+            wait = [(it, *k) for k in deps[w][i]]
+            if i == 0 and it > 0 and not schedule.staggered:
+                wait.append((it - 1, "opt_all"))
+            if all(k in ready for k in wait):
+                tick[w] = (it, ops[i])
         if not tick:
-            stuck = ", ".join(f"{w}: {progs[w][ptr[w]]}" for w in progs if ptr[w] < len(progs[w]))
+            stuck = ", ".join(
+                f"{w}: {progs[w][ptr[w] % len(progs[w])]}"
+                for w in progs
+                if ptr[w] < len(progs[w]) * iterations
+            )
             raise DeadlockError(f"deadlock in lockstep execution at tick {len(ticks)}: {stuck}")
-        for w, op in tick.items():
+        for w, (it, op) in tick.items():
             ptr[w] += 1
             remaining -= 1
             for k in flow.produces(w, op):
-                counts[k] = counts.get(k, 0) + 1
-                if counts[k] == flow.aggregate_size(k):
-                    ready.add(k)
+                key = (it, *k)
+                counts[key] = counts.get(key, 0) + 1
+                if counts[key] == flow.aggregate_size(k):
+                    ready.add(key)
         ticks.append(tick)
     return ticks

@@ -25,15 +25,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from pjit_pipe.ir.lockstep import tick_table
+from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 
 KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW)
 
-# Columns of a tick row.
-BRANCH, MB, IN_SLOT, G_SLOT, RES_W, RES_R, ACC, SELF_SLOT = range(8)
-RECV0 = 8  # one column per shift, in `TickPlan.shifts` order
+# Columns of a tick row. ITER: the op's iteration; UPDATE: bit c set when this
+# device's chunk c takes its optimizer step after this tick.
+BRANCH, MB, IN_SLOT, G_SLOT, RES_W, RES_R, ACC, SELF_SLOT, ITER, UPDATE = range(10)
+RECV0 = 10  # one column per shift, in `TickPlan.shifts` order
 
 
 @dataclass(frozen=True)
@@ -42,8 +43,9 @@ class TickPlan:
 
     rows: int32 (devices, ticks, columns). A slot index equal to the
         store size is the scratch slot: writes there are discarded.
-    inputs: int32 (devices, L, 2), the (replica, microbatch) pairs whose
-        input or label each device reads; column MB of a row indexes this list.
+    inputs: int32 (devices, L, 3), the (iteration, replica, microbatch)
+        triples whose input or label each device reads; column MB of a row
+        indexes this list.
     msg_slots / res_slots: message and residual store sizes (scratch excluded).
     shifts: for each ppermute, the (replica, position) shift and its
         (source, dest) pairs of device indices.
@@ -57,6 +59,7 @@ class TickPlan:
     res_slots: int
     shifts: tuple[tuple[tuple[int, int], tuple[tuple[int, int], ...]], ...]
     branches: tuple[tuple[Kind, int], ...]
+    updates: np.ndarray  # bool (ticks,): some stage steps its optimizer after this tick
 
     @property
     def ticks(self) -> int:
@@ -78,9 +81,16 @@ class _Slots:
         return len(self.free_from) - 1
 
 
-def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> TickPlan:
-    """Assign ticks, branches and buffer slots; `devices` are the live workers in row order."""
-    S = schedule.num_virtual_stages
+def build_plan(
+    schedule: Schedule, remat: bool, devices: Sequence[Worker], iterations: int = 1
+) -> TickPlan:
+    """Assign ticks, branches and buffer slots; `devices` are the live workers in row order.
+
+    With several iterations, microbatch j of iteration k is planned as
+    microbatch k*m + j, and each stage's optimizer step is placed right after
+    the tick of its last W/BW of the iteration (its gradients are complete then).
+    """
+    S, m = schedule.num_virtual_stages, schedule.microbatches
     D, P = schedule.replicas, schedule.stages
     index = {w: i for i, w in enumerate(devices)}
     if set(index) != set(schedule.alive_workers):
@@ -88,8 +98,12 @@ def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> Ti
             f"devices {sorted(index)} are not the schedule's live workers {schedule.alive_workers}"
         )
     ticks = [
-        {w: op for w, op in tick.items() if op.kind in COMPUTE_KINDS}
-        for tick in tick_table(schedule)
+        {
+            w: op._replace(mb=it * m + op.mb)
+            for w, (it, op) in tick.items()
+            if op.kind in COMPUTE_KINDS
+        }
+        for tick in iteration_ticks(schedule, iterations)
     ]
     ticks = [t for t in ticks if t]
     when: dict[Op, tuple[Worker, int]] = {}
@@ -142,17 +156,23 @@ def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> Ti
 
     K = max((len(a.free_from) for a in msg_alloc.values()), default=0)
     R = max((len(a.free_from) for a in res_alloc.values()), default=0)
-    # Each device's inputs: the (replica, microbatch) pairs its first and last
-    # virtual stages read, in order of first use.
+    # Each device's inputs: the (iteration, replica, microbatch) its first and
+    # last virtual stages read, in order of first use.
     local: dict[Worker, dict[tuple[int, int], int]] = {w: {} for w in devices}
     for tick in ticks:
         for w, op in tick.items():
             if op.stage in (0, S - 1):
                 local[w].setdefault((op.replica, op.mb), len(local[w]))
-    inputs = np.zeros((len(devices), max(1, *map(len, local.values())), 2), np.int32)
+    inputs = np.zeros((len(devices), max(1, *map(len, local.values())), 3), np.int32)
     for w, pairs in local.items():
-        for pair, i in pairs.items():
-            inputs[index[w], i] = pair
+        for (r, j), i in pairs.items():
+            inputs[index[w], i] = (j // m, r, j % m)
+
+    last_grad: dict[tuple[int, int], int] = {}  # (stage, iteration) -> tick of its last W/BW
+    for op, (_, t) in when.items():
+        if op.kind in (Kind.W, Kind.BW):
+            key = (op.stage, op.mb // m)
+            last_grad[key] = max(t, last_grad.get(key, t))
 
     branches = sorted(
         {(op.kind, op.stage) for tick in ticks for op in tick.values()},
@@ -177,10 +197,17 @@ def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> Ti
                 row[RES_W] = res_slot.get(key, R)
             else:
                 row[RES_R] = res_slot.get(key, R)
+            row[ITER] = op.mb // m
             if op.kind in (Kind.W, Kind.BW):
                 row[ACC] = schedule.chunk_of(op.stage)
     for dest, t, col, slot in arrivals:
         rows[index[dest], t, col] = slot
+    updates = np.zeros(len(ticks), bool)
+    for (s, _), t in last_grad.items():
+        updates[t] = True
+        for w in devices:
+            if w.stage == schedule.layout[s]:
+                rows[index[w], t, UPDATE] |= 1 << schedule.chunk_of(s)
     return TickPlan(
         rows=rows,
         inputs=inputs,
@@ -188,4 +215,5 @@ def build_plan(schedule: Schedule, remat: bool, devices: Sequence[Worker]) -> Ti
         res_slots=R,
         shifts=shifts,
         branches=tuple(branches),
+        updates=updates,
     )

@@ -14,6 +14,7 @@ A schedule with failed workers compiles the same way over the survivors only
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -35,11 +36,13 @@ from pjit_pipe.lowering.plan import (
     BRANCH,
     G_SLOT,
     IN_SLOT,
+    ITER,
     MB,
     RECV0,
     RES_R,
     RES_W,
     SELF_SLOT,
+    UPDATE,
     TickPlan,
     build_plan,
 )
@@ -60,11 +63,18 @@ class Lowered:
         stages: StageVjp,
         topology: Topology,
         remat: bool,
+        iterations: int = 1,
     ):
         self.sched = schedule
         self.st = stages
         self.topo = topology
+        self.iterations = iterations
         self.plan: TickPlan = build_plan(schedule, remat, topology.workers)
+        # Staggered or multi-iteration training runs the optimizer inside the loop.
+        self.stepping = schedule.staggered or iterations > 1
+        self.step_plan: TickPlan | None = (
+            build_plan(schedule, remat, topology.workers, iterations) if self.stepping else None
+        )
         self.remat = remat
         self.param_spec = FlatSpec(stages.param_avals)
         boundaries = stages.act_avals[1:]
@@ -146,34 +156,93 @@ class Lowered:
             out.append(self.param_spec.unpack(self.held[0][c], row) if uniform else row)
         return out
 
-    def tick_loop(self, params: Buffers, x: Any, y: Any, rows: jax.Array):
-        """Run every tick on this device; return (summed loss share, local gradient rows)."""
-        v, K, R = self.sched.chunks, self.plan.msg_slots, self.plan.res_slots
-        carry = (
+    def _empty(self, plan: TickPlan):
+        """Message store, residual store and gradient rows, each with a scratch row."""
+        K, R, v = plan.msg_slots, plan.res_slots, self.sched.chunks
+        return (
             jnp.zeros((K + 1, self.msg_spec.sizes[self.msg_key]), self.msg_key),
             self.st.res_spec.zeros(R + 1),
             self.param_spec.zeros(v + 1),
-            jnp.zeros((), jnp.float32),
         )
 
+    def _tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row):
+        """One tick: this device's branch, then every ppermute of the plan."""
+        msg, res_out, dpar, dloss = lax.switch(
+            row[BRANCH], self.branches, params, x, y, msgs, res, row
+        )
+        res = {k: b.at[row[RES_W]].set(res_out[k]) for k, b in res.items()}
+        grads = {k: b.at[row[ACC]].add(dpar[k]) for k, b in grads.items()}
+        msgs = msgs.at[row[SELF_SLOT]].set(msg)
+        for i, (_, pairs) in enumerate(plan.shifts):
+            got = lax.ppermute(msg, self.topo.axes, perm=pairs)
+            msgs = msgs.at[row[RECV0 + i]].set(got)
+        return msgs, res, grads, dloss
+
+    def tick_loop(self, params: Buffers, x: Any, y: Any, rows: jax.Array):
+        """Run every tick on this device; return (summed loss share, local gradient rows)."""
+        v = self.sched.chunks
         params = self.chunk_params(params)
 
         def tick(carry, row):
-            msgs, res, grads, loss = carry
-            msg, res_out, dpar, dloss = lax.switch(
-                row[BRANCH], self.branches, params, x, y, msgs, res, row
-            )
-            res = {k: b.at[row[RES_W]].set(res_out[k]) for k, b in res.items()}
-            grads = {k: b.at[row[ACC]].add(dpar[k]) for k, b in grads.items()}
-            msgs = msgs.at[row[SELF_SLOT]].set(msg)
-            for i, (_, pairs) in enumerate(self.plan.shifts):
-                got = lax.ppermute(msg, self.topo.axes, perm=pairs)
-                msgs = msgs.at[row[RECV0 + i]].set(got)
-            return (msgs, res, grads, loss + dloss), None
+            *state, loss = carry
+            *state, dloss = self._tick(self.plan, params, x, y, *state, row)
+            return (*state, loss + dloss), None
 
-        (_, _, grads, loss), _ = lax.scan(tick, carry, rows)
+        (_, _, grads, loss), _ = lax.scan(
+            tick, (*self._empty(self.plan), jnp.zeros((), jnp.float32)), rows
+        )
         grads = self.topo.reduce_over_replicas({k: g[:v] for k, g in grads.items()})
         return lax.psum(loss, self.topo.axes), grads
+
+    def stepping_loop(
+        self,
+        optimizer: optax.GradientTransformation,
+        opt_spec: FlatSpec,
+        params: Buffers,
+        opt: Buffers,
+        x: Any,
+        y: Any,
+        rows: jax.Array,
+        updates: jax.Array,
+        pos: jax.Array,
+    ):
+        """Several iterations with each stage's optimizer step inside the tick loop.
+
+        After a tick flagged in `updates` (the same flag on every device, so the
+        reduction's collectives run everywhere or nowhere), the chunks whose
+        UPDATE bit is set reduce their gradients over their live replicas, take
+        the optax step and restart accumulating; later ticks read the new
+        parameters. Returns (params, opt state, loss of each iteration).
+        """
+        plan, v = self.step_plan, self.sched.chunks
+        msgs, res, grads = self._empty(plan)
+        losses = jnp.zeros((self.iterations,), jnp.float32)
+
+        def step(row, state):
+            grads, params, opt = state
+            mine = ((row[UPDATE] >> jnp.arange(v)) & 1).astype(bool)[:, None]
+            g = {k: jnp.where(mine, b[:v], 0) for k, b in grads.items()}
+            g = self.topo.reduce_over_replicas(g)
+            new_p, new_o = self.optimizer_step(optimizer, opt_spec, params, g, opt, pos)
+            params = {k: jnp.where(mine, new_p[k], b) for k, b in params.items()}
+            opt = {k: jnp.where(mine, new_o[k], b) for k, b in opt.items()}
+            grads = {k: b.at[:v].set(jnp.where(mine, 0, b[:v])) for k, b in grads.items()}
+            return grads, params, opt
+
+        def tick(carry, inputs):
+            row, update = inputs
+            msgs, res, grads, losses, params, opt = carry
+            chunks = self.chunk_params(params)
+            msgs, res, grads, dloss = self._tick(plan, chunks, x, y, msgs, res, grads, row)
+            losses = losses.at[row[ITER]].add(dloss)
+            grads, params, opt = lax.cond(
+                update, functools.partial(step, row), lambda s: s, (grads, params, opt)
+            )
+            return (msgs, res, grads, losses, params, opt), None
+
+        carry = (msgs, res, grads, losses, params, opt)
+        (*_, losses, params, opt), _ = lax.scan(tick, carry, (rows, updates))
+        return params, opt, lax.psum(losses, self.topo.axes)
 
     def optimizer_step(
         self,
@@ -272,11 +341,19 @@ class PipelineStep:
             for s in range(sched.num_virtual_stages)
         ]
 
-    def _device_batch(self, x: Any) -> Any:
-        """Global batch -> (devices, L, rows, ...): each device's own microbatch list."""
+    def _device_batch(self, x: Any, plan: TickPlan) -> Any:
+        """Batch -> (devices, L, rows, ...): each device's own microbatch list.
+
+        `x` has a leading iterations axis when the program runs several."""
         D, m = self.schedule.replicas, self.schedule.microbatches
-        r, j = self._low.plan.inputs[..., 0], self._low.plan.inputs[..., 1]
-        return jax.tree.map(lambda a: a.reshape(D, m, a.shape[0] // (D * m), *a.shape[1:])[r, j], x)
+        it, r, j = (plan.inputs[..., i] for i in range(3))
+
+        def split(a):
+            if self._low.iterations == 1:
+                a = a[None]
+            return a.reshape(a.shape[0], D, m, a.shape[1] // (D * m), *a.shape[2:])[it, r, j]
+
+        return jax.tree.map(split, x)
 
     def _shard_map(self, body: Callable, n_in_bufs: int, out_specs: Any):
         spec = self.topology.spec
@@ -288,12 +365,11 @@ class PipelineStep:
             check_vma=False,
         )
 
-    def _device_args(self, x, y):
+    def _device_args(self, x, y, plan: TickPlan):
         """Per-device inputs after the buffers: batch, labels, tick rows, positions."""
-        plan = self._low.plan
         return (
-            self._device_batch(x),
-            self._device_batch(y),
+            self._device_batch(x, plan),
+            self._device_batch(y, plan),
             jnp.asarray(plan.rows),
             jnp.asarray(self._positions),
         )
@@ -311,16 +387,24 @@ class PipelineStep:
             return loss, {k: g[None] for k, g in grads.items()}
 
         f = self._shard_map(body, 1, (PS(), self.topology.spec))
-        loss, grads = f(self._pack(low.param_spec, stage_params), *self._device_args(x, y))
+        loss, grads = f(
+            self._pack(low.param_spec, stage_params), *self._device_args(x, y, low.plan)
+        )
         return loss, self._unpack(low.param_spec, grads)
 
     def _train_step(self, stage_params, opt_state, x, y):
         low, spec = self._low, self._opt_spec
+        plan = low.step_plan if low.stepping else low.plan
 
-        def body(params, opt, x, y, rows, pos):
+        def body(params, opt, x, y, rows, pos, *updates):
             params, opt, x, y, rows, pos = self._local(params, opt, x, y, rows, pos)
-            loss, grads = low.tick_loop(params, x, y, rows)
-            params, opt = low.optimizer_step(self.optimizer, spec, params, grads, opt, pos)
+            if low.stepping:
+                params, opt, loss = low.stepping_loop(
+                    self.optimizer, spec, params, opt, x, y, rows, *updates, pos
+                )
+            else:
+                loss, grads = low.tick_loop(params, x, y, rows)
+                params, opt = low.optimizer_step(self.optimizer, spec, params, grads, opt, pos)
             return (
                 {k: b[None] for k, b in params.items()},
                 {k: b[None] for k, b in opt.items()},
@@ -328,12 +412,22 @@ class PipelineStep:
             )
 
         out = self.topology.spec
-        f = self._shard_map(body, 2, (out, out, PS()))
+        updates = (jnp.asarray(plan.updates),) if low.stepping else ()
+        f = jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(out,) * 6 + (PS(),) * len(updates),
+            out_specs=(out, out, PS()),
+            check_vma=False,
+        )
         params, opt, loss = f(
             self._pack(low.param_spec, stage_params),
             self._pack(spec, opt_state),
-            *self._device_args(x, y),
+            *self._device_args(x, y, plan),
+            *updates,
         )
+        if low.stepping and low.iterations == 1:
+            loss = loss[0]
         return self._unpack(low.param_spec, params), self._unpack(spec, opt), loss
 
     # ---- public API ----
@@ -351,7 +445,13 @@ class PipelineStep:
     def train_step(
         self, stage_params: Sequence[Any], opt_state: Sequence[Any], x: Any, y: Any
     ) -> tuple[list, list, jax.Array]:
-        """One synchronous step: (new stage params, new opt state, loss before the update)."""
+        """(new stage params, new opt state, loss before the update).
+
+        Compiled with iterations=N > 1, one call runs N steps: x and y carry a
+        leading axis of N batches and the loss is one per step. Staggered
+        schedules (and N > 1) step each stage's optimizer inside the loop, as
+        soon as its gradients are complete; otherwise all stages step after it.
+        """
         if self._train is None:
             raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
         run = self._compiled_train or self._train
@@ -422,6 +522,7 @@ def lower(
     y: Any,
     optimizer: optax.GradientTransformation | None = None,
     remat: bool = False,
+    iterations: int = 1,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -431,7 +532,9 @@ def lower(
     stage_fns[s](params_s, act) -> act for each of the P*v virtual stages;
     loss_fn(out, y_mb) -> scalar mean loss of one microbatch. stage_params, x
     and y are examples (shapes only). With remat=True, B and W recompute the
-    stage forward instead of reading stored vjp residuals.
+    stage forward instead of reading stored vjp residuals. With iterations=N,
+    train_step runs N back-to-back training iterations per call (x and y are
+    then examples of one iteration's batch).
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     n = schedule.replicas * schedule.microbatches
@@ -439,6 +542,8 @@ def lower(
     stages = StageVjp(
         stage_fns, loss_fn, _abstract(list(stage_params)), jax.tree.map(mb, x), jax.tree.map(mb, y)
     )
-    lowered = Lowered(schedule, stages, Topology.of(mesh, schedule.failed), remat)
+    if not isinstance(iterations, int) or iterations < 1:
+        raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
+    lowered = Lowered(schedule, stages, Topology.of(mesh, schedule.failed), remat, iterations)
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
     return PipelineStep(schedule, lowered, optimizer, examples)
