@@ -12,6 +12,7 @@ the executables on disk, so a restarted job loads instead of compiling.
 
 from __future__ import annotations
 
+import atexit
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future
@@ -129,6 +130,9 @@ class Variants:
             return
         self._thread = threading.Thread(target=work, name="pjit_pipe-precompile", daemon=True)
         self._thread.start()
+        # A daemon thread killed inside XLA's compiler aborts the interpreter at
+        # exit: let it finish the variant in progress first.
+        atexit.register(self.close)
 
     def wait(self) -> None:
         """Block until the background precompilation has finished."""
