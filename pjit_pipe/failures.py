@@ -109,8 +109,12 @@ class FailurePattern:
         return ",".join(str(w) for w in sorted(self.failed)) or "-"
 
 
-def enumerate_patterns(replicas: int, stages: int, max_failures: int) -> list[FailurePattern]:
-    """Every recoverable canonical pattern with 0..max_failures failed workers.
+def enumerate_patterns(
+    replicas: int, stages: int, max_failures: int, canonical: bool = True
+) -> list[FailurePattern]:
+    """Every recoverable pattern with 0..max_failures failed workers: one per
+    class up to a replica permutation (its canonical form), or with
+    canonical=False every one (each device set needs its own executable).
 
     Ordered by number of failures, then by failed workers.
     """
@@ -123,12 +127,15 @@ def enumerate_patterns(replicas: int, stages: int, max_failures: int) -> list[Fa
         found = []
         for combo in combinations(mesh, k):
             try:
-                canon, _ = FailurePattern(replicas, stages, frozenset(combo)).canonical()
+                pattern = FailurePattern(replicas, stages, frozenset(combo))
             except ScheduleError:
                 continue  # some stage lost every replica
-            if canon.failed not in seen:
-                seen.add(canon.failed)
-                found.append(canon)
+            if canonical:
+                pattern, _ = pattern.canonical()
+                if pattern.failed in seen:
+                    continue
+                seen.add(pattern.failed)
+            found.append(pattern)
         out += sorted(found, key=lambda p: sorted(p.failed))
     return out
 

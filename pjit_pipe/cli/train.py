@@ -179,8 +179,6 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     starts, calling it after each; otherwise in the background."""
     data, stages = args.mesh
     fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
-    check_workers("--fail", fail, data, stages)
-    check_workers("--rejoin", rejoin, data, stages)
     ensure_host_devices(data * stages)
     import jax
     import optax

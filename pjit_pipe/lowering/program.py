@@ -72,9 +72,13 @@ class Lowered:
         self.plan: TickPlan = build_plan(schedule, remat, topology.workers)
         # Staggered or multi-iteration training runs the optimizer inside the loop.
         self.stepping = schedule.staggered or iterations > 1
-        self.step_plan: TickPlan | None = (
-            build_plan(schedule, remat, topology.workers, iterations) if self.stepping else None
-        )
+        self.step_plan: TickPlan | None = None
+        if self.stepping:
+            self.step_plan = (
+                self.plan
+                if iterations == 1
+                else build_plan(schedule, remat, topology.workers, iterations)
+            )
         self.remat = remat
         self.param_spec = FlatSpec(stages.param_avals)
         boundaries = stages.act_avals[1:]
@@ -355,12 +359,14 @@ class PipelineStep:
 
         return jax.tree.map(split, x)
 
-    def _shard_map(self, body: Callable, n_in_bufs: int, out_specs: Any):
+    def _shard_map(self, body: Callable, n_in_bufs: int, out_specs: Any, n_replicated: int = 0):
+        """body over the program's mesh: `n_in_bufs` buffers and the four
+        `_device_args` per device, then `n_replicated` arrays every device sees whole."""
         spec = self.topology.spec
         return jax.shard_map(
             body,
             mesh=self.mesh,
-            in_specs=(spec,) * (n_in_bufs + 4),
+            in_specs=(spec,) * (n_in_bufs + 4) + (PS(),) * n_replicated,
             out_specs=out_specs,
             check_vma=False,
         )
@@ -413,13 +419,7 @@ class PipelineStep:
 
         out = self.topology.spec
         updates = (jnp.asarray(plan.updates),) if low.stepping else ()
-        f = jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(out,) * 6 + (PS(),) * len(updates),
-            out_specs=(out, out, PS()),
-            check_vma=False,
-        )
+        f = self._shard_map(body, 2, (out, out, PS()), n_replicated=len(updates))
         params, opt, loss = f(
             self._pack(low.param_spec, stage_params),
             self._pack(spec, opt_state),

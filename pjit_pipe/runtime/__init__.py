@@ -2,7 +2,7 @@
 
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, LiveDevices, WorkerFailure
 from pjit_pipe.runtime.trainer import Event, ResilientTrainer
-from pjit_pipe.runtime.variants import Variant, Variants, failure_sets
+from pjit_pipe.runtime.variants import Variant, Variants
 
 __all__ = [
     "Event",
@@ -13,5 +13,4 @@ __all__ = [
     "Variant",
     "Variants",
     "WorkerFailure",
-    "failure_sets",
 ]

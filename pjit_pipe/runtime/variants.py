@@ -14,18 +14,16 @@ from __future__ import annotations
 
 import atexit
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass
-from itertools import combinations
 from typing import Any
 
 import jax
 
-from pjit_pipe.failures import FailurePattern
+from pjit_pipe.failures import FailurePattern, enumerate_patterns
 from pjit_pipe.frontend.pipeline import Pipelined, TrainState, TrainStep
 from pjit_pipe.ir.ops import Worker
-from pjit_pipe.ir.schedule import ScheduleError
 
 Failed = frozenset[Worker]
 
@@ -41,18 +39,6 @@ class Variant:
 
     def __call__(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, Any]:
         return self.step(state, batch)
-
-
-def failure_sets(replicas: int, stages: int, max_failures: int) -> Iterator[Failed]:
-    """Every recoverable set of up to `max_failures` failed workers, fewest first."""
-    mesh = [Worker(r, s) for r in range(replicas) for s in range(stages)]
-    for k in range(min(max_failures, len(mesh)) + 1):
-        for combo in combinations(mesh, k):
-            try:
-                FailurePattern(replicas, stages, frozenset(combo)).canonical()
-            except ScheduleError:
-                continue  # a stage with no survivor: nothing to compile
-            yield frozenset(combo)
 
 
 def use_disk_cache(cache_dir: str) -> None:
@@ -93,7 +79,7 @@ class Variants:
         Raises ScheduleError, naming the stage, when a stage has no survivor.
         """
         failed = frozenset(Worker(*w) for w in failed)
-        FailurePattern(self.base.replicas, self.base.stages, failed).canonical()  # recoverable?
+        FailurePattern(self.base.replicas, self.base.stages, failed)  # raises if unrecoverable
         future, mine = self._claim(failed)
         if mine:
             self._build(failed, future)
@@ -113,7 +99,10 @@ class Variants:
         """Compile the fault-free step and every recoverable pattern of up to
         `max_failures` failed workers, in a daemon thread unless `background`
         is False. `on_done(variant)` is called after each one this call compiles."""
-        sets = list(failure_sets(self.base.replicas, self.base.stages, max_failures))
+        patterns = enumerate_patterns(
+            self.base.replicas, self.base.stages, max_failures, canonical=False
+        )
+        sets = [p.failed for p in patterns]
 
         def work() -> None:
             for failed in sets:
