@@ -98,18 +98,28 @@ class Lowered:
             len({(spec.treedefs[s], tuple(spec.avals[s])) for s in chunk}) == 1
             for chunk in zip(*self.held, strict=True)
         ]
-        self.branches = [self._idle] + [self._branch(kind, s) for kind, s in self.plan.branches]
+        self.forwards = self._group((Kind.F,))
+        self.input_grads = self._group((Kind.B,))
+        self.weight_grads = self._group((Kind.W, Kind.BW))
 
-    # ---- outputs of one tick: message, residuals, parameter gradient, loss ----
+    # ---- the compute of one tick, by op kind ----
+    #
+    # A tick runs at most one op, but its branch is chosen in three groups, each
+    # its own two-way `lax.cond` (op of this group, or nothing): F writes its
+    # residuals into the residual store, W/BW add their parameter gradient into
+    # the gradient rows, and B does neither. Each store is updated in place
+    # inside the one cond that writes it; XLA keeps two-way conds in place but
+    # copies every operand through an n-way switch, and a single switch would
+    # also have to return a zero gradient and zero residuals on the ticks that
+    # make none, one parameter-sized memory pass per tick.
 
-    def _zeros(self):
-        msg = jnp.zeros((self.msg_spec.sizes[self.msg_key],), self.msg_key)
-        return msg, self.st.res_spec.zeros(), self.param_spec.zeros(), jnp.zeros((), jnp.float32)
+    def _group(self, kinds: tuple[Kind, ...]) -> tuple[list[int], list[Callable]]:
+        """(branch ids, stage functions) of the plan's branches of these kinds."""
+        ids = [1 + i for i, (k, _) in enumerate(self.plan.branches) if k in kinds]
+        return ids, [self._op(*self.plan.branches[i - 1]) for i in ids]
 
-    def _idle(self, params, x, y, msgs, res, row):
-        return self._zeros()
-
-    def _branch(self, kind: Kind, s: int) -> Callable:
+    def _op(self, kind: Kind, s: int) -> Callable:
+        """One (kind, virtual stage): (msg, residual row or parameter gradient, loss share)."""
         S, c, st = self.st.S, self.sched.chunk_of(s), self.st
 
         def stage_input(x, msgs, row):
@@ -118,20 +128,18 @@ class Lowered:
             return self.msg_spec.unpack(s - 1, {self.msg_key: msgs[row[IN_SLOT]]})
 
         def run(params, x, y, msgs, res, row):
-            msg, res_out, dpar, loss = self._zeros()
+            msg = jnp.zeros((self.msg_spec.sizes[self.msg_key],), self.msg_key)
             p = params[c] if self.uniform[c] else self.param_spec.unpack(s, params[c])
             y_mb = jax.tree.map(lambda a: a[row[MB]], y) if s == S - 1 else None
             if kind is Kind.F:
                 a = stage_input(x, msgs, row)
                 if self.remat:
-                    out = st.forward(s, p, a, y_mb)
+                    out, res_out = st.forward(s, p, a, y_mb), {}
                 else:
                     out, res_out = st.forward_with_residuals(s, p, a, y_mb)
                 if s == S - 1:
-                    loss = out.astype(jnp.float32) * self.scale
-                else:
-                    msg = self.msg_spec.pack(s, out)[self.msg_key]
-                return msg, res_out, dpar, loss
+                    return msg, res_out, out.astype(jnp.float32) * self.scale
+                return self.msg_spec.pack(s, out)[self.msg_key], res_out, jnp.zeros((), jnp.float32)
             if self.remat:
                 pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
             else:
@@ -140,12 +148,11 @@ class Lowered:
                 g = jnp.asarray(self.scale, st.loss_aval.dtype)
             else:
                 g = self.msg_spec.unpack(s, {self.msg_key: msgs[row[G_SLOT]]})
-            grads = pull(g)
+            dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
             if kind in (Kind.B, Kind.BW) and s > 0:
-                msg = self.msg_spec.pack(s - 1, grads[1])[self.msg_key]
-            if kind in (Kind.W, Kind.BW):
-                dpar = self.param_spec.pack(s, grads[0])
-            return msg, res_out, dpar, loss
+                msg = self.msg_spec.pack(s - 1, dinput)[self.msg_key]
+            dpar = self.param_spec.pack(s, dparams) if kind in (Kind.W, Kind.BW) else {}
+            return msg, dpar, jnp.zeros((), jnp.float32)
 
         return run
 
@@ -161,30 +168,60 @@ class Lowered:
         return out
 
     def _empty(self, plan: TickPlan):
-        """Message store, residual store and gradient rows, each with a scratch row."""
+        """Message store (with a scratch slot for no message), residual store, gradient rows."""
         K, R, v = plan.msg_slots, plan.res_slots, self.sched.chunks
         return (
             jnp.zeros((K + 1, self.msg_spec.sizes[self.msg_key]), self.msg_key),
-            self.st.res_spec.zeros(R + 1),
-            self.param_spec.zeros(v + 1),
+            {} if self.remat else self.st.res_spec.zeros(R),
+            self.param_spec.zeros(v),
         )
 
     def _tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row):
-        """One tick: this device's branch, then every ppermute of the plan."""
-        msg, res_out, dpar, dloss = lax.switch(
-            row[BRANCH], self.branches, params, x, y, msgs, res, row
-        )
-        res = {k: b.at[row[RES_W]].set(res_out[k]) for k, b in res.items()}
-        grads = {k: b.at[row[ACC]].add(dpar[k]) for k, b in grads.items()}
+        """One tick: this device's op (if any), then every ppermute of the plan."""
+        msg = jnp.zeros((self.msg_spec.sizes[self.msg_key],), self.msg_key)
+        loss = jnp.zeros((), jnp.float32)
+        args = (params, x, y, msgs)
+
+        def dispatch(group, *operands):
+            ids, fns = group
+            if len(fns) == 1:
+                return fns[0](*operands)
+            which = jnp.searchsorted(jnp.asarray(ids, jnp.int32), row[BRANCH])
+            return lax.switch(which, fns, *operands)
+
+        def taken(group):
+            return jnp.isin(row[BRANCH], jnp.asarray(group[0], jnp.int32))
+
+        if self.forwards[0]:
+
+            def forward(msg, res, loss):
+                msg, res_out, loss = dispatch(self.forwards, *args, res, row)
+                res = {k: b.at[row[RES_W]].set(res_out[k]) for k, b in res.items()}
+                return msg, res, loss
+
+            msg, res, loss = lax.cond(taken(self.forwards), forward, lambda *a: a, msg, res, loss)
+        if self.input_grads[0]:
+            msg = lax.cond(
+                taken(self.input_grads),
+                lambda msg: dispatch(self.input_grads, *args, res, row)[0],
+                lambda msg: msg,
+                msg,
+            )
+        if self.weight_grads[0]:
+
+            def weight_grad(msg, grads):
+                msg, dpar, _ = dispatch(self.weight_grads, *args, res, row)
+                return msg, {k: b.at[row[ACC]].add(dpar[k]) for k, b in grads.items()}
+
+            msg, grads = lax.cond(taken(self.weight_grads), weight_grad, lambda *a: a, msg, grads)
         msgs = msgs.at[row[SELF_SLOT]].set(msg)
         for i, (_, pairs) in enumerate(plan.shifts):
             got = lax.ppermute(msg, self.topo.axes, perm=pairs)
             msgs = msgs.at[row[RECV0 + i]].set(got)
-        return msgs, res, grads, dloss
+        return msgs, res, grads, loss
 
     def tick_loop(self, params: Buffers, x: Any, y: Any, rows: jax.Array):
         """Run every tick on this device; return (summed loss share, local gradient rows)."""
-        v = self.sched.chunks
         params = self.chunk_params(params)
 
         def tick(carry, row):
@@ -195,7 +232,7 @@ class Lowered:
         (_, _, grads, loss), _ = lax.scan(
             tick, (*self._empty(self.plan), jnp.zeros((), jnp.float32)), rows
         )
-        grads = self.topo.reduce_over_replicas({k: g[:v] for k, g in grads.items()})
+        grads = self.topo.reduce_over_replicas(grads)
         return lax.psum(loss, self.topo.axes), grads
 
     def stepping_loop(
@@ -225,12 +262,12 @@ class Lowered:
         def step(row, state):
             grads, params, opt = state
             mine = ((row[UPDATE] >> jnp.arange(v)) & 1).astype(bool)[:, None]
-            g = {k: jnp.where(mine, b[:v], 0) for k, b in grads.items()}
+            g = {k: jnp.where(mine, b, 0) for k, b in grads.items()}
             g = self.topo.reduce_over_replicas(g)
             new_p, new_o = self.optimizer_step(optimizer, opt_spec, params, g, opt, pos)
             params = {k: jnp.where(mine, new_p[k], b) for k, b in params.items()}
             opt = {k: jnp.where(mine, new_o[k], b) for k, b in opt.items()}
-            grads = {k: b.at[:v].set(jnp.where(mine, 0, b[:v])) for k, b in grads.items()}
+            grads = {k: jnp.where(mine, 0, b) for k, b in grads.items()}
             return grads, params, opt
 
         def tick(carry, inputs):
