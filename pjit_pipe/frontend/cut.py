@@ -10,8 +10,10 @@ front of the segment is dropped. Cuts that would separate two uses of one
 parameter (tied weights) are dropped too. The remaining segments are grouped
 into stages by estimated FLOPs (or parameter count).
 
-Parameters are split by top-level name (`params['params'][name]`), so a
-stage's parameters are a sub-dict of the module's own tree and split/merge
+Parameters are split into *units*, the subtrees a stage owns whole: a linen
+module's top-level names (`params['params'][name]`), an NNX module's children
+(see `adapters.py`). A stage's parameters are a dict of its units, named by
+their paths ('blocks_0' in linen, 'blocks/0' in NNX), and split/merge
 round-trip exactly: checkpoints never depend on the pipeline layout.
 """
 
@@ -22,13 +24,13 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from pjit_pipe.frontend.adapters import LinenModel, Model, NNXModel, Path, as_model
 from pjit_pipe.frontend.analysis import liveness
 from pjit_pipe.frontend.balance import balance as balance_costs
-from pjit_pipe.frontend.trace import Event, Run, run_module
+from pjit_pipe.frontend.trace import Event, Run
 
 BALANCE = ("flops", "params")
 
@@ -41,24 +43,51 @@ def _avals(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
 
 
-def check_variables(variables: Any) -> dict:
-    """The 'params' dict of a Flax variables tree; other collections are refused."""
-    if not isinstance(variables, Mapping) or "params" not in variables:
-        raise ValueError("params: expected the Flax variables dict {'params': ...} of module.init")
-    extra = sorted(set(variables) - {"params"})
-    if extra:
-        raise ValueError(
-            f"params: only the 'params' collection can be pipelined, got also {extra} "
-            "(mutable state such as batch statistics is not supported)"
-        )
-    return variables["params"]
+def _key(entry: Any) -> Any:
+    """The dict key or list index of one step of a pytree path."""
+    for attr in ("key", "idx", "name"):
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    raise TypeError(f"unexpected pytree path entry {entry!r}")
+
+
+def _units(param_avals: dict, children: Sequence[Path]) -> dict[str, Path]:
+    """Unit name -> path, for every unit that holds parameters; a leaf belongs to the
+    longest child path that prefixes it, else to its top-level name."""
+    units: dict[str, Path] = {}
+    for path, _ in jax.tree_util.tree_flatten_with_path(param_avals)[0]:
+        unit = _unit_of(tuple(map(_key, path)), children)
+        units["/".join(map(str, unit))] = unit
+    return units
+
+
+def _unit_of(path: Path, children: Sequence[Path]) -> Path:
+    owners = [c for c in children if path[: len(c)] == c]
+    return max(owners, key=len) if owners else path[:1]
+
+
+def _get(tree: Any, path: Path) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _assemble(parts: Mapping[Path, Any]) -> dict:
+    """Nested dicts from (path -> subtree) parts."""
+    out: dict = {}
+    for path, sub in parts.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = sub
+    return out
 
 
 @dataclass(frozen=True)
 class _Segment:
     start: int | None  # event index where it begins; None: the model input
     stop: int | None  # event index where it ends; None: the model output
-    keys: frozenset[str]  # top-level parameter names it reads
+    keys: frozenset[str]  # names of the parameter units it reads
     flops: float
     clean: bool
 
@@ -68,17 +97,18 @@ class StageCut:
     """A module cut into `len(bounds)` stages.
 
     bounds[s]: event index where stage s begins (None for stage 0).
-    keys[s]: top-level parameter names stage s owns.
+    keys[s]: names of the parameter units stage s owns (units: name -> path).
     flops[s]: estimated FLOPs of one microbatch's forward through stage s.
     """
 
-    module: nn.Module
+    model: Model
     events: tuple[Event, ...]
     bounds: tuple[int | None, ...]
     keys: tuple[tuple[str, ...], ...]
     flops: tuple[float, ...]
     x_aval: jax.ShapeDtypeStruct
     param_avals: dict
+    units: dict[str, Path]
 
     @property
     def stages(self) -> int:
@@ -93,18 +123,23 @@ class StageCut:
         """stage_fn(params_s, act) -> act: the model's code from cut s to cut s+1."""
         start = self.bounds[s]
         stop = self.bounds[s + 1] if s + 1 < self.stages else None
-        others = {k: a for k, a in self.param_avals.items() if k not in self.keys[s]}
+        others = {
+            k: _get(self.param_avals, path)
+            for k, path in self.units.items()
+            if k not in self.keys[s]
+        }
         calls_before = [i for i in range(start or 0) if self.events[i].kind == "call"]
 
         def stage(params_s: Any, act: Any) -> Any:
             # Other stages' parameters and skipped calls are zero stand-ins that
             # only dead code reads (checked when the cut was made).
-            variables = {"params": {**_zeros(others), **params_s}}
+            units = {**_zeros(others), **params_s}
+            params = _assemble({self.units[k]: v for k, v in units.items()})
             if start is None:
-                return run_module(self.module, variables, act, Run(stop=stop, expected=self.events))
+                return self.model.run(params, act, Run(stop=stop, expected=self.events))
             skips = {i: _zeros(self.events[i].out) for i in calls_before}
             run = Run(start, stop, act, skips, expected=self.events)
-            return run_module(self.module, variables, _zeros(self.x_aval), run)
+            return self.model.run(params, _zeros(self.x_aval), run)
 
         stage.__name__ = f"stage_{s}"
         return stage
@@ -113,32 +148,33 @@ class StageCut:
         return [self.stage_fn(s) for s in range(self.stages)]
 
     def split(self, variables: Any) -> list[dict]:
-        """Module variables {'params': {...}} -> one dict of parameters per stage."""
-        params = check_variables(variables)
-        if set(params) != set(self.param_avals):
+        """The model's parameters (as its users hold them) -> one dict of units per stage."""
+        params = self.model.params(variables)
+        if jax.tree.structure(params) != jax.tree.structure(self.param_avals):
             raise ValueError(
-                f"params: top-level names {sorted(params)} differ from the ones the model "
-                f"was cut with {sorted(self.param_avals)}"
+                f"params: their tree {jax.tree.structure(params)} differs from the one the "
+                f"model was cut with {jax.tree.structure(self.param_avals)}"
             )
-        return [{k: params[k] for k in keys} for keys in self.keys]
+        return [{k: _get(params, self.units[k]) for k in keys} for keys in self.keys]
 
-    def merge(self, stage_trees: Sequence[Any]) -> dict:
-        """Inverse of `split`: per-stage dicts (parameters or gradients) -> {'params': ...}."""
+    def merge(self, stage_trees: Sequence[Any]) -> Any:
+        """Inverse of `split`: per-stage dicts (parameters or gradients) -> the model's form."""
         if len(stage_trees) != self.stages:
             raise ValueError(f"merge: expected {self.stages} stage trees, got {len(stage_trees)}")
-        return {"params": {k: v for tree in stage_trees for k, v in tree.items()}}
+        parts = {self.units[k]: v for tree in stage_trees for k, v in tree.items()}
+        return self.model.variables(_assemble(parts))
 
 
-def _probe(module, events, x_aval, param_avals, start, stop) -> _Segment:
+def _probe(model: Model, events, x_aval, param_avals, start, stop) -> _Segment:
     """Trace the model as stage [start, stop) with every hidden input as an argument."""
     calls_before = [i for i in range(start or 0) if events[i].kind == "call"]
     act_aval = x_aval if start is None else events[start].act
 
     def segment(params, x, skips, act):
         if start is None:
-            return run_module(module, {"params": params}, act, Run(stop=stop, expected=events))
+            return model.run(params, act, Run(stop=stop, expected=events))
         run = Run(start, stop, act, dict(zip(calls_before, skips, strict=True)), events)
-        return run_module(module, {"params": params}, x, run)
+        return model.run(params, x, run)
 
     skip_avals = [events[i].out for i in calls_before]
     closed = jax.make_jaxpr(segment)(param_avals, x_aval, skip_avals, act_aval)
@@ -146,7 +182,7 @@ def _probe(module, events, x_aval, param_avals, start, stop) -> _Segment:
     keys = set()
     for path, _ in jax.tree_util.tree_flatten_with_path(param_avals)[0]:
         if next(used):
-            keys.add(path[0].key)
+            keys.add("/".join(map(str, _unit_of(tuple(map(_key, path)), model.children))))
     hidden = [next(used) for _ in jax.tree.leaves((x_aval, skip_avals))]
     clean = not (start is not None and any(hidden))
     return _Segment(start, stop, frozenset(keys), liveness(closed.jaxpr).flops, clean)
@@ -165,16 +201,16 @@ def _candidates(events: Sequence[Event]) -> list[int]:
     ]
 
 
-def _clean_segments(module, events, x_aval, param_avals) -> list[_Segment]:
+def _clean_segments(model: Model, events, x_aval, param_avals) -> list[_Segment]:
     """Segments between candidate cuts, dropping cuts that are not clean."""
     bounds: list[int | None] = [None, *_candidates(events)]
     segments: list[_Segment] = []
     for j, start in enumerate(bounds):
         stop = bounds[j + 1] if j + 1 < len(bounds) else None
-        seg = _probe(module, events, x_aval, param_avals, start, stop)
+        seg = _probe(model, events, x_aval, param_avals, start, stop)
         while not seg.clean:  # merge with the previous segment and try again
             prev = segments.pop()
-            seg = _probe(module, events, x_aval, param_avals, prev.start, stop)
+            seg = _probe(model, events, x_aval, param_avals, prev.start, stop)
         segments.append(seg)
     return _merge_tied(segments)
 
@@ -201,28 +237,32 @@ def _merge_tied(segments: list[_Segment]) -> list[_Segment]:
 
 
 def cut_module(
-    module: nn.Module, variables: Any, x: Any, stages: int, balance: str = "flops"
+    module: Any, variables: Any, x: Any, stages: int, balance: str = "flops"
 ) -> StageCut:
-    """Cut `module` into `stages` stages for inputs shaped like `x` (one microbatch)."""
+    """Cut `module` (linen or NNX, or its `Model` view) into `stages` stages for
+    inputs shaped like `x` (one microbatch); `variables` are its parameters."""
     if balance not in BALANCE:
         raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
-    param_avals = _avals(check_variables(variables))
+    model = module if isinstance(module, LinenModel | NNXModel) else as_model(module)
+    param_avals = _avals(model.params(variables))
+    units = _units(param_avals, model.children)
     x_aval = _avals(x)
     recorder = Run()
-    jax.eval_shape(
-        lambda p, xs: run_module(module, {"params": p}, xs, recorder), param_avals, x_aval
-    )
+    jax.eval_shape(lambda p, xs: model.run(p, xs, recorder), param_avals, x_aval)
     events = tuple(recorder.events)
-    segments = _clean_segments(module, events, x_aval, param_avals)
+    segments = _clean_segments(model, events, x_aval, param_avals)
     if len(segments) < stages:
         names = [events[s.start].name for s in segments[1:]]
         raise ValueError(
-            f"stages: the model {type(module).__name__} has {len(segments) - 1} clean cut "
+            f"stages: the model {model.name} has {len(segments) - 1} clean cut "
             f"points ({', '.join(names) or 'none'}), too few for {stages} stages; use a "
             "model with more top-level layers, add pjit_pipe.boundary() markers, or "
             "use fewer stages/chunks"
         )
-    sizes = {k: sum(math.prod(a.shape) for a in jax.tree.leaves(v)) for k, v in param_avals.items()}
+    sizes = {
+        k: sum(math.prod(a.shape) for a in jax.tree.leaves(_get(param_avals, path)))
+        for k, path in units.items()
+    }
     if balance == "flops":
         costs = [s.flops for s in segments]
     else:
@@ -231,14 +271,15 @@ def cut_module(
     ends = [*starts[1:], len(segments)]
     groups = [segments[a:b] for a, b in zip(starts, ends, strict=True)]
     keys = [sorted(set().union(*(s.keys for s in g))) for g in groups]
-    unused = sorted(set(param_avals) - set().union(*map(set, keys)))
+    unused = sorted(set(units) - set().union(*map(set, keys)))
     keys[0] = sorted(keys[0] + unused)  # never read: they get zero gradients anywhere
     return StageCut(
-        module=module,
+        model=model,
         events=events,
         bounds=tuple(g[0].start for g in groups),
         keys=tuple(tuple(k) for k in keys),
         flops=tuple(sum(s.flops for s in g) for g in groups),
         x_aval=x_aval,
         param_avals=param_avals,
+        units=units,
     )

@@ -1,6 +1,7 @@
 """`pipeline`: turn a Flax module into a pipelined model with the module's own API.
 
-The user keeps plain Flax parameters (`module.init`); the pipelined object
+The user keeps plain Flax parameters (`module.init` for linen, the module's
+nnx.Param state for NNX; see `adapters.py`); the pipelined object
 cuts the model into stages on first use (per input shape), splits parameters
 per stage for the lowering and merges gradients back, so everything the user
 sees or checkpoints has the module's own tree structure.
@@ -18,10 +19,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from pjit_pipe.failures import FailurePattern
-from pjit_pipe.frontend.cut import BALANCE, StageCut, check_variables, cut_module
+from pjit_pipe.frontend.adapters import as_model
+from pjit_pipe.frontend.cut import BALANCE, StageCut, cut_module
 from pjit_pipe.frontend.mesh import AXES, make_mesh
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.topology import Topology
@@ -65,7 +68,7 @@ class Pipelined:
 
     def __init__(
         self,
-        module: nn.Module,
+        module: nn.Module | nnx.Module,
         *,
         stages: int,
         microbatches: int,
@@ -80,9 +83,8 @@ class Pipelined:
         failed: Sequence[tuple[int, int]] = (),
         search_time: float = 2.0,
     ):
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"pipeline: expected a flax.linen.Module, got {type(module).__name__}")
         self.module = module
+        self.model = as_model(module)
         self.stages = _positive("stages", stages)
         self.microbatches = _positive("microbatches", microbatches)
         self.chunks = _positive("chunks", chunks)
@@ -161,12 +163,13 @@ class Pipelined:
     # ---- the plain module API ----
 
     def init(self, rng: jax.Array, x: Any) -> Any:
-        """`module.init(rng, x)`: plain Flax variables."""
-        return self.module.init(rng, x)
+        """linen: `module.init(rng, x)`, plain Flax variables. NNX: the module's own
+        nnx.Param state as a pure dict (an NNX module is initialized when built)."""
+        return self.model.init(rng, x)
 
     def apply(self, params: Any, x: Any) -> Any:
         """The unpipelined forward pass (`module.apply`), for evaluation and sampling."""
-        return self.module.apply(params, x)
+        return self.model.apply(params, x)
 
     # ---- cutting ----
 
@@ -186,12 +189,12 @@ class Pipelined:
         """The stage cut for this parameter tree and global batch `x` (cached)."""
         mb = _leading("x", x) // (self.replicas * self.microbatches)
         x_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb, *np.shape(a)[1:]), a.dtype), x)
-        leaves, treedef = jax.tree.flatten(check_variables(params))
+        leaves, treedef = jax.tree.flatten(self.model.params(params))
         key = (jax.tree.structure(x_mb), tuple(jax.tree.leaves(x_mb)), treedef)
         key += tuple((np.shape(a), jnp.result_type(a)) for a in leaves)
         if key not in self._cuts:
             self._cuts[key] = cut_module(
-                self.module, params, x_mb, self.schedule.num_virtual_stages, self.balance
+                self.model, params, x_mb, self.schedule.num_virtual_stages, self.balance
             )
         return self._cuts[key]
 
@@ -288,7 +291,7 @@ class PipelinedClass:
     `module_class` is the undecorated class, for plain unpipelined use.
     """
 
-    def __init__(self, module_class: type[nn.Module], options: dict[str, Any]):
+    def __init__(self, module_class: type[nn.Module | nnx.Module], options: dict[str, Any]):
         self.module_class = module_class
         self.options = options
         functools.update_wrapper(self, module_class, updated=())
@@ -298,15 +301,16 @@ class PipelinedClass:
 
 
 def pipeline(
-    module: nn.Module | type[nn.Module] | Sequence[nn.Module] | None = None,
+    module: nn.Module | nnx.Module | type | Sequence[Any] | None = None,
     /,
     **options: Any,
 ) -> Any:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
-    `module` is a linen Module instance, a Module class (or use
+    `module` is a linen or NNX Module instance, a Module class (or use
     `@pipeline(stages=..., ...)` as a class decorator: instances are then
-    pipelined), or a list of layers (run as nn.Sequential).
+    pipelined), or a list of layers (run as nn.Sequential, or nnx.Sequential
+    when they are NNX modules).
 
     Options: stages (P), microbatches (m per replica), schedule (one of
     pjit_pipe.schedules.KINDS), mesh (from make_mesh; default one replica on
@@ -319,8 +323,9 @@ def pipeline(
     """
     if module is None:
         return lambda m: pipeline(m, **options)
-    if isinstance(module, type) and issubclass(module, nn.Module):
+    if isinstance(module, type) and issubclass(module, nn.Module | nnx.Module):
         return PipelinedClass(module, options)
     if isinstance(module, list | tuple):
-        module = nn.Sequential(list(module))
+        nnx_layers = any(isinstance(m, nnx.Module) for m in module)
+        module = nnx.Sequential(*module) if nnx_layers else nn.Sequential(list(module))
     return Pipelined(module, **options)

@@ -77,21 +77,26 @@ class Run:
         self._depth = 0
 
     def intercept(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
+        """A linen method interceptor: top-level submodule calls become events."""
         scope = context.module.scope
         top = context.method_name != "setup" and scope is not None and len(scope.path) == 1
         if not top:
             return next_fun(*args, **kwargs)
+        return self.call(context.module.name, next_fun, args, kwargs)
 
-        def call(call_args: tuple) -> Any:
+    def call(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        """A call of one of the root module's children, `fn(*args, **kwargs)`."""
+
+        def run(call_args: tuple) -> Any:
             self._depth += 1
             try:
-                return next_fun(*call_args, **kwargs)
+                return fn(*call_args, **kwargs)
             finally:
                 self._depth -= 1
 
         if self._depth:
-            return call(args)
-        return self._event("call", context.module.name, args, call)
+            return run(args)
+        return self._event("call", name, args, run)
 
     def boundary(self, x: Any) -> Any:
         if self._depth:
@@ -137,12 +142,12 @@ def boundary(x: Any) -> Any:
     return x if run is None else run.boundary(x)
 
 
-def run_module(module: nn.Module, variables: Any, x: Any, run: Run) -> Any:
-    """`module.apply(variables, x)` driven by `run`; returns the stage's output."""
+def drive(run: Run, forward: Callable[[], Any]) -> Any:
+    """Run `forward()` (the model's whole forward pass, with its calls routed
+    through `run`) and return the stage's output."""
     token = _ACTIVE.set(run)
     try:
-        with nn.intercept_methods(run.intercept):
-            out = module.apply(variables, x)
+        out = forward()
     except _StageEnd as end:
         return end.act
     finally:
@@ -150,3 +155,13 @@ def run_module(module: nn.Module, variables: Any, x: Any, run: Run) -> Any:
     if run.stop is not None:
         raise RuntimeError(f"the stage should have ended at call {run.stop} but the model returned")
     return out
+
+
+def run_module(module: nn.Module, variables: Any, x: Any, run: Run) -> Any:
+    """`module.apply(variables, x)` driven by `run`; returns the stage's output."""
+
+    def forward() -> Any:
+        with nn.intercept_methods(run.intercept):
+            return module.apply(variables, x)
+
+    return drive(run, forward)

@@ -1,0 +1,169 @@
+"""The two kinds of Flax model, seen the same way by the stage cutter.
+
+A `Model` gives the cutter a pure parameter tree (nested dicts of arrays) and
+a way to run the forward pass with the root module's child calls routed
+through a `trace.Run`. Users keep their framework's own parameter form:
+
+- linen: the variables dict `{'params': ...}` that `module.init` returns;
+- NNX: the module's `nnx.Param` state as a pure dict
+  (`nnx.to_pure_dict(nnx.state(model, nnx.Param))`), which is what
+  `Pipelined.init` returns and what gradients come back as. An
+  `nnx.State` is accepted as input too.
+
+A child of an NNX root is a module attribute, or an element of a list-like
+attribute (`nnx.List`, the layers of `nnx.Sequential`); its parameters are the
+subtree at its path, so an NNX stage owns whole children just as a linen stage
+owns whole top-level names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+import flax.linen as nn
+import jax
+from flax import nnx
+
+from pjit_pipe.frontend.trace import Run, drive, run_module
+
+Path = tuple[Any, ...]
+
+
+class Model(Protocol):
+    """What the stage cutter and the pipeline need from a Flax model."""
+
+    name: str
+    children: tuple[Path, ...]  # parameter subtrees a stage owns whole
+
+    def params(self, variables: Any) -> dict: ...
+    def variables(self, params: dict) -> Any: ...
+    def run(self, params: dict, x: Any, run: Run) -> Any: ...
+    def init(self, rng: jax.Array, x: Any) -> Any: ...
+    def apply(self, variables: Any, x: Any) -> Any: ...
+
+
+class LinenModel:
+    """A `flax.linen.Module`; its children are its top-level parameter names."""
+
+    children: tuple[Path, ...] = ()
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+        self.name = type(module).__name__
+
+    def params(self, variables: Any) -> dict:
+        """The 'params' dict of a Flax variables tree; other collections are refused."""
+        if not isinstance(variables, Mapping) or "params" not in variables:
+            raise ValueError(
+                "params: expected the Flax variables dict {'params': ...} of module.init"
+            )
+        extra = sorted(set(variables) - {"params"})
+        if extra:
+            raise ValueError(
+                f"params: only the 'params' collection can be pipelined, got also {extra} "
+                "(mutable state such as batch statistics is not supported)"
+            )
+        return variables["params"]
+
+    def variables(self, params: dict) -> Any:
+        return {"params": params}
+
+    def run(self, params: dict, x: Any, run: Run) -> Any:
+        return run_module(self.module, {"params": params}, x, run)
+
+    def init(self, rng: jax.Array, x: Any) -> Any:
+        return self.module.init(rng, x)
+
+    def apply(self, variables: Any, x: Any) -> Any:
+        return self.module.apply(variables, x)
+
+
+class NNXModel:
+    """An `nnx.Module` instance (already initialized: NNX modules own their state)."""
+
+    def __init__(self, module: nnx.Module):
+        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        if jax.tree.leaves(rest):
+            kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
+            raise ValueError(
+                f"pipeline: only nnx.Param state can be pipelined, {type(module).__name__} "
+                f"also has {kinds} (mutable state such as batch statistics or stored "
+                "rngs is not supported)"
+            )
+        self.name = type(module).__name__
+        self._graphdef, self._template = graphdef, params
+        self._pure = nnx.to_pure_dict(params)
+        self.children = tuple(path for path, _ in _children(module))
+
+    def params(self, variables: Any) -> dict:
+        pure = nnx.to_pure_dict(variables) if isinstance(variables, nnx.State) else variables
+        if jax.tree.structure(pure) != jax.tree.structure(self._pure):
+            raise ValueError(
+                f"params: expected the nnx.Param state of {self.name} (a pure dict or an "
+                f"nnx.State), got a tree of structure {jax.tree.structure(pure)}"
+            )
+        return pure
+
+    def variables(self, params: dict) -> Any:
+        return params
+
+    def _module(self, params: dict) -> nnx.Module:
+        state = jax.tree.map(lambda a: a, self._template)  # a fresh State to fill in
+        nnx.replace_by_pure_dict(state, params)
+        return nnx.merge(self._graphdef, state)
+
+    def run(self, params: dict, x: Any, run: Run) -> Any:
+        model = self._module(params)
+        for path, child in _children(model):
+            _replace(model, path, _Routed(run, "/".join(map(str, path)), child))
+        return drive(run, lambda: model(x))
+
+    def init(self, rng: jax.Array, x: Any) -> Any:
+        """The module's own parameters (`rng` and `x` are unused: NNX modules are
+        initialized when constructed)."""
+        return self._pure
+
+    def apply(self, variables: Any, x: Any) -> Any:
+        return self._module(self.params(variables))(x)
+
+
+class _Routed:
+    """Stands in for a child module: calling it is an event of the run."""
+
+    def __init__(self, run: Run, name: str, child: Callable):
+        self._run, self._name, self._child = run, name, child
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self._run.call(self._name, self._child, args, kwargs)
+
+
+def _children(model: nnx.Module) -> list[tuple[Path, nnx.Module]]:
+    """The root's direct child modules, with list-like attributes looked into."""
+    out = []
+    for name, value in vars(model).items():
+        if name.startswith("_"):
+            continue
+        if isinstance(value, nnx.List | list):
+            out += [((name, i), v) for i, v in enumerate(value) if isinstance(v, nnx.Module)]
+        elif isinstance(value, nnx.Module):
+            out.append(((name,), value))
+    return out
+
+
+def _replace(model: nnx.Module, path: Path, value: Any) -> None:
+    if len(path) == 1:
+        object.__setattr__(model, path[0], value)
+    else:
+        getattr(model, path[0])[path[1]] = value
+
+
+def as_model(module: Any) -> Model:
+    """The `Model` view of a linen or NNX module instance."""
+    if isinstance(module, nn.Module):
+        return LinenModel(module)
+    if isinstance(module, nnx.Module):
+        return NNXModel(module)
+    raise TypeError(
+        f"pipeline: expected a flax.linen.Module or flax.nnx.Module, got {type(module).__name__}"
+    )
