@@ -104,6 +104,9 @@ def test_five_adam_steps_match_unpipelined_training():
     assert state.step == 5
     assert jax.tree.structure(state.params) == jax.tree.structure(params)
     assert rel_err(state.params, ref_params) < 1e-5
+    # The optimizer state is in the module's layout too: optax's own state of the params.
+    assert jax.tree.structure(state.opt_state) == jax.tree.structure(ref_opt)
+    assert rel_err(state.opt_state, ref_opt) < 1e-5
 
 
 def test_train_cli_prints_json_per_step(capsys):

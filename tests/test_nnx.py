@@ -130,6 +130,12 @@ def test_sequential_from_a_list_and_markers():
     assert [cut.events[b].kind for b in cut.bounds[1:]] == ["boundary"]
     assert cut.keys == (("a",), ("b", "c"))
 
+    # As a class decorator: instances are pipelined, the class stays plain NNX.
+    decorated = pp.pipeline(stages=2, microbatches=2, mesh=pp.make_mesh(1, 2))(Marked)
+    pm = decorated(nnx.Rngs(3))
+    assert isinstance(pm, pp.Pipelined) and decorated.module_class is Marked
+    assert_close(pm.apply(pm.init(None, None), xm), marked(xm))
+
 
 def test_non_param_state_is_refused():
     class WithStats(nnx.Module):

@@ -1,4 +1,4 @@
-"""The Flax frontend: pipeline a linen module, cut it into stages, build the mesh."""
+"""The Flax frontend: pipeline a linen or NNX module, cut it into stages, build the mesh."""
 
 from pjit_pipe.frontend.cut import StageCut, cut_module
 from pjit_pipe.frontend.mesh import make_mesh

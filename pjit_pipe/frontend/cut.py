@@ -147,10 +147,11 @@ class StageCut:
     def stage_fns(self) -> list[Callable[[Any, Any], Any]]:
         return [self.stage_fn(s) for s in range(self.stages)]
 
-    def split(self, variables: Any) -> list[dict]:
-        """The model's parameters (as its users hold them) -> one dict of units per stage."""
+    def split(self, variables: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[dict]:
+        """The model's parameters (as its users hold them), or a tree shaped like them
+        with `is_leaf` nodes for leaves, -> one dict of units per stage."""
         params = self.model.params(variables)
-        if jax.tree.structure(params) != jax.tree.structure(self.param_avals):
+        if jax.tree.structure(params, is_leaf) != jax.tree.structure(self.param_avals):
             raise ValueError(
                 f"params: their tree {jax.tree.structure(params)} differs from the one the "
                 f"model was cut with {jax.tree.structure(self.param_avals)}"

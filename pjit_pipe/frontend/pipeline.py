@@ -26,6 +26,7 @@ from pjit_pipe.failures import FailurePattern
 from pjit_pipe.frontend.adapters import as_model
 from pjit_pipe.frontend.cut import BALANCE, StageCut, cut_module
 from pjit_pipe.frontend.mesh import AXES, make_mesh
+from pjit_pipe.frontend.opt_state import check_opt_layout, merge_opt_state, split_opt_state
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.topology import Topology
 from pjit_pipe.passes.reroute import schedule_with_failures
@@ -40,8 +41,8 @@ class TrainState:
     """Training state of a pipelined model.
 
     params: the module's own variables {'params': ...} (layout-free: save them).
-    opt_state: one optax state per virtual stage, in the pipeline's stage
-        layout (it is tied to the optimizer and to this cut).
+    opt_state: `optimizer.init(params)`, in the module's layout too (the
+        pipeline splits it by stage for each step and merges it back).
     step: number of optimizer steps taken.
     """
 
@@ -258,8 +259,11 @@ class TrainStep:
 
     def init(self, params: Any, batch: tuple[Any, Any]) -> TrainState:
         """A fresh TrainState; `batch` is an example (x, y) that fixes the stage cut."""
-        cut, step = self.pipelined._step(params, *batch, self.loss_fn)
-        state = TrainState(params=params, opt_state=step.init_opt_state(cut.split(params)))
+        model = self.pipelined.model
+        params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
+        cut, _ = self.pipelined._step(params, *batch, self.loss_fn)
+        check_opt_layout(cut, self.pipelined.optimizer, params)
+        state = TrainState(params=params, opt_state=self.pipelined.optimizer.init(params))
         # Place it as train steps return it (replicated on the mesh), so the
         # second step does not compile again for a new input layout.
         return self.pipelined.place(state)
@@ -268,8 +272,11 @@ class TrainStep:
         x, y = batch
         cut, step = self.pipelined._step(state.params, x, y, self.loss_fn)
         state, (x, y) = self.pipelined.place((state, (x, y)))
-        params, opt_state, loss = step.train_step(cut.split(state.params), state.opt_state, x, y)
-        return TrainState(cut.merge(params), opt_state, state.step + 1), loss
+        opt_stages = split_opt_state(cut, state.opt_state, state.params)
+        params, opt_stages, loss = step.train_step(cut.split(state.params), opt_stages, x, y)
+        params = cut.merge(params)
+        opt_state = merge_opt_state(cut, opt_stages, state.opt_state, params)
+        return TrainState(params, opt_state, state.step + 1), loss
 
     def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
         """Compile ahead of time for states and batches shaped like these (arrays or
@@ -282,7 +289,8 @@ class TrainStep:
             (state, x, y),
         )
         state, x, y = placed
-        return step.compile_train_step(cut.split(state.params), state.opt_state, x, y)
+        opt_stages = split_opt_state(cut, state.opt_state, state.params)
+        return step.compile_train_step(cut.split(state.params), opt_stages, x, y)
 
 
 class PipelinedClass:
