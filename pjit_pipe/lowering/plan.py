@@ -33,20 +33,22 @@ KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW)
 
 # Columns of a tick row. ITER: the op's iteration; UPDATE: bit c set when this
 # device's chunk c takes its optimizer step after this tick.
-BRANCH, MB, IN_SLOT, G_SLOT, RES_W, RES_R, ACC, SELF_SLOT, ITER, UPDATE = range(10)
-RECV0 = 10  # one column per shift, in `TickPlan.shifts` order
+BRANCH, MB, IN_SLOT, G_SLOT, RES_W, RES_R, SELF_SLOT, ITER, UPDATE = range(9)
+RECV0 = 9  # one column per shift, in `TickPlan.shifts` order
 
 
 @dataclass(frozen=True)
 class TickPlan:
     """Per-device tick rows plus the buffer sizes they index into.
 
-    rows: int32 (devices, ticks, columns). A slot index equal to the
-        store size is the scratch slot: writes there are discarded.
+    rows: int32 (devices, ticks, columns). A message slot equal to the
+        store size is the scratch slot: writes there are discarded (every
+        tick stores what it receives). Residual slots are read only by the
+        ops that use them.
     inputs: int32 (devices, L, 3), the (iteration, replica, microbatch)
         triples whose input or label each device reads; column MB of a row
         indexes this list.
-    msg_slots / res_slots: message and residual store sizes (scratch excluded).
+    msg_slots / res_slots: message store size (scratch excluded), residual store size.
     shifts: for each ppermute, the (replica, position) shift and its
         (source, dest) pairs of device indices.
     branches: the (kind, virtual stage) of branch 1, 2, ...; branch 0 idles.
@@ -179,12 +181,10 @@ def build_plan(
         key=lambda ks: (ks[1], KIND_ORDER.index(ks[0])),
     )
     branch = {ks: 1 + i for i, ks in enumerate(branches)}
-    v = schedule.chunks
     rows = np.zeros((len(devices), len(ticks), RECV0 + len(shifts)), np.int32)
     rows[..., [IN_SLOT, G_SLOT, SELF_SLOT]] = K
     rows[..., RECV0:] = K
     rows[..., [RES_W, RES_R]] = R
-    rows[..., ACC] = v
     for t, tick in enumerate(ticks):
         for w, op in tick.items():
             row = rows[index[w], t]
@@ -198,8 +198,6 @@ def build_plan(
             else:
                 row[RES_R] = res_slot.get(key, R)
             row[ITER] = op.mb // m
-            if op.kind in (Kind.W, Kind.BW):
-                row[ACC] = schedule.chunk_of(op.stage)
     for dest, t, col, slot in arrivals:
         rows[index[dest], t, col] = slot
     updates = np.zeros(len(ticks), bool)

@@ -32,7 +32,6 @@ from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.plan import (
-    ACC,
     BRANCH,
     G_SLOT,
     IN_SLOT,
@@ -100,7 +99,10 @@ class Lowered:
         ]
         self.forwards = self._group((Kind.F,))
         self.input_grads = self._group((Kind.B,))
-        self.weight_grads = self._group((Kind.W, Kind.BW))
+        # One W/BW group per chunk: the chunk's gradient is a static operand.
+        self.weight_grads = [
+            self._group((Kind.W, Kind.BW), chunk=c) for c in range(schedule.chunks)
+        ]
 
     # ---- the compute of one tick, by op kind ----
     #
@@ -113,9 +115,16 @@ class Lowered:
     # also have to return a zero gradient and zero residuals on the ticks that
     # make none, one parameter-sized memory pass per tick.
 
-    def _group(self, kinds: tuple[Kind, ...]) -> tuple[list[int], list[Callable]]:
-        """(branch ids, stage functions) of the plan's branches of these kinds."""
-        ids = [1 + i for i, (k, _) in enumerate(self.plan.branches) if k in kinds]
+    def _group(
+        self, kinds: tuple[Kind, ...], chunk: int | None = None
+    ) -> tuple[list[int], list[Callable]]:
+        """(branch ids, stage functions) of the plan's branches of these kinds
+        (and of virtual stages in this chunk, if given)."""
+        ids = [
+            1 + i
+            for i, (k, s) in enumerate(self.plan.branches)
+            if k in kinds and chunk in (None, self.sched.chunk_of(s))
+        ]
         return ids, [self._op(*self.plan.branches[i - 1]) for i in ids]
 
     def _op(self, kind: Kind, s: int) -> Callable:
@@ -151,7 +160,10 @@ class Lowered:
             dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
             if kind in (Kind.B, Kind.BW) and s > 0:
                 msg = self.msg_spec.pack(s - 1, dinput)[self.msg_key]
-            dpar = self.param_spec.pack(s, dparams) if kind in (Kind.W, Kind.BW) else {}
+            if kind is Kind.B:
+                return msg, {}, jnp.zeros((), jnp.float32)
+            # A uniform chunk's gradient stays a tree (see `_zero_grads`).
+            dpar = dparams if self.uniform[c] else self.param_spec.pack(s, dparams)
             return msg, dpar, jnp.zeros((), jnp.float32)
 
         return run
@@ -168,13 +180,32 @@ class Lowered:
         return out
 
     def _empty(self, plan: TickPlan):
-        """Message store (with a scratch slot for no message), residual store, gradient rows."""
-        K, R, v = plan.msg_slots, plan.res_slots, self.sched.chunks
+        """Message store (with a scratch slot for no message), residual store, gradients."""
+        K, R = plan.msg_slots, plan.res_slots
         return (
             jnp.zeros((K + 1, self.msg_spec.sizes[self.msg_key]), self.msg_key),
             {} if self.remat else self.st.res_spec.zeros(R),
-            self.param_spec.zeros(v),
+            self._zero_grads(),
         )
+
+    def _zero_grads(self) -> list[Any]:
+        """Per chunk, the gradient accumulator: the parameter tree itself when every
+        position's stage of the chunk has the same shapes (W adds leaf by leaf),
+        else a flat row (W packs its tree first, a copy per W)."""
+        out = []
+        for c, uniform in enumerate(self.uniform):
+            s = self.held[0][c]
+            avals = self.param_spec.unpack(s, self.param_spec.zeros())
+            out.append(jax.tree.map(jnp.zeros_like, avals) if uniform else self.param_spec.zeros())
+        return out
+
+    def _flat_grads(self, grads: list[Any]) -> Buffers:
+        """Per-chunk accumulators -> the (v, L) gradient rows of the device layout."""
+        rows = [
+            self.param_spec.pack(self.held[0][c], g) if self.uniform[c] else g
+            for c, g in enumerate(grads)
+        ]
+        return {k: jnp.stack([r[k] for r in rows]) for k in self.param_spec.sizes}
 
     def _tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row):
         """One tick: this device's op (if any), then every ppermute of the plan."""
@@ -207,13 +238,16 @@ class Lowered:
                 lambda msg: msg,
                 msg,
             )
-        if self.weight_grads[0]:
+        grads = list(grads)
+        for c, group in enumerate(self.weight_grads):
+            if not group[0]:
+                continue
 
-            def weight_grad(msg, grads):
-                msg, dpar, _ = dispatch(self.weight_grads, *args, res, row)
-                return msg, {k: b.at[row[ACC]].add(dpar[k]) for k, b in grads.items()}
+            def weight_grad(msg, acc, group=group):
+                msg, dpar, _ = dispatch(group, *args, res, row)
+                return msg, jax.tree.map(jnp.add, acc, dpar)
 
-            msg, grads = lax.cond(taken(self.weight_grads), weight_grad, lambda *a: a, msg, grads)
+            msg, grads[c] = lax.cond(taken(group), weight_grad, lambda *a: a, msg, grads[c])
         msgs = msgs.at[row[SELF_SLOT]].set(msg)
         for i, (_, pairs) in enumerate(plan.shifts):
             got = lax.ppermute(msg, self.topo.axes, perm=pairs)
@@ -232,7 +266,7 @@ class Lowered:
         (_, _, grads, loss), _ = lax.scan(
             tick, (*self._empty(self.plan), jnp.zeros((), jnp.float32)), rows
         )
-        grads = self.topo.reduce_over_replicas(grads)
+        grads = self.topo.reduce_over_replicas(self._flat_grads(grads))
         return lax.psum(loss, self.topo.axes), grads
 
     def stepping_loop(
@@ -262,12 +296,15 @@ class Lowered:
         def step(row, state):
             grads, params, opt = state
             mine = ((row[UPDATE] >> jnp.arange(v)) & 1).astype(bool)[:, None]
-            g = {k: jnp.where(mine, b, 0) for k, b in grads.items()}
+            g = {k: jnp.where(mine, b, 0) for k, b in self._flat_grads(grads).items()}
             g = self.topo.reduce_over_replicas(g)
             new_p, new_o = self.optimizer_step(optimizer, opt_spec, params, g, opt, pos)
             params = {k: jnp.where(mine, new_p[k], b) for k, b in params.items()}
             opt = {k: jnp.where(mine, new_o[k], b) for k, b in opt.items()}
-            grads = {k: jnp.where(mine, 0, b) for k, b in grads.items()}
+            grads = [
+                jax.tree.map(lambda a, m=mine[c, 0]: jnp.where(m, 0, a), g)
+                for c, g in enumerate(grads)
+            ]
             return grads, params, opt
 
         def tick(carry, inputs):
