@@ -106,14 +106,14 @@ class Lowered:
 
     # ---- the compute of one tick, by op kind ----
     #
-    # A tick runs at most one op, but its branch is chosen in three groups, each
-    # its own two-way `lax.cond` (op of this group, or nothing): F writes its
-    # residuals into the residual store, W/BW add their parameter gradient into
-    # the gradient rows, and B does neither. Each store is updated in place
-    # inside the one cond that writes it; XLA keeps two-way conds in place but
-    # copies every operand through an n-way switch, and a single switch would
-    # also have to return a zero gradient and zero residuals on the ticks that
-    # make none, one parameter-sized memory pass per tick.
+    # A tick runs at most one op, chosen in groups, each its own two-way
+    # `lax.cond` (an op of this group, or nothing): all F (they write the
+    # residual store), all B, and the W/BW of each chunk (they add into that
+    # chunk's gradient accumulator). Each store is updated in place inside the
+    # one cond that writes it: XLA keeps two-way conds in place but copies
+    # every operand through an n-way switch, and a single switch would also
+    # have to return a zero gradient and zero residuals on the ticks that make
+    # none, one parameter-sized memory pass per tick.
 
     def _group(
         self, kinds: tuple[Kind, ...], chunk: int | None = None
@@ -192,12 +192,11 @@ class Lowered:
         """Per chunk, the gradient accumulator: the parameter tree itself when every
         position's stage of the chunk has the same shapes (W adds leaf by leaf),
         else a flat row (W packs its tree first, a copy per W)."""
-        out = []
-        for c, uniform in enumerate(self.uniform):
-            s = self.held[0][c]
-            avals = self.param_spec.unpack(s, self.param_spec.zeros())
-            out.append(jax.tree.map(jnp.zeros_like, avals) if uniform else self.param_spec.zeros())
-        return out
+        zeros = self.param_spec.zeros()
+        return [
+            self.param_spec.unpack(self.held[0][c], zeros) if uniform else zeros
+            for c, uniform in enumerate(self.uniform)
+        ]
 
     def _flat_grads(self, grads: list[Any]) -> Buffers:
         """Per-chunk accumulators -> the (v, L) gradient rows of the device layout."""
