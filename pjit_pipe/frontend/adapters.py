@@ -159,7 +159,9 @@ def _replace(model: nnx.Module, path: Path, value: Any) -> None:
 
 
 def as_model(module: Any) -> Model:
-    """The `Model` view of a linen or NNX module instance."""
+    """The `Model` view of a linen or NNX module instance (a view is its own view)."""
+    if isinstance(module, LinenModel | NNXModel):
+        return module
     if isinstance(module, nn.Module):
         return LinenModel(module)
     if isinstance(module, nnx.Module):

@@ -27,7 +27,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from pjit_pipe.frontend.adapters import LinenModel, Model, NNXModel, Path, as_model
+from pjit_pipe.frontend.adapters import Model, Path, as_model
 from pjit_pipe.frontend.analysis import liveness
 from pjit_pipe.frontend.balance import balance as balance_costs
 from pjit_pipe.frontend.trace import Event, Run
@@ -244,7 +244,7 @@ def cut_module(
     inputs shaped like `x` (one microbatch); `variables` are its parameters."""
     if balance not in BALANCE:
         raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
-    model = module if isinstance(module, LinenModel | NNXModel) else as_model(module)
+    model = as_model(module)
     param_avals = _avals(model.params(variables))
     units = _units(param_avals, model.children)
     x_aval = _avals(x)
