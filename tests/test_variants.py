@@ -14,7 +14,16 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from test_lowering import MB, assert_trees_close, batch, mesh_of, reference_loss, tiny_model, xent
+from test_lowering import (
+    MB,
+    assert_trees_close,
+    batch,
+    mesh_of,
+    reference_loss,
+    tiny_model,
+    unpipelined_training,
+    xent,
+)
 
 from pjit_pipe.failures import FailurePattern
 from pjit_pipe.ir.ops import Worker
@@ -93,12 +102,6 @@ def test_five_staggered_steps_equal_five_synchronous_ones(kind, D, P, failed):
     step = lower(sched, fns, xent, mesh_of(D, P), params, *batches[0], optimizer=opt, iterations=5)
     assert step._low.step_plan.updates.sum() >= P  # optimizer steps inside the loop
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
-
-    ref, state, want = params, opt.init(params), []
-    for x, y in batches:
-        loss, g = jax.value_and_grad(reference_loss, argnums=1)(fns, ref, x, y)
-        upd, state = opt.update(g, state, ref)
-        ref = optax.apply_updates(ref, upd)
-        want.append(float(loss))
+    ref, want = unpipelined_training(fns, params, opt, batches)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
     assert_trees_close(got, ref)
