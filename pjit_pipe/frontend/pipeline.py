@@ -199,13 +199,15 @@ class Pipelined:
             )
         return self._cuts[key]
 
-    def _step(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> tuple[StageCut, Any]:
+    def _step(
+        self, params: Any, x: Any, y: Any, loss_fn: LossFn, has_aux: bool = False
+    ) -> tuple[StageCut, Any]:
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
 
         self._batch(x, y)
         cut = self.cut(params, x)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
-        key = (id(cut), loss_fn, str(avals))
+        key = (id(cut), loss_fn, has_aux, str(avals))
         if key not in self._steps:
             self._steps[key] = lower(
                 self.schedule,
@@ -217,19 +219,27 @@ class Pipelined:
                 y,
                 optimizer=self.optimizer,
                 remat=self.remat,
+                has_aux=has_aux,
             )
         return cut, self._steps[key]
 
     # ---- training ----
 
-    def value_and_grad(self, loss_fn: LossFn) -> Callable[[Any, Any, Any], tuple[jax.Array, Any]]:
-        """f(params, x, y) -> (mean loss over the global batch, grads shaped like params).
+    def value_and_grad(
+        self, loss_fn: LossFn, has_aux: bool = False
+    ) -> Callable[[Any, Any, Any], tuple[Any, Any]]:
+        """f(params, x, y) -> (loss over the global batch, grads shaped like params).
 
-        loss_fn(outputs, y_mb) is the mean loss of one microbatch.
+        loss_fn(outputs, y_mb) returns the mean loss of one microbatch (the loss is
+        then the mean over the global batch), or a pair (loss_sum, weight) (the
+        loss is then sum(loss_sum) / sum(weight) over the global batch: masked
+        and weighted losses). With has_aux=True it returns (loss, aux), aux a
+        pytree of arrays, and f returns ((loss, aux), grads) with each aux leaf
+        averaged over the D*m microbatches (as float32).
         """
 
-        def value_and_grad(params: Any, x: Any, y: Any) -> tuple[jax.Array, Any]:
-            cut, step = self._step(params, x, y, loss_fn)
+        def value_and_grad(params: Any, x: Any, y: Any) -> tuple[Any, Any]:
+            cut, step = self._step(params, x, y, loss_fn, has_aux)
             params = self.place(params)
             loss, grads = step.value_and_grad(cut.split(params), x, y)
             return loss, cut.merge(grads)

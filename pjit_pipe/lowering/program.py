@@ -14,6 +14,7 @@ A schedule with failed workers compiles the same way over the survivors only
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -30,6 +31,8 @@ from jax.sharding import PartitionSpec as PS
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
+from pjit_pipe.lowering.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
+from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.plan import (
     BRANCH,
@@ -63,9 +66,12 @@ class Lowered:
         topology: Topology,
         remat: bool,
         iterations: int = 1,
+        *,
+        loss: LossLayout,
     ):
         self.sched = schedule
         self.st = stages
+        self.loss = loss  # what the last stage's loss vector holds (stages.loss_fn = loss.vector)
         self.topo = topology
         self.iterations = iterations
         self.plan: TickPlan = build_plan(schedule, remat, topology.workers)
@@ -91,6 +97,7 @@ class Lowered:
         self.msg_spec = FlatSpec(boundaries, dtype=msg_dtype)
         self.msg_key = np.dtype(msg_dtype).name
         self.scale = 1.0 / (schedule.replicas * schedule.microbatches)
+        self.loss_mult = self.loss.accumulate_scale(self.scale)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
         spec = self.param_spec
         self.uniform = [
@@ -147,26 +154,30 @@ class Lowered:
                 else:
                     out, res_out = st.forward_with_residuals(s, p, a, y_mb)
                 if s == S - 1:
-                    return msg, res_out, out.astype(jnp.float32) * self.scale
-                return self.msg_spec.pack(s, out)[self.msg_key], res_out, jnp.zeros((), jnp.float32)
+                    return msg, res_out, out * self.loss_mult
+                return self.msg_spec.pack(s, out)[self.msg_key], res_out, self._no_loss()
             if self.remat:
                 pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
             else:
                 pull = st.pullback(s, p, _row(res, row[RES_R]))
             if s == S - 1:
-                g = jnp.asarray(self.scale, st.loss_aval.dtype)
+                g = self.loss.seed(self.scale)
             else:
                 g = self.msg_spec.unpack(s, {self.msg_key: msgs[row[G_SLOT]]})
             dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
             if kind in (Kind.B, Kind.BW) and s > 0:
                 msg = self.msg_spec.pack(s - 1, dinput)[self.msg_key]
             if kind is Kind.B:
-                return msg, {}, jnp.zeros((), jnp.float32)
+                return msg, {}, self._no_loss()
             # A uniform chunk's gradient stays a tree (see `_zero_grads`).
             dpar = dparams if self.uniform[c] else self.param_spec.pack(s, dparams)
-            return msg, dpar, jnp.zeros((), jnp.float32)
+            return msg, dpar, self._no_loss()
 
         return run
+
+    def _no_loss(self) -> jax.Array:
+        """The loss-vector share of an op that computes no loss (see loss.py)."""
+        return jnp.zeros((self.loss.size,), jnp.float32)
 
     # ---- the device program ----
 
@@ -209,7 +220,7 @@ class Lowered:
     def _tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row):
         """One tick: this device's op (if any), then every ppermute of the plan."""
         msg = jnp.zeros((self.msg_spec.sizes[self.msg_key],), self.msg_key)
-        loss = jnp.zeros((), jnp.float32)
+        loss = self._no_loss()
         args = (params, x, y, msgs)
 
         def dispatch(group, *operands):
@@ -253,8 +264,10 @@ class Lowered:
             msgs = msgs.at[row[RECV0 + i]].set(got)
         return msgs, res, grads, loss
 
-    def tick_loop(self, params: Buffers, x: Any, y: Any, rows: jax.Array):
-        """Run every tick on this device; return (summed loss share, local gradient rows)."""
+    def tick_loop(self, params: Buffers, x: Any, y: Any, rows: jax.Array, with_aux: bool = False):
+        """Run every tick on this device; return (the loss over the global batch, this
+        device's gradient rows reduced over replicas). With `with_aux` the loss is
+        (loss, aux) (see loss.py)."""
         params = self.chunk_params(params)
 
         def tick(carry, row):
@@ -262,11 +275,14 @@ class Lowered:
             *state, dloss = self._tick(self.plan, params, x, y, *state, row)
             return (*state, loss + dloss), None
 
-        (_, _, grads, loss), _ = lax.scan(
-            tick, (*self._empty(self.plan), jnp.zeros((), jnp.float32)), rows
-        )
+        (_, _, grads, loss), _ = lax.scan(tick, (*self._empty(self.plan), self._no_loss()), rows)
         grads = self.topo.reduce_over_replicas(self._flat_grads(grads))
-        return lax.psum(loss, self.topo.axes), grads
+        total = lax.psum(loss, self.topo.axes)
+        factor = self.loss.grad_factor(total, self.sched.replicas * self.sched.microbatches)
+        if factor is not None:  # a weighted loss: divide by the global batch's weight
+            grads = {k: g * factor.astype(g.dtype) for k, g in grads.items()}
+        value = self.loss.loss(total, self.sched.replicas * self.sched.microbatches)
+        return ((value, self.loss.aux(total)) if with_aux else value), grads
 
     def stepping_loop(
         self,
@@ -287,16 +303,28 @@ class Lowered:
         UPDATE bit is set reduce their gradients over their live replicas, take
         the optax step and restart accumulating; later ticks read the new
         parameters. Returns (params, opt state, loss of each iteration).
+
+        A weighted loss divides a chunk's gradients by its iteration's total
+        weight at its step: every last-stage F of an iteration precedes every
+        W of it, so the psum of the loss vectors then holds the whole weight.
         """
         plan, v = self.step_plan, self.sched.chunks
+        count = self.sched.replicas * self.sched.microbatches
         msgs, res, grads = self._empty(plan)
-        losses = jnp.zeros((self.iterations,), jnp.float32)
+        # Per iteration, this device's summed loss vectors (see loss.py).
+        losses = jnp.zeros((self.iterations, self.loss.size), jnp.float32)
+        # Per chunk, the optimizer steps taken so far: the iteration of its next step.
+        done = jnp.zeros((v,), jnp.int32)
 
-        def step(row, state):
-            grads, params, opt = state
+        def step(row, losses, state):
+            grads, params, opt, done = state
             mine = ((row[UPDATE] >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {k: jnp.where(mine, b, 0) for k, b in self._flat_grads(grads).items()}
             g = self.topo.reduce_over_replicas(g)
+            factor = self.loss.grad_factor(lax.psum(losses, self.topo.axes), count)
+            if factor is not None:  # per chunk, its iteration's count / total weight
+                f = factor[jnp.minimum(done, self.iterations - 1)][:, None]
+                g = {k: b * f.astype(b.dtype) for k, b in g.items()}
             new_p, new_o = self.optimizer_step(optimizer, opt_spec, params, g, opt, pos)
             params = {k: jnp.where(mine, new_p[k], b) for k, b in params.items()}
             opt = {k: jnp.where(mine, new_o[k], b) for k, b in opt.items()}
@@ -304,22 +332,25 @@ class Lowered:
                 jax.tree.map(lambda a, m=mine[c, 0]: jnp.where(m, 0, a), g)
                 for c, g in enumerate(grads)
             ]
-            return grads, params, opt
+            return grads, params, opt, done + mine[:, 0]
 
         def tick(carry, inputs):
             row, update = inputs
-            msgs, res, grads, losses, params, opt = carry
+            msgs, res, grads, losses, params, opt, done = carry
             chunks = self.chunk_params(params)
             msgs, res, grads, dloss = self._tick(plan, chunks, x, y, msgs, res, grads, row)
             losses = losses.at[row[ITER]].add(dloss)
-            grads, params, opt = lax.cond(
-                update, functools.partial(step, row), lambda s: s, (grads, params, opt)
+            grads, params, opt, done = lax.cond(
+                update,
+                functools.partial(step, row, losses),
+                lambda s: s,
+                (grads, params, opt, done),
             )
-            return (msgs, res, grads, losses, params, opt), None
+            return (msgs, res, grads, losses, params, opt, done), None
 
-        carry = (msgs, res, grads, losses, params, opt)
-        (*_, losses, params, opt), _ = lax.scan(tick, carry, (rows, updates))
-        return params, opt, lax.psum(losses, self.topo.axes)
+        carry = (msgs, res, grads, losses, params, opt, done)
+        (*_, losses, params, opt, _), _ = lax.scan(tick, carry, (rows, updates))
+        return params, opt, self.loss.loss(lax.psum(losses, self.topo.axes), count)
 
     def optimizer_step(
         self,
@@ -333,31 +364,67 @@ class Lowered:
         """Each held stage's OPT: the optax update of its own parameter pytree.
 
         `pos` is this device's pipeline position (it picks the stages to update).
+        An optimizer that takes tree norms (clip_by_global_norm) first runs one
+        pass per norm call that only finds its whole-model value (see global_norm.py).
         """
-        new_p = {k: [] for k in params}
-        new_o = {k: [] for k in opt}
+
+        def stage_args(s, c):
+            p = self.param_spec.unpack(s, {k: b[c] for k, b in params.items()})
+            g = self.param_spec.unpack(s, {k: b[c] for k, b in grads.items()})
+            return p, g, opt_spec.unpack(s, {k: b[c] for k, b in opt.items()})
+
+        known: list[jax.Array] = []
+        for k in range(count_norm_calls(optimizer, *self._stage0_avals(optimizer))):
+            combine: list[str] = []
+
+            def local_norm(s, c, k=k, combine=combine):
+                p, g, o = stage_args(s, c)
+                with stage_norms(StageNorms(known, record=k)) as norms:
+                    optimizer.update(g, o, p)
+                combine.append(norms.combine)
+                return norms.recorded
+
+            known.append(self._across_stages(self._each_chunk(local_norm, pos), combine[0]))
+
+        def update(s, c):
+            p, g, o = stage_args(s, c)
+            with stage_norms(StageNorms(known, None)) if known else contextlib.nullcontext():
+                upd, o = optimizer.update(g, o, p)
+            return self.param_spec.pack(s, optax.apply_updates(p, upd)), opt_spec.pack(s, o)
+
+        out = self._each_chunk(update, pos)
+        return (
+            {k: jnp.stack([p_c[k] for p_c, _ in out]) for k in params},
+            {k: jnp.stack([o_c[k] for _, o_c in out]) for k in opt},
+        )
+
+    def _stage0_avals(self, optimizer: optax.GradientTransformation) -> tuple[Any, Any]:
+        p = self.st.param_avals[0]
+        return p, jax.eval_shape(optimizer.init, p)
+
+    def _each_chunk(self, fn: Callable[[int, int], Any], pos: jax.Array) -> list[Any]:
+        """Per chunk c, fn(s, c) for the stage s this device holds there (a switch
+        on the pipeline position: no collective may run inside fn)."""
+        out = []
         for c in range(self.sched.chunks):
             stages_c = [self.held[p][c] for p in range(self.sched.stages)]
-
-            def update(s, c=c):
-                def run():
-                    p = self.param_spec.unpack(s, {k: b[c] for k, b in params.items()})
-                    g = self.param_spec.unpack(s, {k: b[c] for k, b in grads.items()})
-                    o = opt_spec.unpack(s, {k: b[c] for k, b in opt.items()})
-                    upd, o = optimizer.update(g, o, p)
-                    return self.param_spec.pack(s, optax.apply_updates(p, upd)), opt_spec.pack(s, o)
-
-                return run
-
             which = jnp.asarray(np.argsort(np.argsort(stages_c)), jnp.int32)[pos]
-            p_c, o_c = lax.switch(which, [update(s) for s in sorted(stages_c)])
-            for k in new_p:
-                new_p[k].append(p_c[k])
-            for k in new_o:
-                new_o[k].append(o_c[k])
-        return {k: jnp.stack(b) for k, b in new_p.items()}, {
-            k: jnp.stack(b) for k, b in new_o.items()
-        }
+            out.append(lax.switch(which, [functools.partial(fn, s, c) for s in sorted(stages_c)]))
+        return out
+
+    def _across_stages(self, per_chunk: list[jax.Array], combine: str) -> jax.Array:
+        """Combine one value per stage over the whole model, each stage counted once:
+        only the first live holder of each position contributes (replicas hold
+        the same stages)."""
+        local = functools.reduce(jnp.add if combine == SUM else jnp.maximum, per_chunk)
+        first = np.zeros(len(self.topo.workers), bool)
+        first[[self.topo.holders(p)[0] for p in range(self.sched.stages)]] = True
+        if self.topo.complete:
+            me = lax.axis_index("data") * self.sched.stages + lax.axis_index("stage")
+        else:
+            me = lax.axis_index(self.topo.axes[0])
+        local = jnp.where(jnp.asarray(first)[me], local, 0.0)
+        return (lax.psum if combine == SUM else lax.pmax)(local, self.topo.axes)
 
 
 class PipelineStep:
@@ -462,7 +529,7 @@ class PipelineStep:
 
         def body(params, x, y, rows, pos):
             params, x, y, rows, _ = self._local(params, x, y, rows, pos)
-            loss, grads = low.tick_loop(params, x, y, rows)
+            loss, grads = low.tick_loop(params, x, y, rows, with_aux=low.loss.has_aux)
             return loss, {k: g[None] for k, g in grads.items()}
 
         f = self._shard_map(body, 1, (PS(), self.topology.spec))
@@ -506,7 +573,8 @@ class PipelineStep:
     # ---- public API ----
 
     def value_and_grad(self, stage_params: Sequence[Any], x: Any, y: Any) -> tuple[jax.Array, list]:
-        """(mean loss over the global batch, per-stage parameter gradients)."""
+        """(loss over the global batch, per-stage parameter gradients); the loss is
+        (loss, aux) when lowered with has_aux=True (see loss.py)."""
         return self._vg(list(stage_params), x, y)
 
     def init_opt_state(self, stage_params: Sequence[Any]) -> list[Any]:
@@ -596,6 +664,7 @@ def lower(
     optimizer: optax.GradientTransformation | None = None,
     remat: bool = False,
     iterations: int = 1,
+    has_aux: bool = False,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -603,7 +672,10 @@ def lower(
     workers the program runs on the survivors' devices only.
 
     stage_fns[s](params_s, act) -> act for each of the P*v virtual stages;
-    loss_fn(out, y_mb) -> scalar mean loss of one microbatch. stage_params, x
+    loss_fn(out, y_mb) -> the mean loss of one microbatch, or (loss_sum, weight)
+    (masked/weighted losses: the loss is sum(loss_sum) / sum(weight) over the
+    global batch), or with has_aux=True (either of those, aux) where aux is a
+    pytree of metrics, averaged over microbatches (see loss.py). stage_params, x
     and y are examples (shapes only). With remat=True, B and W recompute the
     stage forward instead of reading stored vjp residuals. With iterations=N,
     train_step runs N back-to-back training iterations per call (x and y are
@@ -612,11 +684,27 @@ def lower(
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
+    loss = LossLayout(loss_fn, has_aux)
     stages = StageVjp(
-        stage_fns, loss_fn, _abstract(list(stage_params)), jax.tree.map(mb, x), jax.tree.map(mb, y)
+        stage_fns,
+        loss.vector,
+        _abstract(list(stage_params)),
+        jax.tree.map(mb, x),
+        jax.tree.map(mb, y),
     )
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
-    lowered = Lowered(schedule, stages, Topology.of(mesh, schedule.failed), remat, iterations)
+    lowered = Lowered(
+        schedule, stages, Topology.of(mesh, schedule.failed), remat, iterations, loss=loss
+    )
+    stepping = optimizer is not None and lowered.stepping
+    if stepping and count_norm_calls(optimizer, *lowered._stage0_avals(optimizer)):
+        raise ValueError(
+            "optimizer: it takes a norm of the whole update tree (optax.clip_by_global_norm "
+            "or another optax.tree.norm / optax.global_norm user), which needs every "
+            "stage's gradients before any stage steps; a staggered schedule or "
+            "iterations > 1 steps stages at different times. Use an unstaggered "
+            "schedule with iterations=1, or a per-parameter clip (optax.clip)"
+        )
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
     return PipelineStep(schedule, lowered, optimizer, examples)

@@ -60,11 +60,9 @@ class StageVjp:
                 return out, leaves
 
             loss, leaves = jax.eval_shape(probe, self.param_avals[s], self.act_avals[s], y_mb)
-            if s == self.S - 1 and (
-                loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating)
-            ):
+            if s == self.S - 1 and (loss.ndim != 1 or loss.dtype != jnp.float32):
                 raise ValueError(
-                    f"loss_fn must return a floating scalar (the microbatch mean loss), got {loss}"
+                    f"loss_fn must return a float32 vector (see loss.LossLayout), got {loss}"
                 )
             self.res_where.append(box["where"])
             self.res_treedef.append(box["treedef"])

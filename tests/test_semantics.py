@@ -1,0 +1,221 @@
+"""Training semantics that span microbatches and stages, against unpipelined JAX/optax.
+
+- a weighted (masked) loss `(loss_sum, weight)` with uneven weights: loss and
+  gradients of sum(loss_sum) / sum(weight) over the global batch;
+- `has_aux` metrics: the mean over microbatches;
+- `optax.clip_by_global_norm` sees the whole model's norm: three steps equal
+  plain optax; the staggered in-loop optimizer refuses it;
+- dropout with `rngs=`: equal to an unpipelined step that uses the same
+  per-microbatch keys.
+
+The quick tests use one mesh each; the 2x4/1x4 x 1f1b/zb-h1 matrix is slow.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import Mesh
+
+import pjit_pipe as pp
+from pjit_pipe.lowering import lower
+from pjit_pipe.schedules import make_schedule
+
+VOCAB, SEQ, CLASSES, MB = 13, 3, 5, 2
+WIDTHS = (6, 9, 4, 7, 5)  # stage s maps WIDTHS[s] -> WIDTHS[s + 1]
+MATRIX = [(D, kind) for D in (2, 1) for kind in ("1f1b", "zb-h1")]
+
+
+def tiny_model(num_stages: int = 4, seed: int = 0):
+    """Embedding stage, dense stages of uneven widths, a classifier head."""
+    keys = iter(jax.random.split(jax.random.key(seed), 2 * num_stages + 2))
+    fns, params = [], []
+    for s in range(num_stages):
+        d_in, d_out = WIDTHS[s], WIDTHS[s + 1]
+        if s == 0:
+            p = {"emb": jax.random.normal(next(keys), (VOCAB, d_out))}
+        else:
+            p = {
+                "w": jax.random.normal(next(keys), (d_in, d_out)) / np.sqrt(d_in),
+                "b": 0.1 * jax.random.normal(next(keys), (d_out,)),
+            }
+        if s == num_stages - 1:
+            p["head"] = jax.random.normal(next(keys), (d_out, CLASSES))
+        params.append(p)
+
+        def fn(p, a, first=s == 0, last=s == num_stages - 1):
+            h = jnp.tanh(p["emb"][a].mean(axis=1)) if first else jnp.tanh(a @ p["w"] + p["b"])
+            return h @ p["head"] if last else h
+
+        fns.append(fn)
+    return fns, params
+
+
+def batch(n: int, seed: int):
+    """Tokens, and labels with uneven per-example weights (some zero: padding)."""
+    kx, ky, kw = jax.random.split(jax.random.key(seed), 3)
+    x = jax.random.randint(kx, (n, SEQ), 0, VOCAB)
+    label = jax.random.randint(ky, (n,), 0, CLASSES)
+    weight = jax.random.randint(kw, (n,), 0, 4).astype(jnp.float32)
+    return x, {"label": label, "weight": weight}
+
+
+def nll(logits, label):
+    return -jnp.take_along_axis(jax.nn.log_softmax(logits), label[:, None], axis=1)[:, 0]
+
+
+def weighted_loss(logits, y):
+    return jnp.sum(nll(logits, y["label"]) * y["weight"]), jnp.sum(y["weight"])
+
+
+def mean_loss(logits, y):
+    return jnp.mean(nll(logits, y["label"]))
+
+
+def run(fns, params, x):
+    a = x
+    for f, p in zip(fns, params, strict=True):
+        a = f(p, a)
+    return a
+
+
+def reference_weighted(fns, params, x, y):
+    """The unpipelined masked loss: sum over the global batch / total weight."""
+    total, weight = weighted_loss(run(fns, params, x), y)
+    return total / weight
+
+
+def mesh_of(D: int, P: int) -> Mesh:
+    return Mesh(np.array(jax.devices()[: D * P]).reshape(D, P), ("data", "stage"))
+
+
+def assert_trees_close(got, want, rel=1e-5):
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        a, b = np.asarray(a), np.asarray(b)
+        assert a.shape == b.shape
+        scale = max(float(np.max(np.abs(b))), 1e-12)
+        assert float(np.max(np.abs(a - b))) <= rel * scale, (a, b)
+
+
+def check_weighted(D: int, kind: str, m: int = 4):
+    fns, params = tiny_model()
+    x, y = batch(D * m * MB, seed=1)
+    sched = make_schedule(kind, 4, m, replicas=D)
+    step = lower(sched, fns, weighted_loss, mesh_of(D, 4), params, x, y)
+    loss, grads = step.value_and_grad(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(reference_weighted, argnums=1)(fns, params, x, y)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(grads, ref_grads)
+    # Not the mean of per-microbatch ratios (what averaging each microbatch would give).
+    ratios = [
+        reference_weighted(fns, params, x[i : i + MB], jax.tree.map(lambda a: a[i : i + MB], y))
+        for i in range(0, len(x), MB)
+    ]
+    assert abs(float(np.nanmean(ratios)) - float(ref_loss)) > 1e-3
+
+
+def test_weighted_loss_is_sum_over_total_weight():
+    check_weighted(2, "zb-h1")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("D", "kind"), MATRIX)
+def test_weighted_loss_matrix(D, kind):
+    check_weighted(D, kind)
+
+
+def test_has_aux_returns_microbatch_means():
+    fns, params = tiny_model()
+    x, y = batch(8 * MB, seed=2)
+
+    def loss_with_metrics(logits, y):
+        correct = jnp.argmax(logits, axis=-1) == y["label"]
+        return mean_loss(logits, y), {"accuracy": jnp.mean(correct), "tokens": jnp.sum(y["weight"])}
+
+    step = lower(
+        make_schedule("1f1b", 4, 8),
+        fns,
+        loss_with_metrics,
+        mesh_of(1, 4),
+        params,
+        x,
+        y,
+        has_aux=True,
+    )
+    (loss, aux), grads = step.value_and_grad(params, x, y)
+    ref = jax.value_and_grad(lambda p: mean_loss(run(fns, p, x), y))
+    ref_loss, ref_grads = ref(params)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(grads, ref_grads)
+    logits = run(fns, params, x)
+    correct = np.asarray(jnp.argmax(logits, axis=-1) == y["label"])
+    np.testing.assert_allclose(float(aux["accuracy"]), correct.mean(), rtol=1e-6)
+    tokens = np.asarray(y["weight"]).reshape(8, MB).sum(axis=1).mean()
+    np.testing.assert_allclose(float(aux["tokens"]), tokens, rtol=1e-6)
+
+
+def plain_optax(fns, params, opt, batches):
+    state = opt.init(params)
+    for x, y in batches:
+        g = jax.grad(lambda p: mean_loss(run(fns, p, x), y))(params)
+        upd, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, upd)
+    return params
+
+
+def check_clipped(D: int, opt: optax.GradientTransformation, kind: str = "1f1b", m: int = 4):
+    fns, params = tiny_model()
+    batches = [batch(D * m * MB, seed=10 + i) for i in range(3)]
+    step = lower(
+        make_schedule(kind, 4, m, replicas=D),
+        fns,
+        mean_loss,
+        mesh_of(D, 4),
+        params,
+        *batches[0],
+        optimizer=opt,
+    )
+    got, state = params, step.init_opt_state(params)
+    for x, y in batches:
+        got, state, _ = step.train_step(got, state, x, y)
+    assert_trees_close(got, plain_optax(fns, params, opt, batches))
+
+
+@pytest.mark.parametrize(
+    ("D", "opt"),
+    [
+        (2, optax.chain(optax.clip_by_global_norm(0.3), optax.adam(0.05))),
+        (1, optax.chain(optax.clip_by_global_norm(0.3), optax.sgd(0.5))),
+    ],
+    ids=["2x4-adam", "1x4-sgd"],
+)
+def test_clip_by_global_norm_sees_the_whole_model(D, opt):
+    check_clipped(D, opt)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("D", "opt"), [(2, "sgd"), (1, "adam")])
+def test_clip_by_global_norm_other_meshes(D, opt):
+    check_clipped(D, optax.chain(optax.clip_by_global_norm(0.3), getattr(optax, opt)(0.05)))
+
+
+def test_global_norm_clip_refused_in_the_staggered_loop():
+    fns, params = tiny_model()
+    x, y = batch(4 * MB, seed=3)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
+    with pytest.raises(ValueError, match="clip_by_global_norm"):
+        lower(
+            make_schedule("1f1b", 4, 4),
+            fns,
+            mean_loss,
+            mesh_of(1, 4),
+            params,
+            x,
+            y,
+            optimizer=opt,
+            iterations=2,
+        )
