@@ -111,10 +111,8 @@ def check_weighted(D: int, kind: str, m: int = 4):
     np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
     assert_trees_close(grads, ref_grads)
     # Not the mean of per-microbatch ratios (what averaging each microbatch would give).
-    ratios = [
-        reference_weighted(fns, params, x[i : i + MB], jax.tree.map(lambda a: a[i : i + MB], y))
-        for i in range(0, len(x), MB)
-    ]
+    rows = [slice(i, i + MB) for i in range(0, len(x), MB)]
+    ratios = [reference_weighted(fns, params, x[r], {k: a[r] for k, a in y.items()}) for r in rows]
     assert abs(float(np.nanmean(ratios)) - float(ref_loss)) > 1e-3
 
 
@@ -161,7 +159,7 @@ def test_has_aux_returns_microbatch_means():
 def plain_optax(fns, params, opt, batches):
     state = opt.init(params)
     for x, y in batches:
-        g = jax.grad(lambda p: mean_loss(run(fns, p, x), y))(params)
+        g = jax.grad(lambda p, x=x, y=y: mean_loss(run(fns, p, x), y))(params)
         upd, state = opt.update(g, state, params)
         params = optax.apply_updates(params, upd)
     return params
@@ -219,3 +217,72 @@ def test_global_norm_clip_refused_in_the_staggered_loop():
             optimizer=opt,
             iterations=2,
         )
+
+
+class Block(nn.Module):
+    width: int
+
+    @nn.compact
+    def __call__(self, h):
+        return nn.Dropout(0.3, deterministic=False)(jnp.tanh(nn.Dense(self.width)(h)))
+
+
+class DropoutNet(nn.Module):
+    """Embedding, four dense blocks with dropout, a classifier: cut into 4 stages."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Embed(VOCAB, 8)(x).mean(axis=1)
+        for _ in range(4):
+            h = Block(8)(h)
+        return nn.Dense(CLASSES)(h)
+
+
+def per_microbatch_reference(model, params, x, y, key, count):
+    """Unpipelined: microbatch i applies the model with rngs fold_in(key, i)."""
+    n = len(x) // count
+
+    def loss(params):
+        losses = [
+            mean_loss(
+                model.apply(
+                    params, x[i * n : (i + 1) * n], rngs={"dropout": jax.random.fold_in(key, i)}
+                ),
+                {k: a[i * n : (i + 1) * n] for k, a in y.items()},
+            )
+            for i in range(count)
+        ]
+        return jnp.mean(jnp.stack(losses))
+
+    return jax.value_and_grad(loss)(params)
+
+
+def check_dropout(D: int, kind: str, m: int = 4):
+    model = DropoutNet()
+    x, y = batch(D * m * MB, seed=4)
+    params = model.init(jax.random.key(0), x)
+    pm = pp.pipeline(
+        model, stages=4, microbatches=m, schedule=kind, mesh=pp.make_mesh(data=D, stage=4)
+    )
+    key = jax.random.key(7)
+    loss, grads = pm.value_and_grad(mean_loss)(params, x, y, rngs=key)
+    ref_loss, ref_grads = per_microbatch_reference(model, params, x, y, key, D * m)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(grads, ref_grads)
+    return pm, params, (x, y), (loss, grads)
+
+
+def test_dropout_uses_the_same_keys_per_microbatch():
+    pm, params, (x, y), (loss, _) = check_dropout(1, "zb-h1")
+    again, _ = pm.value_and_grad(mean_loss)(params, x, y, rngs={"dropout": jax.random.key(7)})
+    other, _ = pm.value_and_grad(mean_loss)(params, x, y, rngs=jax.random.key(8))
+    assert float(again) == float(loss)  # reproducible
+    assert abs(float(other) - float(loss)) > 1e-4  # the masks do depend on the key
+    with pytest.raises(ValueError, match="rngs"):
+        pm.value_and_grad(mean_loss)(params, x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("D", "kind"), MATRIX)
+def test_dropout_matrix(D, kind):
+    check_dropout(D, kind)

@@ -13,6 +13,7 @@ import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import flax.errors
 import flax.linen as nn
 import flax.struct
 import jax
@@ -27,6 +28,7 @@ from pjit_pipe.frontend.adapters import as_model
 from pjit_pipe.frontend.cut import BALANCE, StageCut, cut_module
 from pjit_pipe.frontend.mesh import AXES, make_mesh
 from pjit_pipe.frontend.opt_state import check_opt_layout, merge_opt_state, split_opt_state
+from pjit_pipe.frontend.rngs import step_rngs, with_step_rngs
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.topology import Topology
 from pjit_pipe.passes.reroute import schedule_with_failures
@@ -85,7 +87,7 @@ class Pipelined:
         search_time: float = 2.0,
     ):
         self.module = module
-        self.model = as_model(module)
+        self.model = with_step_rngs(as_model(module))
         self.stages = _positive("stages", stages)
         self.microbatches = _positive("microbatches", microbatches)
         self.chunks = _positive("chunks", chunks)
@@ -200,14 +202,36 @@ class Pipelined:
         return self._cuts[key]
 
     def _step(
-        self, params: Any, x: Any, y: Any, loss_fn: LossFn, has_aux: bool = False
+        self,
+        params: Any,
+        x: Any,
+        y: Any,
+        loss_fn: LossFn,
+        has_aux: bool = False,
+        rngs: dict[str, jax.Array] | None = None,
     ) -> tuple[StageCut, Any]:
+        try:
+            return self._lowered_step(params, x, y, loss_fn, has_aux, rngs)
+        except flax.errors.InvalidRngError as e:
+            raise ValueError(
+                f"rngs: the model draws random numbers ({e}); pass rngs=jax.random.key(...) "
+                "(the 'dropout' stream) or a dict {stream: key} to the step, or make the "
+                "model deterministic"
+            ) from e
+
+    def _lowered_step(self, params, x, y, loss_fn, has_aux, rngs):
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
+        from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_rngs
 
         self._batch(x, y)
-        cut = self.cut(params, x)
+        if rngs is None:
+            cut = self.cut(params, x)
+        else:  # the cut traces the model: give it stand-in keys
+            example = {k: jax.random.key_data(v) for k, v in check_rngs(rngs).items()}
+            with microbatch_rngs(example, impls_of(check_rngs(rngs))):
+                cut = self.cut(params, x)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
-        key = (id(cut), loss_fn, has_aux, str(avals))
+        key = (id(cut), loss_fn, has_aux, tuple(sorted(rngs or ())), str(avals))
         if key not in self._steps:
             self._steps[key] = lower(
                 self.schedule,
@@ -220,6 +244,7 @@ class Pipelined:
                 optimizer=self.optimizer,
                 remat=self.remat,
                 has_aux=has_aux,
+                rngs=rngs,
             )
         return cut, self._steps[key]
 
@@ -236,12 +261,16 @@ class Pipelined:
         and weighted losses). With has_aux=True it returns (loss, aux), aux a
         pytree of arrays, and f returns ((loss, aux), grads) with each aux leaf
         averaged over the D*m microbatches (as float32).
+
+        f(..., rngs=key or {stream: key}) runs a model that draws random numbers
+        (dropout): microbatch i of the global batch uses fold_in(key, i) (see rngs.py).
         """
 
-        def value_and_grad(params: Any, x: Any, y: Any) -> tuple[Any, Any]:
-            cut, step = self._step(params, x, y, loss_fn, has_aux)
+        def value_and_grad(params: Any, x: Any, y: Any, rngs: Any = None) -> tuple[Any, Any]:
+            rngs = step_rngs(rngs)
+            cut, step = self._step(params, x, y, loss_fn, has_aux, rngs)
             params = self.place(params)
-            loss, grads = step.value_and_grad(cut.split(params), x, y)
+            loss, grads = step.value_and_grad(cut.split(params), x, y, rngs)
             return loss, cut.merge(grads)
 
         return value_and_grad
@@ -267,23 +296,29 @@ class TrainStep:
         self.pipelined = pipelined
         self.loss_fn = loss_fn
 
-    def init(self, params: Any, batch: tuple[Any, Any]) -> TrainState:
-        """A fresh TrainState; `batch` is an example (x, y) that fixes the stage cut."""
+    def init(self, params: Any, batch: tuple[Any, Any], rngs: Any = None) -> TrainState:
+        """A fresh TrainState; `batch` is an example (x, y) that fixes the stage cut
+        (and `rngs` an example key, for a model that draws random numbers)."""
         model = self.pipelined.model
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
-        cut, _ = self.pipelined._step(params, *batch, self.loss_fn)
+        cut, _ = self.pipelined._step(params, *batch, self.loss_fn, rngs=step_rngs(rngs))
         check_opt_layout(cut, self.pipelined.optimizer, params)
         state = TrainState(params=params, opt_state=self.pipelined.optimizer.init(params))
         # Place it as train steps return it (replicated on the mesh), so the
         # second step does not compile again for a new input layout.
         return self.pipelined.place(state)
 
-    def __call__(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
+    def __call__(
+        self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
+    ) -> tuple[TrainState, jax.Array]:
+        """One step; `rngs` (a key or {stream: key}) for a model that draws random
+        numbers, as in `Pipelined.value_and_grad`."""
         x, y = batch
-        cut, step = self.pipelined._step(state.params, x, y, self.loss_fn)
+        rngs = step_rngs(rngs)
+        cut, step = self.pipelined._step(state.params, x, y, self.loss_fn, rngs=rngs)
         state, (x, y) = self.pipelined.place((state, (x, y)))
         opt_stages = split_opt_state(cut, state.opt_state, state.params)
-        params, opt_stages, loss = step.train_step(cut.split(state.params), opt_stages, x, y)
+        params, opt_stages, loss = step.train_step(cut.split(state.params), opt_stages, x, y, rngs)
         params = cut.merge(params)
         opt_state = merge_opt_state(cut, opt_stages, state.opt_state, params)
         return TrainState(params, opt_state, state.step + 1), loss

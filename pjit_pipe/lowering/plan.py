@@ -84,9 +84,16 @@ class _Slots:
 
 
 def build_plan(
-    schedule: Schedule, remat: bool, devices: Sequence[Worker], iterations: int = 1
+    schedule: Schedule,
+    remat: bool,
+    devices: Sequence[Worker],
+    iterations: int = 1,
+    every_stage_reads: bool = False,
 ) -> TickPlan:
     """Assign ticks, branches and buffer slots; `devices` are the live workers in row order.
+
+    With `every_stage_reads`, every stage's ops index the device's input list
+    (per-microbatch random keys), not only the first and last stage's.
 
     With several iterations, microbatch j of iteration k is planned as
     microbatch k*m + j, and each stage's optimizer step is placed right after
@@ -163,7 +170,7 @@ def build_plan(
     local: dict[Worker, dict[tuple[int, int], int]] = {w: {} for w in devices}
     for tick in ticks:
         for w, op in tick.items():
-            if op.stage in (0, S - 1):
+            if every_stage_reads or op.stage in (0, S - 1):
                 local[w].setdefault((op.replica, op.mb), len(local[w]))
     inputs = np.zeros((len(devices), max(1, *map(len, local.values())), 3), np.int32)
     for w, pairs in local.items():

@@ -48,6 +48,7 @@ from pjit_pipe.lowering.plan import (
     TickPlan,
     build_plan,
 )
+from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_key_data, microbatch_rngs
 from pjit_pipe.lowering.stages import StageVjp
 from pjit_pipe.lowering.topology import AXES, Topology
 
@@ -68,13 +69,17 @@ class Lowered:
         iterations: int = 1,
         *,
         loss: LossLayout,
+        rng_impls: dict[str, Any] | None = None,
     ):
         self.sched = schedule
         self.st = stages
         self.loss = loss  # what the last stage's loss vector holds (stages.loss_fn = loss.vector)
+        # Stream name -> key impl when steps take rngs (the batch is then (x, key data)).
+        self.rng_impls = rng_impls
         self.topo = topology
         self.iterations = iterations
-        self.plan: TickPlan = build_plan(schedule, remat, topology.workers)
+        keyed = rng_impls is not None  # every op reads its microbatch's keys
+        self.plan: TickPlan = build_plan(schedule, remat, topology.workers, 1, keyed)
         # Staggered or multi-iteration training runs the optimizer inside the loop.
         self.stepping = schedule.staggered or iterations > 1
         self.step_plan: TickPlan | None = None
@@ -82,7 +87,7 @@ class Lowered:
             self.step_plan = (
                 self.plan
                 if iterations == 1
-                else build_plan(schedule, remat, topology.workers, iterations)
+                else build_plan(schedule, remat, topology.workers, iterations, keyed)
             )
         self.remat = remat
         self.param_spec = FlatSpec(stages.param_avals)
@@ -172,6 +177,18 @@ class Lowered:
             # A uniform chunk's gradient stays a tree (see `_zero_grads`).
             dpar = dparams if self.uniform[c] else self.param_spec.pack(s, dparams)
             return msg, dpar, self._no_loss()
+
+        return run if self.rng_impls is None else self._with_rngs(run)
+
+    def _with_rngs(self, op: Callable) -> Callable:
+        """op with its microbatch's keys in scope (see rng.py); the device batch is
+        (x, per-microbatch key data), split like x."""
+
+        def run(params, batch, y, msgs, res, row):
+            x, keys = batch
+            mine = {k: d[row[MB], 0] for k, d in keys.items()}
+            with microbatch_rngs(mine, self.rng_impls):
+                return op(params, x, y, msgs, res, row)
 
         return run
 
@@ -572,10 +589,30 @@ class PipelineStep:
 
     # ---- public API ----
 
-    def value_and_grad(self, stage_params: Sequence[Any], x: Any, y: Any) -> tuple[jax.Array, list]:
+    def _with_keys(self, x: Any, rngs: Any) -> Any:
+        """The batch with each microbatch's key data next to it, when lowered with rngs."""
+        impls = self._low.rng_impls
+        if (rngs is None) != (impls is None):
+            raise ValueError(
+                "rngs: this pipeline was lowered "
+                + ("with rngs: pass rngs=" if impls else "without rngs: lower(..., rngs=) first, ")
+                + f"a dict like {{'dropout': jax.random.key(0)}} (streams {sorted(impls or {})})"
+            )
+        if rngs is None:
+            return x
+        rngs = check_rngs(rngs)
+        if sorted(rngs) != sorted(impls):
+            raise ValueError(f"rngs: expected the streams {sorted(impls)}, got {sorted(rngs)}")
+        count = self.schedule.replicas * self.schedule.microbatches
+        return x, microbatch_key_data(rngs, count, self._low.iterations)
+
+    def value_and_grad(
+        self, stage_params: Sequence[Any], x: Any, y: Any, rngs: Any = None
+    ) -> tuple[jax.Array, list]:
         """(loss over the global batch, per-stage parameter gradients); the loss is
-        (loss, aux) when lowered with has_aux=True (see loss.py)."""
-        return self._vg(list(stage_params), x, y)
+        (loss, aux) when lowered with has_aux=True (see loss.py). `rngs`: when
+        lowered with rngs, this step's {stream: key} (see rng.py)."""
+        return self._vg(list(stage_params), self._with_keys(x, rngs), y)
 
     def init_opt_state(self, stage_params: Sequence[Any]) -> list[Any]:
         """One optax state per virtual stage (the optimizer runs stage by stage)."""
@@ -584,7 +621,12 @@ class PipelineStep:
         return [self.optimizer.init(p) for p in stage_params]
 
     def train_step(
-        self, stage_params: Sequence[Any], opt_state: Sequence[Any], x: Any, y: Any
+        self,
+        stage_params: Sequence[Any],
+        opt_state: Sequence[Any],
+        x: Any,
+        y: Any,
+        rngs: Any = None,
     ) -> tuple[list, list, jax.Array]:
         """(new stage params, new opt state, loss before the update).
 
@@ -596,7 +638,7 @@ class PipelineStep:
         if self._train is None:
             raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
         run = self._compiled_train or self._train
-        return run(list(stage_params), list(opt_state), x, y)
+        return run(list(stage_params), list(opt_state), self._with_keys(x, rngs), y)
 
     def compile_train_step(
         self, stage_params: Sequence[Any], opt_state: Sequence[Any], x: Any, y: Any
@@ -606,6 +648,11 @@ class PipelineStep:
         must pass arguments placed the same way. Returns the seconds it took."""
         if self._train is None:
             raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
+        if self._low.rng_impls is not None:
+            raise ValueError(
+                "compile_train_step: a pipeline lowered with rngs compiles on its first "
+                "train_step call instead"
+            )
         start = time.perf_counter()
         args = jax.tree.map(_abstract_placed, (list(stage_params), list(opt_state), x, y))
         self._compiled_train = self._train.lower(*args).compile()
@@ -665,6 +712,7 @@ def lower(
     remat: bool = False,
     iterations: int = 1,
     has_aux: bool = False,
+    rngs: Any = None,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -679,24 +727,31 @@ def lower(
     and y are examples (shapes only). With remat=True, B and W recompute the
     stage forward instead of reading stored vjp residuals. With iterations=N,
     train_step runs N back-to-back training iterations per call (x and y are
-    then examples of one iteration's batch).
+    then examples of one iteration's batch). `rngs` is an example {stream name:
+    key} for stage functions that draw random numbers (dropout): each step then
+    takes its own rngs, and a stage function reads its microbatch's keys with
+    `rng.current_rngs()` (see rng.py).
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     loss = LossLayout(loss_fn, has_aux)
-    stages = StageVjp(
-        stage_fns,
-        loss.vector,
-        _abstract(list(stage_params)),
-        jax.tree.map(mb, x),
-        jax.tree.map(mb, y),
-    )
+    impls, example_keys = None, {}
+    if rngs is not None:
+        typed = check_rngs(rngs)
+        impls, example_keys = impls_of(typed), {k: jax.random.key_data(v) for k, v in typed.items()}
+    with microbatch_rngs(example_keys, impls) if impls else contextlib.nullcontext():
+        stages = StageVjp(
+            stage_fns,
+            loss.vector,
+            _abstract(list(stage_params)),
+            jax.tree.map(mb, x),
+            jax.tree.map(mb, y),
+        )
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
-    lowered = Lowered(
-        schedule, stages, Topology.of(mesh, schedule.failed), remat, iterations, loss=loss
-    )
+    topology = Topology.of(mesh, schedule.failed)
+    lowered = Lowered(schedule, stages, topology, remat, iterations, loss=loss, rng_impls=impls)
     stepping = optimizer is not None and lowered.stepping
     if stepping and count_norm_calls(optimizer, *lowered._stage0_avals(optimizer)):
         raise ValueError(
