@@ -286,3 +286,24 @@ def test_dropout_uses_the_same_keys_per_microbatch():
 @pytest.mark.parametrize(("D", "kind"), MATRIX)
 def test_dropout_matrix(D, kind):
     check_dropout(D, kind)
+
+
+def test_pipelined_forward_returns_the_outputs():
+    model, D, m = DropoutNet(), 2, 2
+    x, _ = batch(D * m * MB, seed=5)
+    params = model.init(jax.random.key(0), x)
+    pm = pp.pipeline(
+        model, stages=4, microbatches=m, schedule="zb-h1", mesh=pp.make_mesh(data=D, stage=4)
+    )
+    key = jax.random.key(3)
+    got = pm.forward(params, x, rngs=key)
+    want = jnp.concatenate(
+        [
+            model.apply(
+                params, x[i * MB : (i + 1) * MB], rngs={"dropout": jax.random.fold_in(key, i)}
+            )
+            for i in range(D * m)
+        ]
+    )
+    assert got.shape == want.shape
+    assert_trees_close(got, want, rel=1e-6)

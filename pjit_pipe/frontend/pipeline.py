@@ -9,8 +9,9 @@ sees or checkpoints has the module's own tree structure.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import flax.errors
@@ -210,26 +211,24 @@ class Pipelined:
         has_aux: bool = False,
         rngs: dict[str, jax.Array] | None = None,
     ) -> tuple[StageCut, Any]:
-        try:
+        with _explain_rng_errors():
             return self._lowered_step(params, x, y, loss_fn, has_aux, rngs)
-        except flax.errors.InvalidRngError as e:
-            raise ValueError(
-                f"rngs: the model draws random numbers ({e}); pass rngs=jax.random.key(...) "
-                "(the 'dropout' stream) or a dict {stream: key} to the step, or make the "
-                "model deterministic"
-            ) from e
+
+    def _keyed_cut(self, params: Any, x: Any, rngs: dict[str, jax.Array] | None) -> StageCut:
+        """`cut`; the cut traces the model, so a model with rngs gets stand-in keys."""
+        from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_rngs
+
+        if rngs is None:
+            return self.cut(params, x)
+        example = {k: jax.random.key_data(v) for k, v in check_rngs(rngs).items()}
+        with microbatch_rngs(example, impls_of(check_rngs(rngs))):
+            return self.cut(params, x)
 
     def _lowered_step(self, params, x, y, loss_fn, has_aux, rngs):
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
-        from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_rngs
 
         self._batch(x, y)
-        if rngs is None:
-            cut = self.cut(params, x)
-        else:  # the cut traces the model: give it stand-in keys
-            example = {k: jax.random.key_data(v) for k, v in check_rngs(rngs).items()}
-            with microbatch_rngs(example, impls_of(check_rngs(rngs))):
-                cut = self.cut(params, x)
+        cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         key = (id(cut), loss_fn, has_aux, tuple(sorted(rngs or ())), str(avals))
         if key not in self._steps:
@@ -275,6 +274,25 @@ class Pipelined:
 
         return value_and_grad
 
+    def forward(self, params: Any, x: Any, rngs: Any = None) -> Any:
+        """The model's outputs for the global batch x, computed by the pipeline on the
+        mesh (the schedule's forwards only; float outputs come back in x's row order,
+        floating leaves as their dtype). `rngs` as in `value_and_grad`. For other
+        batch sizes (sampling one sequence) use the unpipelined `apply`."""
+        from pjit_pipe.lowering.forward import lower_forward
+
+        rngs = step_rngs(rngs)
+        self._batch(x, x)
+        with _explain_rng_errors():
+            cut = self._keyed_cut(params, x, rngs)
+            avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), x)
+            key = (id(cut), "forward", tuple(sorted(rngs or ())), str(avals))
+            if key not in self._steps:
+                self._steps[key] = lower_forward(
+                    self.schedule, cut.stage_fns(), self.mesh, cut.split(params), x, rngs
+                )
+        return self._steps[key].forward(cut.split(self.place(params)), x, rngs)
+
     def place(self, tree: Any) -> Any:
         """`tree` replicated on the devices this pipeline runs on (a no-op when it is).
 
@@ -287,6 +305,20 @@ class Pipelined:
         if self.optimizer is None:
             raise ValueError("train_step: pipeline(..., optimizer=...) needs an optax optimizer")
         return TrainStep(self, loss_fn)
+
+
+@contextlib.contextmanager
+def _explain_rng_errors() -> Iterator[None]:
+    """linen's InvalidRngError (a model that draws random numbers, run without keys)
+    as an error that says which argument to pass."""
+    try:
+        yield
+    except flax.errors.InvalidRngError as e:
+        raise ValueError(
+            f"rngs: the model draws random numbers ({e}); pass rngs=jax.random.key(...) "
+            "(the 'dropout' stream) or a dict {stream: key} to the step, or make the "
+            "model deterministic"
+        ) from e
 
 
 class TrainStep:
