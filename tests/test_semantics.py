@@ -236,7 +236,7 @@ def per_microbatch_reference(model, params, x, y, key, count):
         ]
         return jnp.mean(jnp.stack(losses))
 
-    return jax.value_and_grad(loss)(params)
+    return jax.jit(jax.value_and_grad(loss))(params)
 
 
 def check_dropout(D: int, kind: str, P: int = 4, m: int = 4):
@@ -289,3 +289,31 @@ def test_pipelined_forward_returns_the_outputs():
     )
     assert got.shape == want.shape
     assert_trees_close(got, want, rel=1e-6)
+
+
+def test_weighted_loss_with_the_optimizer_inside_the_loop():
+    """iterations=2: each stage steps inside the tick loop, as soon as its gradients
+    are complete; the gradients are divided by the iteration's total weight first."""
+    fns, params = tiny_model(2)
+    batches = [batch(4 * MB, seed=20 + i) for i in range(2)]
+    opt = optax.sgd(0.5, momentum=0.9)  # unlike adam, it sees the gradients' scale
+    xs, ys = jax.tree.map(lambda *a: jnp.stack(a), *batches)
+    step = lower(
+        make_schedule("zb-h1", 2, 4),
+        fns,
+        weighted_loss,
+        mesh_of(1, 2),
+        params,
+        *batches[0],
+        optimizer=opt,
+        iterations=2,
+    )
+    got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
+    want, state, want_losses = params, opt.init(params), []
+    for x, y in batches:
+        loss, g = jax.value_and_grad(reference_weighted, argnums=1)(fns, want, x, y)
+        upd, state = opt.update(g, state, want)
+        want = optax.apply_updates(want, upd)
+        want_losses.append(float(loss))
+    np.testing.assert_allclose(np.asarray(losses), want_losses, rtol=1e-5)
+    assert_trees_close(got, want)

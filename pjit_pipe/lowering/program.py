@@ -338,8 +338,8 @@ class Lowered:
             mine = ((row[UPDATE] >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {k: jnp.where(mine, b, 0) for k, b in self._flat_grads(grads).items()}
             g = self.topo.reduce_over_replicas(g)
-            factor = self.loss.grad_factor(lax.psum(losses, self.topo.axes), count)
-            if factor is not None:  # per chunk, its iteration's count / total weight
+            if self.loss.weighted:  # per chunk, its iteration's count / total weight
+                factor = self.loss.grad_factor(lax.psum(losses, self.topo.axes), count)
                 f = factor[jnp.minimum(done, self.iterations - 1)][:, None]
                 g = {k: b * f.astype(b.dtype) for k, b in g.items()}
             new_p, new_o = self.optimizer_step(optimizer, opt_spec, params, g, opt, pos)
