@@ -148,13 +148,15 @@ def plain_optax(fns, params, opt, batches):
     return params
 
 
-def check_clipped(D: int, opt: optax.GradientTransformation, P: int = 4, m: int = 4):
+def check_clipped(
+    D: int, opt: optax.GradientTransformation, P: int = 4, m: int = 4, kind="1f1b", v: int = 1
+):
     """Three steps with a clip that is active (the global norm is above it, some
     stages' own norms below) against plain optax on the whole model."""
-    fns, params = tiny_model(P)
+    fns, params = tiny_model(P * v)
     batches = [batch(D * m * MB, seed=10 + i) for i in range(3)]
     step = lower(
-        make_schedule("1f1b", P, m, replicas=D),
+        make_schedule(kind, P, m, chunks=v, replicas=D),
         fns,
         mean_loss,
         mesh_of(D, P),
@@ -182,6 +184,11 @@ def test_clip_by_global_norm_sees_the_whole_model():
 @pytest.mark.parametrize("D", [2, 1], ids=["2x4", "1x4"])
 def test_clip_by_global_norm_matrix(D, opt):
     check_clipped(D, clipped(opt))
+
+
+@pytest.mark.slow
+def test_clip_by_global_norm_with_two_chunks_per_device():
+    check_clipped(2, clipped("sgd"), P=2, kind="interleaved-1f1b", v=2)
 
 
 def test_global_norm_clip_refused_in_the_staggered_loop():
