@@ -172,7 +172,8 @@ class Pipelined:
         return self.model.init(rng, x)
 
     def apply(self, params: Any, x: Any) -> Any:
-        """The unpipelined forward pass (`module.apply`), for evaluation and sampling."""
+        """The unpipelined forward pass (`module.apply`), for evaluation and sampling at
+        any batch size; `forward` runs it pipelined on the mesh."""
         return self.model.apply(params, x)
 
     # ---- cutting ----
