@@ -199,6 +199,12 @@ class Pipelined:
             )
         return self._cuts[key]
 
+    def describe(self, params: Any, x: Any) -> str:
+        """The stage cut for this parameter tree and global batch, as text: each
+        stage's calls, parameter bytes, estimated FLOPs and input shapes, shared
+        (tied) parameters, and the imbalance (cutting warns above 1.5x)."""
+        return self.cut(params, x).describe()
+
     def _step(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> tuple[StageCut, Any]:
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
 
@@ -217,6 +223,7 @@ class Pipelined:
                 y,
                 optimizer=self.optimizer,
                 remat=self.remat,
+                shared=cut.shared,
             )
         return cut, self._steps[key]
 
