@@ -321,3 +321,44 @@ def test_flax_docs_cnn_pipelines():
     ref_loss, ref_grads = jax.value_and_grad(lambda p: xent(model.apply(p, x), labels))(params)
     assert rel_err(loss, ref_loss) < 1e-5
     assert rel_err(grads, ref_grads) < 1e-5
+
+
+def _hf_blocks_lm():
+    """HF transformers' own Flax GPT-2 block (attention mask, causal attention) in a
+    root that keeps the blocks at the top level, with the head tied to wte."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
+
+    class HFBlocksLM(nn.Module):
+        config: transformers.GPT2Config
+
+        def setup(self):
+            c = self.config
+            self.wte = nn.Embed(c.vocab_size, c.n_embd)
+            self.wpe = nn.Embed(c.n_positions, c.n_embd)
+            self.h = [FlaxGPT2Block(c, name=str(i)) for i in range(c.n_layer)]
+            self.ln_f = nn.LayerNorm(epsilon=c.layer_norm_epsilon)
+
+        def __call__(self, input_ids, attention_mask, position_ids):
+            h = self.wte(input_ids) + self.wpe(position_ids)
+            for block in self.h:
+                h = block(h, attention_mask, deterministic=True)[0]
+            return self.wte.attend(self.ln_f(h))
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=2)
+    return HFBlocksLM(config)
+
+
+@pytest.mark.slow
+def test_hf_transformers_gpt2_blocks_match_jax():
+    model = _hf_blocks_lm()
+    x, y = gpt2_batch(jax.random.key(1), 8, GPT2Config())
+    pm = pp.pipeline(
+        model, stages=4, microbatches=2, schedule="zb-h1", mesh=pp.make_mesh(data=2, stage=4)
+    )
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    assert pm.cut(params, x).shared == {"wte": (0, 3)}
+    loss, grads = pm.value_and_grad(lm_loss)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: lm_loss(model.apply(p, **x), y))(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
