@@ -175,6 +175,19 @@ def test_scan_stack_is_named_when_it_blocks_a_cut():
     assert cut_module(Stack(), params, x, 3).keys == (("inp",), ("layers",), ("out",))
 
 
+def test_transform_on_the_root_is_refused_by_name():
+    class JitRoot(nn.Module):
+        @nn.jit
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="b")(jnp.tanh(nn.Dense(4, name="a")(x)))
+
+    x = jnp.ones((2, 3))
+    params = jax.jit(JitRoot().init)(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"JitRoot.__call__ runs inside a Flax transform"):
+        cut_module(JitRoot(), params, x, 2)
+
+
 def test_imbalanced_cut_warns_and_describe_reports_it():
     x = jnp.ones((2, 256))
     lopsided = nn.Sequential([nn.Dense(256), nn.Dense(4), nn.Dense(4)])

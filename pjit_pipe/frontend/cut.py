@@ -288,6 +288,13 @@ def cut_module(
     recorder = Run()
     jax.eval_shape(lambda p, xs: model.run(p, xs, recorder), param_avals, x_aval)
     events = tuple(recorder.events)
+    if recorder.wrapped_root is not None:
+        raise ValueError(
+            f"pipeline: {model.name}.__call__ runs inside a Flax transform (nn.jit, "
+            "nn.remat, ... applied to the root module), which hides its layer calls from "
+            "the stage cutter; remove it from the root (the pipeline compiles the whole "
+            "step anyway) and put transforms on the layers instead"
+        )
     segments = _clean_segments(model, events, x_aval, param_avals)
     if len(segments) < stages:
         names = [events[s.start].name for s in segments[1:]]

@@ -98,6 +98,8 @@ class Run:
         self._depth = 0
         # id(array replaced at `start`) -> (that array, the stage input's array)
         self._swapped: dict[int, tuple[Any, Any]] = {}
+        # The transform (or class) name when the root's own __call__ is transformed.
+        self.wrapped_root: str | None = None
         # A transformed child entered outside its transform:
         # (index, name, act avals, transform name).
         self._pending: tuple[int, str, Any, str] | None = None
@@ -111,7 +113,7 @@ class Run:
         if self._pending is not None and not self._depth:
             return self._inner(context.module.name, next_fun, args, kwargs)
         name = context.module.name
-        if context.method_name not in ("__call__", "<lambda>"):
+        if context.method_name != "__call__":
             name = f"{name}.{context.method_name}"
         return self.call(name, next_fun, args, kwargs)
 
@@ -239,6 +241,13 @@ def drive(run: Run, forward: Callable[[], Any]) -> Any:
     return out
 
 
+def _transform_name(module: nn.Module) -> str:
+    """ "Checkpoint", "Jit", "Scan", ...: lifted classes are named transform + class
+    ("CheckpointBlock"); a transformed method keeps its class's name."""
+    base = type(module).__mro__[1].__name__
+    return type(module).__name__.removesuffix(base) or type(module).__name__
+
+
 @contextlib.contextmanager
 def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
     """While running, linen's lifted transforms (nn.remat, nn.jit, nn.vmap of a
@@ -247,6 +256,8 @@ def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
 
     def hooked(module, args=None, kwargs=None):
         scope = getattr(module, "scope", None)
+        if scope is not None and not scope.path and run.wrapped_root is None:
+            run.wrapped_root = _transform_name(module)
         if (
             not run._depth
             and run._pending is None
@@ -254,11 +265,8 @@ def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
             and len(scope.path) == 1
             and args is not None
         ):
-            # Lifted classes are named transform + class ("CheckpointBlock", "ScanBlock").
-            base = type(module).__mro__[1].__name__
-            transform = type(module).__name__.removesuffix(base) or type(module).__name__
             args, kwargs = run.enter_transformed(
-                module.name, transform, tuple(args), dict(kwargs or {})
+                module.name, _transform_name(module), tuple(args), dict(kwargs or {})
             )
         return original(module, args, kwargs)
 
