@@ -38,7 +38,7 @@ class SkipAround(nn.Module):
 
 
 class Tied(nn.Module):
-    """One Dense layer used at both ends: no cut may separate its two uses."""
+    """One Dense layer used at both ends: both stages hold it."""
 
     @nn.compact
     def __call__(self, x):
@@ -110,11 +110,14 @@ def test_unclean_cut_is_dropped():
         cut_module(model, params, x, 3)
 
 
-def test_tied_weights_are_never_split():
+def test_tied_weights_are_held_by_both_stages():
     x = jnp.ones((2, 6))
     params = Tied().init(jax.random.key(0), x)
-    with pytest.raises(ValueError, match="0 clean cut points"):
-        cut_module(Tied(), params, x, 2)
+    cut = cut_module(Tied(), params, x, 2)
+    assert cut.keys == (("shared",), ("middle", "shared"))
+    assert cut.shared == {"shared": (0, 1)}
+    out = jax.jit(lambda p, x: compose(cut, p, x))(params, x)
+    assert rel_err(out, Tied().apply(params, x)) < 1e-6
 
 
 def test_balance_by_params_keeps_big_layers_apart():

@@ -14,6 +14,10 @@ A child of an NNX root is a module attribute, or an element of a list-like
 attribute (`nnx.List`, the layers of `nnx.Sequential`); its parameters are the
 subtree at its path, so an NNX stage owns whole children just as a linen stage
 owns whole top-level names.
+
+The model input `x` is passed as the call's arguments (`trace.call_args`): a
+dict as keyword arguments (`model(**x)`, e.g. input_ids, attention_mask,
+position_ids), anything else as the one argument.
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
-from pjit_pipe.frontend.trace import Run, drive, run_module
+from pjit_pipe.frontend.trace import Run, call_args, drive, run_module
 
 Path = tuple[Any, ...]
 
@@ -73,10 +77,12 @@ class LinenModel:
         return run_module(self.module, {"params": params}, x, run)
 
     def init(self, rng: jax.Array, x: Any) -> Any:
-        return self.module.init(rng, x)
+        args, kwargs = call_args(x)
+        return self.module.init(rng, *args, **kwargs)
 
     def apply(self, variables: Any, x: Any) -> Any:
-        return self.module.apply(variables, x)
+        args, kwargs = call_args(x)
+        return self.module.apply(variables, *args, **kwargs)
 
 
 class NNXModel:
@@ -117,7 +123,8 @@ class NNXModel:
         model = self._module(params)
         for path, child in _children(model):
             _replace(model, path, _Routed(run, "/".join(map(str, path)), child))
-        return drive(run, lambda: model(x))
+        args, kwargs = call_args(x)
+        return drive(run, lambda: model(*args, **kwargs))
 
     def init(self, rng: jax.Array, x: Any) -> Any:
         """The module's own parameters (`rng` and `x` are unused: NNX modules are
@@ -125,7 +132,8 @@ class NNXModel:
         return self._pure
 
     def apply(self, variables: Any, x: Any) -> Any:
-        return self._module(self.params(variables))(x)
+        args, kwargs = call_args(x)
+        return self._module(self.params(variables))(*args, **kwargs)
 
 
 class _Routed:
@@ -136,6 +144,15 @@ class _Routed:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self._run.call(self._name, self._child, args, kwargs)
+
+    def __getattr__(self, attr: str) -> Any:
+        """Another method of the child (`embed.attend(h)`) is an event too; other
+        attributes (a parameter read directly) are the child's own."""
+        value = getattr(self._child, attr)
+        if callable(value) and not isinstance(value, nnx.Module | nnx.Variable):
+            name = f"{self._name}.{attr}"
+            return lambda *args, **kwargs: self._run.call(name, value, args, kwargs)
+        return value
 
 
 def _children(model: nnx.Module) -> list[tuple[Path, nnx.Module]]:

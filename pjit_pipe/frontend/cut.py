@@ -6,9 +6,15 @@ any. A candidate is kept only if it is a *clean* cut: the code after it reads
 nothing computed before it except its activation. We check that on the jaxpr
 of each segment, traced with the model input and every skipped call's output
 passed as arguments: if any of them reaches the segment's output, the cut in
-front of the segment is dropped. Cuts that would separate two uses of one
-parameter (tied weights) are dropped too. The remaining segments are grouped
-into stages by estimated FLOPs (or parameter count).
+front of the segment is dropped. What crosses a cut is the activation of the
+event there: every array in its arguments (see `trace.py`), so a `(hidden,
+mask)` pair or integer positions cross as they are. The remaining segments are
+grouped into stages by estimated FLOPs (or parameter count).
+
+A unit read by several stages (tied weights: an embedding that the LM head
+reuses through `attend`) is held by each of them: `split` gives every holder
+a copy, the lowering sums their gradients before the update (see `shared`),
+and `merge` takes the first holder's copy.
 
 Parameters are split into *units*, the subtrees a stage owns whole: a linen
 module's top-level names (`params['params'][name]`), an NNX module's children
@@ -20,6 +26,7 @@ round-trip exactly: checkpoints never depend on the pipeline layout.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -99,6 +106,7 @@ class StageCut:
     bounds[s]: event index where stage s begins (None for stage 0).
     keys[s]: names of the parameter units stage s owns (units: name -> path).
     flops[s]: estimated FLOPs of one microbatch's forward through stage s.
+    A unit may be owned by several stages (see `shared`).
     """
 
     model: Model
@@ -106,7 +114,7 @@ class StageCut:
     bounds: tuple[int | None, ...]
     keys: tuple[tuple[str, ...], ...]
     flops: tuple[float, ...]
-    x_aval: jax.ShapeDtypeStruct
+    x_aval: Any
     param_avals: dict
     units: dict[str, Path]
 
@@ -144,6 +152,39 @@ class StageCut:
         stage.__name__ = f"stage_{s}"
         return stage
 
+    @property
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """Units held by more than one stage (tied weights) -> the stages holding them."""
+        holders: dict[str, list[int]] = {}
+        for s, keys in enumerate(self.keys):
+            for k in keys:
+                holders.setdefault(k, []).append(s)
+        return {k: tuple(v) for k, v in sorted(holders.items()) if len(v) > 1}
+
+    def param_bytes(self, s: int) -> int:
+        """Bytes of the parameters stage s holds."""
+        return sum(
+            math.prod(a.shape) * a.dtype.itemsize
+            for k in self.keys[s]
+            for a in jax.tree.leaves(_get(self.param_avals, self.units[k]))
+        )
+
+    def describe(self) -> str:
+        """The cut as a table: per stage its calls, parameter bytes, estimated
+        forward FLOPs per microbatch and the shapes of the input it receives."""
+        lines = [f"{self.model.name} cut into {self.stages} stages"]
+        for s in range(self.stages):
+            start = self.bounds[s]
+            given = "model input" if start is None else _shapes(self.events[start].act)
+            lines.append(
+                f"  stage {s}: {', '.join(self.stage_names(s)) or '(glue only)'}\n"
+                f"    params {self.param_bytes(s):,} B, {self.flops[s]:.3g} FLOPs, in: {given}"
+            )
+        for k, holders in self.shared.items():
+            lines.append(f"  shared {k}: held by stages {', '.join(map(str, holders))}")
+        lines.append(f"  imbalance (largest / mean cost): {imbalance(self.flops):.2f}x")
+        return "\n".join(lines)
+
     def stage_fns(self) -> list[Callable[[Any, Any], Any]]:
         return [self.stage_fn(s) for s in range(self.stages)]
 
@@ -159,11 +200,30 @@ class StageCut:
         return [{k: _get(params, self.units[k]) for k in keys} for keys in self.keys]
 
     def merge(self, stage_trees: Sequence[Any]) -> Any:
-        """Inverse of `split`: per-stage dicts (parameters or gradients) -> the model's form."""
+        """Inverse of `split`: per-stage dicts (parameters or gradients) -> the model's form.
+
+        A shared unit is taken from its first holder (the lowering keeps the
+        holders' copies equal, and gives each the summed gradient)."""
         if len(stage_trees) != self.stages:
             raise ValueError(f"merge: expected {self.stages} stage trees, got {len(stage_trees)}")
-        parts = {self.units[k]: v for tree in stage_trees for k, v in tree.items()}
+        parts: dict[Path, Any] = {}
+        for tree in stage_trees:
+            for k, v in tree.items():
+                parts.setdefault(self.units[k], v)
         return self.model.variables(_assemble(parts))
+
+
+def _shapes(avals: Any) -> str:
+    return ", ".join(f"{a.dtype.name}{list(a.shape)}" for a in avals)
+
+
+def imbalance(costs: Sequence[float]) -> float:
+    """Largest stage cost over the mean: the slowdown against a perfect split."""
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean if mean > 0 else 1.0
+
+
+IMBALANCE_WARNING = 1.5
 
 
 def _probe(model: Model, events, x_aval, param_avals, start, stop) -> _Segment:
@@ -191,14 +251,12 @@ def _probe(model: Model, events, x_aval, param_avals, start, stop) -> _Segment:
 
 def _candidates(events: Sequence[Event]) -> list[int]:
     """Event indices where a stage may begin: markers if the model has any, else every
-    top-level call after the first; the activation must be one floating-point array."""
+    top-level call after the first; the event must receive at least one array."""
     markers = any(e.kind == "boundary" for e in events)
     return [
         i
         for i, e in enumerate(events)
-        if e.act is not None
-        and jnp.issubdtype(e.act.dtype, jnp.inexact)
-        and (e.kind == "boundary" if markers else i > 0)
+        if e.act is not None and (e.kind == "boundary" if markers else i > 0)
     ]
 
 
@@ -213,28 +271,7 @@ def _clean_segments(model: Model, events, x_aval, param_avals) -> list[_Segment]
             prev = segments.pop()
             seg = _probe(model, events, x_aval, param_avals, prev.start, stop)
         segments.append(seg)
-    return _merge_tied(segments)
-
-
-def _merge_tied(segments: list[_Segment]) -> list[_Segment]:
-    """Merge segments so that every parameter is read by one segment only."""
-    first: dict[str, int] = {}
-    last: dict[str, int] = {}
-    for j, seg in enumerate(segments):
-        for k in seg.keys:
-            first.setdefault(k, j)
-            last[k] = j
-    joined = [False] * len(segments)  # joined[j]: segment j merges into j-1
-    for k in first:
-        for j in range(first[k] + 1, last[k] + 1):
-            joined[j] = True
-    merged: list[_Segment] = []
-    for seg, join in zip(segments, joined, strict=True):
-        if join:
-            prev = merged.pop()
-            seg = _Segment(prev.start, seg.stop, prev.keys | seg.keys, prev.flops + seg.flops, True)
-        merged.append(seg)
-    return merged
+    return segments
 
 
 def cut_module(
@@ -251,14 +288,28 @@ def cut_module(
     recorder = Run()
     jax.eval_shape(lambda p, xs: model.run(p, xs, recorder), param_avals, x_aval)
     events = tuple(recorder.events)
+    if recorder.wrapped_root is not None:
+        raise ValueError(
+            f"pipeline: {model.name}.__call__ runs inside a Flax transform (nn.jit, "
+            "nn.remat, ... applied to the root module), which hides its layer calls from "
+            "the stage cutter; remove it from the root (the pipeline compiles the whole "
+            "step anyway) and put transforms on the layers instead"
+        )
     segments = _clean_segments(model, events, x_aval, param_avals)
     if len(segments) < stages:
         names = [events[s.start].name for s in segments[1:]]
+        scans = [f"{e.name} (nn.scan)" for e in events if e.transform == "Scan"]
+        hint = (
+            f"; {', '.join(scans)} runs its layers inside one scan, which is not cut "
+            "between iterations: use a Python loop over the layers (each may be nn.remat'd)"
+            if scans
+            else ""
+        )
         raise ValueError(
             f"stages: the model {model.name} has {len(segments) - 1} clean cut "
             f"points ({', '.join(names) or 'none'}), too few for {stages} stages; use a "
             "model with more top-level layers, add pjit_pipe.boundary() markers, or "
-            "use fewer stages/chunks"
+            f"use fewer stages/chunks{hint}"
         )
     sizes = {
         k: sum(math.prod(a.shape) for a in jax.tree.leaves(_get(param_avals, path)))
@@ -274,6 +325,16 @@ def cut_module(
     keys = [sorted(set().union(*(s.keys for s in g))) for g in groups]
     unused = sorted(set(units) - set().union(*map(set, keys)))
     keys[0] = sorted(keys[0] + unused)  # never read: they get zero gradients anywhere
+    stage_costs = [sum(costs[a:b]) for a, b in zip(starts, ends, strict=True)]
+    if imbalance(stage_costs) > IMBALANCE_WARNING:
+        warnings.warn(
+            f"pipeline: the best cut of {model.name} into {stages} stages is imbalanced: "
+            f"stage costs ({balance}) {[f'{c:.3g}' for c in stage_costs]}, the largest "
+            f"{imbalance(stage_costs):.2f}x the mean; the pipeline runs at the pace of "
+            "its slowest stage. Use fewer stages, or add pjit_pipe.boundary() markers "
+            "to give the cutter finer cut points",
+            stacklevel=2,
+        )
     return StageCut(
         model=model,
         events=events,

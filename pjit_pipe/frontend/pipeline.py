@@ -203,6 +203,12 @@ class Pipelined:
             )
         return self._cuts[key]
 
+    def describe(self, params: Any, x: Any) -> str:
+        """The stage cut for this parameter tree and global batch, as text: each
+        stage's calls, parameter bytes, estimated FLOPs and input shapes, shared
+        (tied) parameters, and the imbalance (cutting warns above 1.5x)."""
+        return self.cut(params, x).describe()
+
     def _step(
         self,
         params: Any,
@@ -245,6 +251,7 @@ class Pipelined:
                 remat=self.remat,
                 has_aux=has_aux,
                 rngs=rngs,
+                shared=cut.shared,
             )
         return cut, self._steps[key]
 

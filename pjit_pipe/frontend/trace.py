@@ -1,24 +1,34 @@
 """Run a Flax module's __call__ as one pipeline stage by intercepting its top-level calls.
 
 The model's forward pass is a chain of *events*: calls of the root module's
-direct children (`self.blocks[i](x)`, the layers of `nn.Sequential`) and
-explicit `boundary(x)` markers, with arbitrary glue code between them. A stage
-is the code between two events. To run stage [start, stop) we run the whole
-`__call__` again, but calls before `start` are skipped (they return stand-in
-values), the activation of event `start` is replaced by the stage input, and
-reaching event `stop` ends the run with that event's activation. The glue that
-runs on stand-ins feeds nothing the stage returns, so XLA removes it; the stage
-cutter checks that (see `cut.py`), so a stage never silently reads a stand-in.
+direct children (`self.blocks[i](x, mask)`, the layers of `nn.Sequential`,
+`self.embed.attend(h)`) and explicit `boundary(tree)` markers, with
+arbitrary glue code between them. A stage is the code between two events. To
+run stage [start, stop) we run the whole `__call__` again, but calls before
+`start` are skipped (they return stand-in values), the arrays an event
+receives at `start` (every array in its arguments: its *activation*, a
+pytree) are replaced by the stage input, and reaching event `stop` ends the
+run with that event's activation. Later events of the stage that receive one
+of the very arrays replaced at `start` (a mask passed to every block) get the
+stage input's array instead. The glue that runs on stand-ins feeds nothing
+the stage returns, so XLA removes it; the stage cutter checks that (see
+`cut.py`), so a stage never silently reads a stand-in.
+
+A child wrapped in a linen transform (nn.remat, nn.jit, nn.vmap) is entered
+where the transform is applied, outside its trace: its activation is taken
+and replaced there, and only the skipping happens inside.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+import contextlib
+from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
+import flax.linen.transforms as linen_transforms
 import jax
 
 
@@ -26,16 +36,18 @@ import jax
 class Event:
     """One top-level call or boundary marker, as seen when the model was recorded.
 
-    act: shape of the activation (the first positional argument) when it is a
-        single array, else None (such an event cannot start a stage).
+    act: shapes of the activation (every array in the call's arguments, in
+        flattening order), or None when it has none (such an event cannot
+        start a stage).
     out: shapes of what the event returned (a call is skipped by returning
         stand-ins of these shapes).
     """
 
     kind: str  # "call" or "boundary"
     name: str
-    act: jax.ShapeDtypeStruct | None
+    act: tuple[jax.ShapeDtypeStruct, ...] | None
     out: Any
+    transform: str | None = None  # the linen transform around the child ("Scan", "Checkpoint")
 
 
 class _StageEnd(Exception):
@@ -54,11 +66,20 @@ def _is_array(x: Any) -> bool:
     return hasattr(x, "shape") and hasattr(x, "dtype")
 
 
+def call_args(x: Any) -> tuple[tuple, dict]:
+    """How a model input is passed to `__call__`: a dict as keyword arguments
+    (`model(**x)`), anything else (an array, a tuple) as the one argument."""
+    if isinstance(x, Mapping):
+        return (), dict(x)
+    return (x,), {}
+
+
 class Run:
     """One pass over the model: records its events, or replays it as stage [start, stop).
 
     start=None: the stage begins at the model input. stop=None: it ends at the
-    model output. skips: stand-in outputs of the calls before `start`.
+    model output. act: the stage input (a tuple of arrays, the activation of
+    event `start`). skips: stand-in outputs of the calls before `start`.
     """
 
     def __init__(
@@ -75,6 +96,13 @@ class Run:
         self.events: list[Event] = []
         self._index = 0
         self._depth = 0
+        # id(array replaced at `start`) -> (that array, the stage input's array)
+        self._swapped: dict[int, tuple[Any, Any]] = {}
+        # The transform (or class) name when the root's own __call__ is transformed.
+        self.wrapped_root: str | None = None
+        # A transformed child entered outside its transform:
+        # (index, name, act avals, transform name).
+        self._pending: tuple[int, str, Any, str] | None = None
 
     def intercept(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         """A linen method interceptor: top-level submodule calls become events."""
@@ -82,21 +110,19 @@ class Run:
         top = context.method_name != "setup" and scope is not None and len(scope.path) == 1
         if not top:
             return next_fun(*args, **kwargs)
-        return self.call(context.module.name, next_fun, args, kwargs)
+        if self._pending is not None and not self._depth:
+            return self._inner(context.module.name, next_fun, args, kwargs)
+        name = context.module.name
+        if context.method_name != "__call__":
+            name = f"{name}.{context.method_name}"
+        return self.call(name, next_fun, args, kwargs)
 
     def call(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
         """A call of one of the root module's children, `fn(*args, **kwargs)`."""
-
-        def run(call_args: tuple) -> Any:
-            self._depth += 1
-            try:
-                return fn(*call_args, **kwargs)
-            finally:
-                self._depth -= 1
-
         if self._depth:
-            return run(args)
-        return self._event("call", name, args, run)
+            return fn(*args, **kwargs)
+        i, act, args, kwargs = self._enter("call", name, args, kwargs)
+        return self._finish(i, "call", name, act, lambda: fn(*args, **kwargs))
 
     def boundary(self, x: Any) -> Any:
         if self._depth:
@@ -104,29 +130,78 @@ class Run:
                 "pjit_pipe.boundary() must be called in the top-level module's __call__, "
                 "not inside a submodule"
             )
-        return self._event("boundary", f"boundary#{self._index}", (x,), lambda a: a[0])
+        name = f"boundary#{self._index}"
+        i, act, (x,), _ = self._enter("boundary", name, (x,), {})
+        return self._finish(i, "boundary", name, act, lambda: x)
 
-    def _event(self, kind: str, name: str, args: tuple, run: Callable[[tuple], Any]) -> Any:
+    def enter_transformed(
+        self, name: str, transform: str, args: tuple, kwargs: dict
+    ) -> tuple[tuple, dict]:
+        """A top-level child wrapped in a linen transform, seen outside the transform:
+        take its activation here; `intercept` finishes the event inside."""
+        i, act, args, kwargs = self._enter("call", name, args, kwargs)
+        self._pending = (i, name, act, transform)
+        return args, kwargs
+
+    def _inner(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
+        i, expected_name, act, transform = self._pending
+        self._pending = None
+        if name != expected_name:
+            raise RuntimeError(
+                f"the transformed call {expected_name} ran module {name} inside its "
+                "transform; pipelining needs one child module per transform"
+            )
+        run = lambda: fn(*args, **kwargs)  # noqa: E731
+        return self._finish(i, "call", expected_name, act, run, transform)
+
+    def _enter(self, kind: str, name: str, args: tuple, kwargs: dict):
+        """Number the event; swap in the stage input at `start`, end the run at `stop`."""
         i = self._index
         self._index += 1
+        leaves, treedef = jax.tree.flatten((args, kwargs))
+        arrays = [k for k, leaf in enumerate(leaves) if _is_array(leaf)]
+        act = tuple(_aval(leaves[k]) for k in arrays) or None
         if self.expected is None:
-            out = run(args)
-            act = _aval(args[0]) if args and _is_array(args[0]) else None
-            self.events.append(Event(kind, name, act, jax.tree.map(_aval, out)))
-            return out
+            return i, act, args, kwargs
         if i >= len(self.expected) or self.expected[i].name != name:
             raise RuntimeError(
                 f"the model's chain of top-level calls changed between traces at call {i} "
                 f"({name}); pipelining needs the same calls in the same order every time"
             )
+        for k in arrays:
+            old = self._swapped.get(id(leaves[k]))
+            if old is not None and old[0] is leaves[k]:
+                leaves[k] = old[1]
         if i == self.stop:
-            raise _StageEnd(args[0])
-        if self.start is not None:
-            if i < self.start:
-                return self.skips[i] if kind == "call" else args[0]
-            if i == self.start:
-                args = (self.act, *args[1:])
-        return run(args)
+            raise _StageEnd(tuple(leaves[k] for k in arrays))
+        if i == self.start:
+            for k, new in zip(arrays, self.act, strict=True):
+                self._swapped[id(leaves[k])] = (leaves[k], new)
+                leaves[k] = new
+        args, kwargs = jax.tree.unflatten(treedef, leaves)
+        return i, act, args, kwargs
+
+    def _finish(
+        self,
+        i: int,
+        kind: str,
+        name: str,
+        act: Any,
+        run: Callable[[], Any],
+        transform: str | None = None,
+    ) -> Any:
+        """Skip a call before `start` (stand-ins), or run it; record it when recording."""
+        skipped = self.expected is not None and self.start is not None and i < self.start
+        if skipped and kind == "call":
+            return self.skips[i]
+        self._depth += 1
+        try:
+            out = run()
+        finally:
+            self._depth -= 1
+        if self.expected is None:
+            self.events.append(Event(kind, name, act, jax.tree.map(_aval, out), transform))
+        return out
 
 
 _ACTIVE: ContextVar[Run | None] = ContextVar("pjit_pipe_active_run", default=None)
@@ -136,7 +211,9 @@ def boundary(x: Any) -> Any:
     """Mark a place in a module's `__call__` where the pipeline may cut.
 
     Returns `x` unchanged. When a model contains markers, stages start only at
-    markers; `x` (one array) is what the previous stage hands to the next one.
+    markers; `x` (any pytree of arrays: a hidden state, `(hidden, mask)`, ...)
+    is what the previous stage hands to the next one. Integer and boolean
+    arrays cross too; they carry no gradient.
     """
     run = _ACTIVE.get()
     return x if run is None else run.boundary(x)
@@ -153,15 +230,59 @@ def drive(run: Run, forward: Callable[[], Any]) -> Any:
     finally:
         _ACTIVE.reset(token)
     if run.stop is not None:
-        raise RuntimeError(f"the stage should have ended at call {run.stop} but the model returned")
+        name = run.expected[run.stop].name if run.expected else run.stop
+        raise RuntimeError(
+            f"the stage should have ended at call {run.stop} ({name}) but the model "
+            "returned: a Flax transform around the module's __call__ or around a group of "
+            "its layers (nn.jit, nn.scan, nn.vmap of several layers) hides that call from "
+            "the cutter; apply the transform to each layer instead, or cut at "
+            "pjit_pipe.boundary() markers placed outside the transform"
+        )
     return out
+
+
+def _transform_name(module: nn.Module) -> str:
+    """ "Checkpoint", "Jit", "Scan", ...: lifted classes are named transform + class
+    ("CheckpointBlock"); a transformed method keeps its class's name."""
+    base = type(module).__mro__[1].__name__
+    return type(module).__name__.removesuffix(base) or type(module).__name__
+
+
+@contextlib.contextmanager
+def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
+    """While running, linen's lifted transforms (nn.remat, nn.jit, nn.vmap of a
+    child) report the child and its arguments to `run` before entering their trace."""
+    original = linen_transforms.get_module_scopes
+
+    def hooked(module, args=None, kwargs=None):
+        scope = getattr(module, "scope", None)
+        if scope is not None and not scope.path and run.wrapped_root is None:
+            run.wrapped_root = _transform_name(module)
+        if (
+            not run._depth
+            and run._pending is None
+            and scope is not None
+            and len(scope.path) == 1
+            and args is not None
+        ):
+            args, kwargs = run.enter_transformed(
+                module.name, _transform_name(module), tuple(args), dict(kwargs or {})
+            )
+        return original(module, args, kwargs)
+
+    linen_transforms.get_module_scopes = hooked
+    try:
+        yield
+    finally:
+        linen_transforms.get_module_scopes = original
 
 
 def run_module(module: nn.Module, variables: Any, x: Any, run: Run) -> Any:
     """`module.apply(variables, x)` driven by `run`; returns the stage's output."""
+    args, kwargs = call_args(x)
 
     def forward() -> Any:
-        with nn.intercept_methods(run.intercept):
-            return module.apply(variables, x)
+        with nn.intercept_methods(run.intercept), _transforms_seen_from_outside(run):
+            return module.apply(variables, *args, **kwargs)
 
     return drive(run, forward)

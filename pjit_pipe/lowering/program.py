@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -33,6 +33,7 @@ from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
 from pjit_pipe.lowering.loss import LossLayout
+from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.plan import (
     BRANCH,
@@ -49,6 +50,7 @@ from pjit_pipe.lowering.plan import (
     build_plan,
 )
 from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_key_data, microbatch_rngs
+from pjit_pipe.lowering.shared import SharedGrads, check_shared
 from pjit_pipe.lowering.stages import StageVjp
 from pjit_pipe.lowering.topology import AXES, Topology
 
@@ -67,6 +69,7 @@ class Lowered:
         topology: Topology,
         remat: bool,
         iterations: int = 1,
+        shared: Mapping[str, Sequence[int]] | None = None,
         *,
         loss: LossLayout,
         rng_impls: dict[str, Any] | None = None,
@@ -91,16 +94,22 @@ class Lowered:
             )
         self.remat = remat
         self.param_spec = FlatSpec(stages.param_avals)
-        boundaries = stages.act_avals[1:]
-        leaves = jax.tree.leaves(boundaries)
-        msg_dtype = jnp.result_type(*leaves) if leaves else jnp.float32
-        if not jnp.issubdtype(msg_dtype, jnp.floating):
-            raise ValueError(
-                f"activations between stages must be floating point, got {msg_dtype} "
-                "(only stage 0 may take integer inputs)"
+        self.msg_spec = MessageSpec(stages.act_avals[1:])
+        self.shared = None
+        if shared:
+            if self.stepping:
+                raise ValueError(
+                    f"shared parameters {sorted(shared)} (tied weights) need every holder's "
+                    "gradient before the update: not supported with a staggered optimizer "
+                    "or iterations > 1; untie them or use an unstaggered schedule"
+                )
+            self.shared = SharedGrads(
+                shared,
+                self.param_spec,
+                [schedule.held_stages(p) for p in range(schedule.stages)],
+                topology.positions,
+                topology.axes,
             )
-        self.msg_spec = FlatSpec(boundaries, dtype=msg_dtype)
-        self.msg_key = np.dtype(msg_dtype).name
         self.scale = 1.0 / (schedule.replicas * schedule.microbatches)
         self.loss_mult = self.loss.accumulate_scale(self.scale)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
@@ -146,10 +155,10 @@ class Lowered:
         def stage_input(x, msgs, row):
             if s == 0:
                 return jax.tree.map(lambda a: a[row[MB]], x)
-            return self.msg_spec.unpack(s - 1, {self.msg_key: msgs[row[IN_SLOT]]})
+            return self.msg_spec.unpack_act(s - 1, _row(msgs, row[IN_SLOT]))
 
         def run(params, x, y, msgs, res, row):
-            msg = jnp.zeros((self.msg_spec.sizes[self.msg_key],), self.msg_key)
+            msg = self.msg_spec.zeros()
             p = params[c] if self.uniform[c] else self.param_spec.unpack(s, params[c])
             y_mb = jax.tree.map(lambda a: a[row[MB]], y) if s == S - 1 else None
             if kind is Kind.F:
@@ -160,7 +169,7 @@ class Lowered:
                     out, res_out = st.forward_with_residuals(s, p, a, y_mb)
                 if s == S - 1:
                     return msg, res_out, out * self.loss_mult
-                return self.msg_spec.pack(s, out)[self.msg_key], res_out, self._no_loss()
+                return self.msg_spec.pack_act(s, out), res_out, self._no_loss()
             if self.remat:
                 pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
             else:
@@ -168,10 +177,10 @@ class Lowered:
             if s == S - 1:
                 g = self.loss.seed(self.scale)
             else:
-                g = self.msg_spec.unpack(s, {self.msg_key: msgs[row[G_SLOT]]})
+                g = self.msg_spec.unpack_grad(s, _row(msgs, row[G_SLOT]))
             dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
             if kind in (Kind.B, Kind.BW) and s > 0:
-                msg = self.msg_spec.pack(s - 1, dinput)[self.msg_key]
+                msg = self.msg_spec.pack_grad(s - 1, dinput)
             if kind is Kind.B:
                 return msg, {}, self._no_loss()
             # A uniform chunk's gradient stays a tree (see `_zero_grads`).
@@ -211,7 +220,7 @@ class Lowered:
         """Message store (with a scratch slot for no message), residual store, gradients."""
         K, R = plan.msg_slots, plan.res_slots
         return (
-            jnp.zeros((K + 1, self.msg_spec.sizes[self.msg_key]), self.msg_key),
+            self.msg_spec.zeros(K + 1),
             {} if self.remat else self.st.res_spec.zeros(R),
             self._zero_grads(),
         )
@@ -236,7 +245,7 @@ class Lowered:
 
     def _tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row):
         """One tick: this device's op (if any), then every ppermute of the plan."""
-        msg = jnp.zeros((self.msg_spec.sizes[self.msg_key],), self.msg_key)
+        msg = self.msg_spec.zeros()
         loss = self._no_loss()
         args = (params, x, y, msgs)
 
@@ -275,10 +284,10 @@ class Lowered:
                 return msg, jax.tree.map(jnp.add, acc, dpar)
 
             msg, grads[c] = lax.cond(taken(group), weight_grad, lambda *a: a, msg, grads[c])
-        msgs = msgs.at[row[SELF_SLOT]].set(msg)
+        msgs = {k: b.at[row[SELF_SLOT]].set(msg[k]) for k, b in msgs.items()}
         for i, (_, pairs) in enumerate(plan.shifts):
             got = lax.ppermute(msg, self.topo.axes, perm=pairs)
-            msgs = msgs.at[row[RECV0 + i]].set(got)
+            msgs = {k: b.at[row[RECV0 + i]].set(got[k]) for k, b in msgs.items()}
         return msgs, res, grads, loss
 
     def tick_loop(self, params: Buffers, x: Any, y: Any, rows: jax.Array, with_aux: bool = False):
@@ -293,7 +302,10 @@ class Lowered:
             return (*state, loss + dloss), None
 
         (_, _, grads, loss), _ = lax.scan(tick, (*self._empty(self.plan), self._no_loss()), rows)
-        grads = self.topo.reduce_over_replicas(self._flat_grads(grads))
+        local = self._flat_grads(grads)
+        grads = self.topo.reduce_over_replicas(local)
+        if self.shared is not None:
+            grads = self.shared(local, grads)
         total = lax.psum(loss, self.topo.axes)
         factor = self.loss.grad_factor(total, self.sched.replicas * self.sched.microbatches)
         if factor is not None:  # a weighted loss: divide by the global batch's weight
@@ -713,6 +725,7 @@ def lower(
     iterations: int = 1,
     has_aux: bool = False,
     rngs: Any = None,
+    shared: Mapping[str, Sequence[int]] | None = None,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -730,9 +743,12 @@ def lower(
     then examples of one iteration's batch). `rngs` is an example {stream name:
     key} for stage functions that draw random numbers (dropout): each step then
     takes its own rngs, and a stage function reads its microbatch's keys with
-    `rng.current_rngs()` (see rng.py).
+    `rng.current_rngs()` (see rng.py). `shared` maps a key of the stage
+    parameter dicts to the virtual stages that each hold a copy of it (tied
+    weights): their gradients are summed, so the copies stay equal.
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
+    check_shared(shared or {}, stage_params)
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     loss = LossLayout(loss_fn, has_aux)
@@ -751,7 +767,9 @@ def lower(
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
     topology = Topology.of(mesh, schedule.failed)
-    lowered = Lowered(schedule, stages, topology, remat, iterations, loss=loss, rng_impls=impls)
+    lowered = Lowered(
+        schedule, stages, topology, remat, iterations, shared, loss=loss, rng_impls=impls
+    )
     stepping = optimizer is not None and lowered.stepping
     if stepping and count_norm_calls(optimizer, *lowered._stage0_avals(optimizer)):
         raise ValueError(

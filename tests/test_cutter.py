@@ -1,0 +1,377 @@
+"""The stage cutter on the models people train: pytree boundaries (masks,
+integer positions), remat/jit/vmap'd blocks, tied embeddings (linen and NNX),
+HF-style dict inputs, and the cut report. Cut-only tests compose the stage
+functions; pipelined ones compare with jax.value_and_grad of the plain model."""
+
+import warnings
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+import pjit_pipe as pp
+from models import CNN, GPT2LM, GPT2Config, gpt2_batch, lm_loss
+from pjit_pipe.frontend import cut_module
+from pjit_pipe.frontend.analysis import liveness
+
+
+def rel_err(a, b) -> float:
+    """Largest leaf-wise max|a-b| / max|b|."""
+    return max(
+        float(jnp.max(jnp.abs(u - v)) / (jnp.max(jnp.abs(v)) + 1e-30))
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    )
+
+
+def compose(cut, params, x):
+    act = x
+    for fn, p in zip(cut.stage_fns(), cut.split(params), strict=True):
+        act = fn(p, act)
+    return act
+
+
+class MaskedCarry(nn.Module):
+    """(hidden, bool mask, int positions) cross every marker; the mask is made from x."""
+
+    @nn.compact
+    def __call__(self, x):
+        mask = x[..., 0] > 0
+        pos = jnp.broadcast_to(jnp.arange(x.shape[1]), x.shape[:2])
+        h = nn.Dense(8, name="inp")(x)
+        for i in range(3):
+            h, mask, pos = pp.boundary((h, mask, pos))
+            h = h + jnp.tanh(nn.Dense(8, name=f"blk{i}")(h)) * mask[..., None]
+            h = h + 0.01 * pos[..., None]
+        return nn.Dense(2, name="out")(h).mean(1)
+
+
+class Block(nn.Module):
+    @nn.compact
+    def __call__(self, h):
+        return h + jnp.tanh(nn.Dense(h.shape[-1])(h))
+
+
+class Transformed(nn.Module):
+    """Blocks wrapped in nn.remat, nn.jit and nn.vmap: each is one clean cut."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, name="inp")(x)
+        h = nn.remat(Block)(name="remat")(h)
+        h = nn.jit(Block)(name="jit")(h)
+        vmapped = nn.vmap(
+            Block, variable_axes={"params": None}, split_rngs={"params": False}, in_axes=0
+        )
+        h = vmapped(name="vmap")(h)
+        return nn.Dense(2, name="out")(h)
+
+
+class NNXRematBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+
+    def __call__(self, h):
+        return h + nnx.remat(lambda lin, h: jnp.tanh(lin(h)))(self.lin, h)
+
+
+class NNXTiedLM(nnx.Module):
+    """An NNX embedding used for lookup and as the head (Embed.attend); remat'd blocks."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(32, 8, rngs=rngs)
+        self.blocks = nnx.List([NNXRematBlock(rngs) for _ in range(3)])
+
+    def __call__(self, ids):
+        h = self.embed(ids)
+        for block in self.blocks:
+            h = block(h)
+        return self.embed.attend(h)
+
+
+def test_pytree_boundary_carries_mask_and_integer_positions():
+    x = jax.random.normal(jax.random.key(1), (4, 5, 3))
+    model = MaskedCarry()
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    cut = cut_module(model, params, x, 4)
+    assert [cut.events[b].kind for b in cut.bounds[1:]] == ["boundary"] * 3
+    dtypes = [a.dtype for a in cut.events[cut.bounds[1]].act]
+    assert dtypes == [jnp.float32, jnp.bool_, jnp.int32]
+    out = jax.jit(lambda p, x: compose(cut, p, x))(params, x)
+    assert rel_err(out, model.apply(params, x)) < 1e-6
+
+
+def test_remat_jit_vmap_blocks_are_clean_cuts():
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    model = Transformed()
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    cut = cut_module(model, params, x, 4)
+    assert cut.keys == (("inp",), ("remat",), ("jit",), ("out", "vmap"))
+    out = jax.jit(lambda p, x: compose(cut, p, x))(params, x)
+    assert rel_err(out, model.apply(params, x)) < 1e-6
+
+
+def test_liveness_looks_into_remat_jit_scan_and_cond():
+    def f(a, b, c, d):
+        u = jax.checkpoint(lambda a, b: a * 2)(a, b)  # b unused inside
+        v = jax.jit(lambda c, d: c + 1)(c, d)  # d unused inside
+        s, _ = jax.lax.scan(lambda carry, _: (carry * u, None), v, None, length=3)
+        return jax.lax.cond(True, lambda s, b: s, lambda s, b: -s, s, b)
+
+    avals = [jax.ShapeDtypeStruct((2,), jnp.float32)] * 4
+    live = liveness(jax.make_jaxpr(f)(*avals).jaxpr)
+    assert live.used == (True, False, True, False)
+
+
+def test_hf_style_dict_input_tied_embedding_cut():
+    """The cut only (test_hf_style_lm_tied_remat_mask_matches_jax runs it)."""
+    cfg = GPT2Config(remat=True)
+    model = GPT2LM(cfg)
+    x, _ = gpt2_batch(jax.random.key(1), 4, cfg)
+    params = jax.jit(lambda k: model.init(k, **x))(jax.random.key(0))
+    cut = cut_module(model, params, x, 4)
+    assert cut.shared == {"wte": (0, 3)}
+    assert [len(cut.events[b].act) for b in cut.bounds[1:]] == [2, 2, 2]  # (hidden, mask)
+    report = cut.describe()
+    assert "shared wte: held by stages 0, 3" in report
+    assert "int32[4, 16]" in report and "float32[4, 16, 32]" in report
+
+
+def test_nnx_embed_attend_is_shared():
+    model = NNXTiedLM(nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(1), (4, 6), 0, 32)
+    pm = pp.pipeline(model, stages=2, microbatches=2, schedule="1f1b")
+    params = pm.init(None, None)
+    cut = pm.cut(params, ids)
+    assert cut.shared == {"embed": (0, 1)}
+    out = jax.jit(lambda p, x: compose(cut, p, x))(params, ids)
+    assert rel_err(out, model(ids)) < 1e-6
+
+
+class ScanBlock(nn.Module):
+    @nn.compact
+    def __call__(self, h, _):
+        return h + jnp.tanh(nn.Dense(h.shape[-1])(h)), None
+
+
+def test_scan_stack_is_named_when_it_blocks_a_cut():
+    class Stack(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = nn.Dense(8, name="inp")(x)
+            layers = nn.scan(
+                ScanBlock, variable_axes={"params": 0}, split_rngs={"params": True}, length=4
+            )
+            h, _ = layers(name="layers")(h, None)
+            return nn.Dense(2, name="out")(h)
+
+    x = jnp.ones((2, 3))
+    params = jax.jit(Stack().init)(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"layers \(nn.scan\) runs its layers inside one scan"):
+        cut_module(Stack(), params, x, 4)
+    assert cut_module(Stack(), params, x, 3).keys == (("inp",), ("layers",), ("out",))
+
+
+def test_transform_on_the_root_is_refused_by_name():
+    class JitRoot(nn.Module):
+        @nn.jit
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2, name="b")(jnp.tanh(nn.Dense(4, name="a")(x)))
+
+    x = jnp.ones((2, 3))
+    params = jax.jit(JitRoot().init)(jax.random.key(0), x)
+    with pytest.raises(ValueError, match=r"JitRoot.__call__ runs inside a Flax transform"):
+        cut_module(JitRoot(), params, x, 2)
+
+
+def test_imbalanced_cut_warns_and_describe_reports_it():
+    x = jnp.ones((2, 256))
+    lopsided = nn.Sequential([nn.Dense(256), nn.Dense(4), nn.Dense(4)])
+    params = lopsided.init(jax.random.key(0), x)
+    with pytest.warns(UserWarning, match=r"imbalanced.*largest [0-9.]+x the mean"):
+        cut = cut_module(lopsided, params, x, 3)
+    assert "imbalance (largest / mean cost)" in cut.describe()
+    even = nn.Sequential([nn.Dense(8) for _ in range(4)])
+    params = even.init(jax.random.key(0), x[:, :8])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        cut_module(even, params, x[:, :8], 4)
+
+
+def test_flax_docs_cnn_cuts_at_its_layers():
+    """The cut only (test_flax_docs_cnn_pipelines runs it)."""
+    x = jax.random.normal(jax.random.key(1), (2, 8, 8, 1))
+    model = CNN()
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    cut = cut_module(model, params, x, 4)
+    assert cut.keys == (("Conv_0",), ("Conv_1",), ("Dense_0",), ("Dense_1",))
+
+
+# ---- pipelined: loss and gradients equal jax.value_and_grad ----
+
+
+def _gpt2_case(mesh, kind, remat=True, batch=8, microbatches=2):
+    cfg = GPT2Config(remat=remat)
+    model = GPT2LM(cfg)
+    x, y = gpt2_batch(jax.random.key(1), batch, cfg)
+    pm = pp.pipeline(model, stages=4, microbatches=microbatches, schedule=kind, mesh=mesh)
+    params = jax.jit(lambda k: model.init(k, **x))(jax.random.key(0))
+    loss, grads = pm.value_and_grad(lm_loss)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: lm_loss(model.apply(p, **x), y))(params)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+def test_hf_style_lm_tied_remat_mask_matches_jax():
+    """One quick case: dict input, (hidden, mask) carry, tied head, remat'd blocks."""
+    _gpt2_case(pp.make_mesh(data=1, stage=4), "1f1b")
+
+
+MATRIX = [(d, kind) for d in (1, 2) for kind in ("1f1b", "zb-h1") if (d, kind) != (1, "1f1b")]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data,kind", MATRIX)
+def test_hf_style_lm_matrix(data, kind):
+    _gpt2_case(pp.make_mesh(data=data, stage=4), kind, remat=data == 1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("data,kind", [(d, k) for d in (1, 2) for k in ("1f1b", "zb-h1")])
+def test_masked_carry_matrix(data, kind):
+    model = MaskedCarry()
+    x = jax.random.normal(jax.random.key(1), (8, 5, 3))
+    y = jax.random.normal(jax.random.key(2), (8, 2))
+    pm = pp.pipeline(
+        model, stages=4, microbatches=2, schedule=kind, mesh=pp.make_mesh(data=data, stage=4)
+    )
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
+    loss, grads = pm.value_and_grad(mse)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: mse(model.apply(p, x), y))(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+@pytest.mark.slow
+def test_nnx_tied_lm_matches_jax():
+    model = NNXTiedLM(nnx.Rngs(0))
+    ids = jax.random.randint(jax.random.key(1), (8, 6), 0, 32)
+    targets = jnp.roll(ids, -1, axis=1)
+    pm = pp.pipeline(
+        model, stages=4, microbatches=2, schedule="zb-h1", mesh=pp.make_mesh(data=2, stage=4)
+    )
+    params = pm.init(None, None)
+    loss, grads = pm.value_and_grad(lm_loss)(params, ids, targets)
+    ref_loss, ref_grads = nnx.value_and_grad(lambda m: lm_loss(m(ids), targets))(model)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, nnx.to_pure_dict(ref_grads)) < 1e-5
+
+
+@pytest.mark.slow
+def test_tied_adam_steps_match_optax_and_copies_stay_equal():
+    cfg = GPT2Config(n_layers=3)
+    model = GPT2LM(cfg)
+    x, y = gpt2_batch(jax.random.key(1), 8, cfg)
+    opt = optax.adam(1e-2)
+    pm = pp.pipeline(
+        model,
+        stages=4,
+        microbatches=2,
+        schedule="1f1b",
+        mesh=pp.make_mesh(data=2, stage=4),
+        optimizer=opt,
+    )
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    step = pm.train_step(lm_loss)
+    state = step.init(params, (x, y))
+    ref_p, ref_o = params, opt.init(params)
+    for _ in range(3):
+        state, loss = step(state, (x, y))
+        ref_loss, g = jax.value_and_grad(lambda p: lm_loss(model.apply(p, **x), y))(ref_p)
+        upd, ref_o = opt.update(g, ref_o, ref_p)
+        ref_p = optax.apply_updates(ref_p, upd)
+        assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(state.params, ref_p) < 1e-5
+    cut = pm.cut(params, x)
+    stage_params = cut.split(state.params)
+    holders = cut.shared["wte"]
+    assert holders == (0, 3)
+    np.testing.assert_array_equal(
+        stage_params[0]["wte"]["embedding"], stage_params[3]["wte"]["embedding"]
+    )
+
+
+@pytest.mark.slow
+def test_tied_lm_through_a_failure_matches_jax():
+    cfg = GPT2Config(remat=False)
+    model = GPT2LM(cfg)
+    x, y = gpt2_batch(jax.random.key(1), 8, cfg)
+    pm = pp.pipeline(
+        model, stages=4, microbatches=2, schedule="1f1b", mesh=pp.make_mesh(data=2, stage=4)
+    )
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    loss, grads = pm.with_failures([(0, 3)]).value_and_grad(lm_loss)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: lm_loss(model.apply(p, **x), y))(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+@pytest.mark.slow
+def test_flax_docs_cnn_pipelines():
+    model = CNN()
+    x = jax.random.normal(jax.random.key(1), (8, 8, 8, 1))
+    labels = jax.random.randint(jax.random.key(2), (8,), 0, 10)
+    xent = lambda out, y: optax.softmax_cross_entropy_with_integer_labels(out, y).mean()  # noqa: E731
+    pm = pp.pipeline(model, stages=4, microbatches=2, schedule="zb-h1")
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    loss, grads = pm.value_and_grad(xent)(params, x, labels)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: xent(model.apply(p, x), labels))(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+def _hf_blocks_lm():
+    """HF transformers' own Flax GPT-2 block (attention mask, causal attention) in a
+    root that keeps the blocks at the top level, with the head tied to wte."""
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
+
+    class HFBlocksLM(nn.Module):
+        config: transformers.GPT2Config
+
+        def setup(self):
+            c = self.config
+            self.wte = nn.Embed(c.vocab_size, c.n_embd)
+            self.wpe = nn.Embed(c.n_positions, c.n_embd)
+            self.h = [FlaxGPT2Block(c, name=str(i)) for i in range(c.n_layer)]
+            self.ln_f = nn.LayerNorm(epsilon=c.layer_norm_epsilon)
+
+        def __call__(self, input_ids, attention_mask, position_ids):
+            h = self.wte(input_ids) + self.wpe(position_ids)
+            for block in self.h:
+                h = block(h, attention_mask, deterministic=True)[0]
+            return self.wte.attend(self.ln_f(h))
+
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=4, n_head=2)
+    return HFBlocksLM(config)
+
+
+@pytest.mark.slow
+def test_hf_transformers_gpt2_blocks_match_jax():
+    model = _hf_blocks_lm()
+    x, y = gpt2_batch(jax.random.key(1), 8, GPT2Config())
+    pm = pp.pipeline(
+        model, stages=4, microbatches=2, schedule="zb-h1", mesh=pp.make_mesh(data=2, stage=4)
+    )
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    assert pm.cut(params, x).shared == {"wte": (0, 3)}
+    loss, grads = pm.value_and_grad(lm_loss)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: lm_loss(model.apply(p, **x), y))(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
