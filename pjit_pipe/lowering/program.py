@@ -86,12 +86,6 @@ class Lowered:
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.shared = None
         if shared:
-            if self.stepping:
-                raise ValueError(
-                    f"shared parameters {sorted(shared)} (tied weights) need every holder's "
-                    "gradient before the update: not supported with a staggered optimizer "
-                    "or iterations > 1; untie them or use an unstaggered schedule"
-                )
             self.shared = SharedGrads(
                 shared,
                 self.param_spec,
@@ -300,6 +294,13 @@ class Lowered:
         the optax step and restart accumulating; later ticks read the new
         parameters. Returns (params, opt state, loss of each iteration).
         """
+        if self.shared is not None:
+            raise ValueError(
+                f"shared parameters {sorted(self.shared.units)} (tied weights) need every "
+                "holder's gradient before the update: a training step with the optimizer "
+                "inside the loop (a staggered or re-routed schedule, iterations > 1) does "
+                "not support them yet; untie them or train on an unstaggered schedule"
+            )
         plan, v = self.step_plan, self.sched.chunks
         msgs, res, grads = self._empty(plan)
         losses = jnp.zeros((self.iterations,), jnp.float32)
