@@ -17,6 +17,7 @@ import pjit_pipe as pp
 from models import CNN, GPT2LM, GPT2Config, gpt2_batch, lm_loss
 from pjit_pipe.frontend import cut_module
 from pjit_pipe.frontend.analysis import liveness
+from pjit_pipe.frontend.opt_state import split_opt_state
 
 
 def rel_err(a, b) -> float:
@@ -278,7 +279,9 @@ def test_tied_adam_steps_match_optax_and_copies_stay_equal():
     cfg = GPT2Config(n_layers=3)
     model = GPT2LM(cfg)
     x, y = gpt2_batch(jax.random.key(1), 8, cfg)
-    opt = optax.adam(1e-2)
+    # The key bias of attention has a zero gradient in exact arithmetic; adam's
+    # default eps would turn its rounding noise into full-size steps in either run.
+    opt = optax.adam(1e-2, eps=1e-3)
     pm = pp.pipeline(
         model,
         stages=4,
@@ -298,13 +301,17 @@ def test_tied_adam_steps_match_optax_and_copies_stay_equal():
         ref_p = optax.apply_updates(ref_p, upd)
         assert rel_err(loss, ref_loss) < 1e-5
     assert rel_err(state.params, ref_p) < 1e-5
-    cut = pm.cut(params, x)
-    stage_params = cut.split(state.params)
-    holders = cut.shared["wte"]
-    assert holders == (0, 3)
-    np.testing.assert_array_equal(
-        stage_params[0]["wte"]["embedding"], stage_params[3]["wte"]["embedding"]
-    )
+    # Both holders' copies of the embedding, as the program returns them, agree to
+    # rounding: the same update, fused differently in each stage's branch (the
+    # train step re-syncs them from the first holder at every merge).
+    cut, program = pm._step(state.params, x, y, lm_loss)
+    assert cut.shared == {"wte": (0, 3)}
+    x, y = pm.place((x, y))
+    opt_stages = split_opt_state(cut, state.opt_state, state.params)
+    stage_params, _, _ = program.train_step(cut.split(state.params), opt_stages, x, y)
+    first, last = stage_params[0]["wte"]["embedding"], stage_params[3]["wte"]["embedding"]
+    np.testing.assert_allclose(first, last, rtol=1e-6, atol=1e-7)
+    assert float(jnp.max(jnp.abs(first - state.params["params"]["wte"]["embedding"]))) > 1e-4
 
 
 @pytest.mark.slow

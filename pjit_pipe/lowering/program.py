@@ -97,12 +97,6 @@ class Lowered:
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.shared = None
         if shared:
-            if self.stepping:
-                raise ValueError(
-                    f"shared parameters {sorted(shared)} (tied weights) need every holder's "
-                    "gradient before the update: not supported with a staggered optimizer "
-                    "or iterations > 1; untie them or use an unstaggered schedule"
-                )
             self.shared = SharedGrads(
                 shared,
                 self.param_spec,
@@ -337,6 +331,13 @@ class Lowered:
         weight at its step: every last-stage F of an iteration precedes every
         W of it, so the psum of the loss vectors then holds the whole weight.
         """
+        if self.shared is not None:
+            raise ValueError(
+                f"shared parameters {sorted(self.shared.units)} (tied weights) need every "
+                "holder's gradient before the update: a training step with the optimizer "
+                "inside the loop (a staggered or re-routed schedule, iterations > 1) does "
+                "not support them yet; untie them or train on an unstaggered schedule"
+            )
         plan, v = self.step_plan, self.sched.chunks
         count = self.sched.replicas * self.sched.microbatches
         msgs, res, grads = self._empty(plan)

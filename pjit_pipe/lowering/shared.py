@@ -59,6 +59,7 @@ class SharedGrads:
         positions: np.ndarray,
         axes: tuple[str, ...],
     ):
+        self.units = sorted(shared)
         self.axes = axes
         self.positions = positions
         self.sizes: dict[str, int] = {}
