@@ -259,6 +259,12 @@ class TrainStep:
             views[id(step)] = StateView(cut, step.layout, self.pipelined.optimizer)
         return step, views[id(step)]
 
+    def view(self, params: Any, batch: tuple[Any, Any]) -> StateView:
+        """The state view (module layout <-> this step's device layout) for parameters
+        shaped like `params` (arrays or ShapeDtypeStructs) and batches like `batch`."""
+        model = self.pipelined.model
+        return self._program(model.variables(model.params(params)), batch)[1]
+
     def init(
         self, params: Any, batch: tuple[Any, Any], opt_state: Any = None, step: int = 0
     ) -> TrainState:

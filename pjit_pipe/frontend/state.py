@@ -37,6 +37,7 @@ class StateView:
     ):
         self.cut = cut
         self.layout = layout
+        self.optimizer = optimizer
         self.variables = cut.model.variables(cut.param_avals)  # module params' shapes
         self.opt_template = jax.eval_shape(optimizer.init, self.variables)
 
@@ -46,6 +47,28 @@ class StateView:
         stage_params = self.cut.split(params)
         stage_opt = None if opt_state is None else split_opt_state(self.cut, opt_state, params)
         return self.layout.from_stages(stage_params, stage_opt)
+
+    def module_avals(self) -> dict[str, Any]:
+        """{'params', 'opt_state'} of the module layout as ShapeDtypeStructs, each
+        leaf placed on the devices of the stage that owns it (a restore target)."""
+        layout, held = self.layout, self.layout.held
+        where = {s: p for p, stages in enumerate(held) for s in stages}
+
+        def placed(tree: Any, s: int) -> Any:
+            sharding = layout.stage_sharding(where[s])
+            return jax.tree.map(
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), tree
+            )
+
+        stage_params = self.cut.split(self.variables)
+        params = [placed(t, s) for s, t in enumerate(stage_params)]
+        opts = [
+            placed(jax.eval_shape(self.optimizer.init, t), s) for s, t in enumerate(stage_params)
+        ]
+        return {
+            "params": self.cut.merge(params),
+            "opt_state": merge_opt_state(self.cut, opts, self.opt_template, self.variables),
+        }
 
     def to_module(self, state: TrainState, skip: Collection[Any] = ()) -> tuple[Any, Any]:
         """(params, opt_state) in the module layout, each leaf on the devices of the

@@ -103,6 +103,10 @@ class DeviceLayout:
             if p == position and d not in skip
         ]
 
+    def stage_sharding(self, position: int) -> NamedSharding:
+        """A stage tree's leaves on `position`'s devices, replicated there."""
+        return NamedSharding(Mesh(np.array(self.holders(position)), (HOLDER,)), PS())
+
     # ---- per-stage trees -> device layout ----
 
     def from_stages(

@@ -82,10 +82,16 @@ class ResilientTrainer:
         background: bool = True,
         on_compiled: Callable[[Variant], None] | None = None,
     ) -> TrainState:
-        """The initial state. Compiles the fault-free step, then, with `precompile`,
-        every pattern of up to max_failures failed workers (in a background thread
-        unless `background` is False; `on_compiled(variant)` after each)."""
-        state = self.pipelined.train_step(self.loss_fn).init(params, batch)
+        """The initial state from module-layout `params` (or a TrainState, e.g. a
+        restored checkpoint, moved into the fault-free layout). Compiles the
+        fault-free step, then, with `precompile`, every pattern of up to
+        max_failures failed workers (in a background thread unless `background`
+        is False; `on_compiled(variant)` after each)."""
+        step = self.pipelined.train_step(self.loss_fn, donate=False)
+        if isinstance(params, TrainState):
+            state, _ = step.adopt(params, batch)
+        else:
+            state = step.init(params, batch)
         self.variants = Variants(self.pipelined, self.loss_fn, state, batch, self.cache_dir)
         self.variants.get(())
         if precompile:
