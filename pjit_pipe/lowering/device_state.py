@@ -124,7 +124,7 @@ class DeviceLayout:
             here = NamedSharding(mesh, PS())
             trees = [stage_params[s] for s in self.held[p]]
             opts = None if stage_opt is None else [stage_opt[s] for s in self.held[p]]
-            args = jax.device_put((trees, opts), here)
+            args = jax.tree.map(lambda a, h=here: _onto(a, h), (trees, opts))
             packed = self._packer(p, opts is None, mesh)(*args)
             for part, bufs in zip(("params", "opt"), packed, strict=True):
                 for k, b in bufs.items():
@@ -175,11 +175,28 @@ class DeviceLayout:
             if not devices:
                 raise ValueError(f"position {p} has no live device to read its stages from")
             mesh = Mesh(np.array(devices), (HOLDER,))
+            if not any(d.process_index == jax.process_index() for d in devices):
+                # Another process holds these stages: arrays with no local shards.
+                for s in self.held[p]:
+                    out_p[s], out_o[s] = (
+                        self._remote(spec, s, mesh) for spec in self.specs.values()
+                    )
+                continue
             bufs = [self._rows(b, devices, mesh) for b in (params, opt)]
             trees, opts = self._unpacker(p, mesh)(*bufs)
             for s, t, o in zip(self.held[p], trees, opts, strict=True):
                 out_p[s], out_o[s] = t, o
         return out_p, out_o
+
+    @staticmethod
+    def _remote(spec: FlatSpec, s: int, mesh: Mesh) -> Any:
+        """Stage `s`'s tree as global arrays on `mesh`, none of whose devices is ours."""
+        sharding = NamedSharding(mesh, PS())
+        leaves = [
+            jax.make_array_from_single_device_arrays(a.shape, sharding, [], dtype=a.dtype)
+            for a in spec.avals[s]
+        ]
+        return jax.tree.unflatten(spec.treedefs[s], leaves)
 
     def _rows(self, bufs: Buffers, devices: list[Any], mesh: Mesh) -> Buffers:
         """The rows of `devices` as buffers over their own sub-mesh (no copy)."""
@@ -263,6 +280,19 @@ class DeviceLayout:
                     moved += rows[k][d].nbytes
             out.append(self._assemble(part, rows))
         return out[0], out[1], moved
+
+
+def _onto(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    """`leaf` placed by `sharding`. Multi-controller JAX cannot move an array between
+    two device sets across processes, so a replicated leaf held elsewhere (a step
+    count shared by all stages) goes through this process's own copy."""
+    if (
+        isinstance(leaf, jax.Array)
+        and jax.process_count() > 1
+        and leaf.sharding.device_set != sharding.device_set
+    ):
+        leaf = np.asarray(leaf.addressable_data(0))
+    return jax.device_put(leaf, sharding)
 
 
 def device_bytes(*trees: Any) -> dict[Any, int]:
