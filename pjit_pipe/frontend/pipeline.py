@@ -10,7 +10,7 @@ sees or checkpoints has the module's own tree structure.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -223,10 +223,8 @@ class Pipelined:
         return value_and_grad
 
     def place(self, tree: Any) -> Any:
-        """`tree` replicated on the devices this pipeline runs on (a no-op when it is).
-
-        Switching to or from a failure variant moves the state this way: a
-        rejoining device gets its copy from a live one."""
+        """`tree` replicated on the devices this pipeline runs on (a no-op when it is):
+        the batch of a step, and value_and_grad's parameters."""
         return jax.device_put(tree, NamedSharding(self.device_mesh, PartitionSpec()))
 
     def train_step(self, loss_fn: LossFn, donate: bool = True) -> TrainStep:
@@ -279,7 +277,7 @@ class TrainStep:
         return TrainState(device_params, device_opt, step, view)
 
     def adopt(
-        self, state: TrainState, batch: tuple[Any, Any], unavailable=()
+        self, state: TrainState, batch: tuple[Any, Any], unavailable: Collection[Any] = ()
     ) -> tuple[TrainState, int]:
         """`state` in this step's device layout, and the bytes that moved to get it
         there. Devices that run the same stages keep their rows; a device new to
