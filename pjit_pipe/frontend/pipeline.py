@@ -284,6 +284,12 @@ class TrainStep:
         its stages copies them from a live peer; `unavailable` devices (failed
         ones) are never read."""
         _, view = self._program(state.view.variables, batch)
+        return self._into(view, state, unavailable)
+
+    @staticmethod
+    def _into(
+        view: StateView, state: TrainState, unavailable: Collection[Any] = ()
+    ) -> tuple[TrainState, int]:
         if state.view is view:
             return state, 0
         try:
@@ -293,12 +299,12 @@ class TrainStep:
         except ValueError:  # another stage cut or chunk layout: via the module layout
             params, opt = state.view.to_module(state, unavailable)
             params, opt = view.to_device(params, opt)
-            moved = sum(b.nbytes for b in jax.tree.leaves((params, opt)))
+            moved = sum(b.nbytes for b in jax.tree.leaves((params, opt)))  # at most this
         return TrainState(params, opt, state.step, view), moved
 
     def __call__(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
-        state, _ = self.adopt(state, batch)
         step, view = self._program(state.view.variables, batch)
+        state, _ = self._into(view, state)
         x, y = self.pipelined.place(batch)
         params, opt, loss = step.device_train_step(
             state.device_params, state.device_opt, x, y, self.donate
