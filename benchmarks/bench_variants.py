@@ -6,8 +6,11 @@ The tiny GPT with zb-h1, m=8, on 8 virtual CPU devices.
    one after another (re-routed schedule search + trace + XLA compile).
 2. Switch: for each variant, the time from "these workers are down" to the
    new program's first step being dispatched (variant lookup + moving the
-   replicated train state onto the surviving devices), and that first step's
-   time next to the median steady step (a compile would show there).
+   stage-sharded train state into the survivors' layout, never reading the
+   failed device), and that first step's time next to the median steady step
+   (a compile would show there); the state bytes copied between devices by
+   the switch, and by the rejoin back to the full mesh (the rejoining device
+   copies its stage's rows from a live peer).
 3. Disk cache: a fresh process compiling one variant with a warm
    `cache_dir` against one with a cold cache.
 
@@ -104,14 +107,19 @@ def main(argv: list[str]) -> None:
         state, t = timed_step(base, state, batch)
         steady.append(t)
     print(f"fault-free steady step: {statistics.median(steady) * 1e3:.1f} ms")
-    print(f"{'down':>6} {'switch ms':>10} {'first step ms':>14} {'steady step ms':>15}")
+    print(
+        f"{'down':>6} {'switch ms':>10} {'first step ms':>14} {'steady step ms':>15} "
+        f"{'switch B':>9} {'rejoin B':>9}"
+    )
     switches, firsts = [], []
+    mesh = pm.mesh.devices
     for failed in sorted(compiled, key=sorted):
         if not failed:
             continue
         start = time.perf_counter()
         variant = variants.get(failed)
-        state = variant.pipelined.place(state)
+        dead = {mesh[w.replica, w.stage] for w in failed}
+        state, moved = variant.step.adopt(state, batch, dead)
         jax.block_until_ready(state)
         switch = time.perf_counter() - start
         switches.append(switch)
@@ -121,10 +129,11 @@ def main(argv: list[str]) -> None:
         for _ in range(args.steps):
             state, t = timed_step(variant, state, batch)
             steady.append(t)
+        state, rejoin = base.step.adopt(state, batch)  # back on the full mesh
         down = ",".join(f"{w.replica}:{w.stage}" for w in sorted(failed))
         print(
             f"{down:>6} {switch * 1e3:10.1f} {first * 1e3:14.1f} "
-            f"{statistics.median(steady) * 1e3:15.1f}"
+            f"{statistics.median(steady) * 1e3:15.1f} {moved:>9} {rejoin:>9}"
         )
     print(
         f"median switch: {statistics.median(switches) * 1e3:.1f} ms, switch + first step: "

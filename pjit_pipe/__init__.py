@@ -15,6 +15,7 @@ _EXPORTS = {
     "boundary": "pjit_pipe.frontend",
     "make_mesh": "pjit_pipe.frontend",
     "pipeline": "pjit_pipe.frontend",
+    "Checkpoints": "pjit_pipe.runtime.checkpoint",
     "InjectedFailures": "pjit_pipe.runtime",
     "LiveDevices": "pjit_pipe.runtime",
     "ResilientTrainer": "pjit_pipe.runtime",

@@ -1,8 +1,13 @@
-"""Multi-controller: two CPU processes with 4 devices each run one pipelined value_and_grad.
+"""Multi-controller: two CPU processes with 4 devices each run one pipelined value_and_grad,
+then train, save a checkpoint and restore it.
 
-The 2x4 mesh puts one replica on each process (the 'data' axis crosses
+The first 2x4 mesh puts one replica on each process (the 'data' axis crosses
 processes, gloo collectives). Each process writes its loss and gradients;
 both must equal jax.value_and_grad of the unpipelined model in this process.
+Then both processes train two adam steps on the same mesh, save a checkpoint
+and restore it: each device holds only its stage's state, and each process
+writes the shards it holds (orbax splits a replicated array's writing among
+its replicas, here one per process).
 """
 
 import os
@@ -15,6 +20,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 from models import ResidualMLP, mse_loss
 
@@ -44,7 +50,30 @@ WORKER = textwrap.dedent(
     loss, grads = pm.value_and_grad(mse_loss)(params, x, y)
     local = lambda a: np.asarray(a.addressable_data(0))
     leaves = [local(g) for g in jax.tree.leaves(grads)]
-    np.savez(out, loss=local(loss), *leaves)
+
+    import optax
+    from pjit_pipe.runtime.checkpoint import Checkpoints
+
+    mesh = pp.make_mesh(data=2, stage=4)
+    pt = pp.pipeline(model, stages=4, microbatches=4, mesh=mesh, optimizer=optax.adam(1e-2))
+    step = pt.train_step(mse_loss, donate=False)
+    state = step.init(params, (x, y))
+    losses = []
+    for _ in range(2):
+        state, l = step(state, (x, y))
+        losses.append(local(l))
+    checkpoints = Checkpoints(sys.argv[4], every=1)
+    checkpoints.save(state, {"position": 2})
+    checkpoints.wait()
+    restored, position = checkpoints.restore(step, (x, y), jax.eval_shape(lambda: params))
+    mine = lambda st: [np.asarray(s.data) for b in jax.tree.leaves(st) for s in b.addressable_shards]
+    same = all(np.array_equal(a, b) for a, b in zip(mine(state), mine(restored), strict=True))
+    _, after_restore = step(restored, (x, y))
+    _, after_saved = step(state, (x, y))
+    checkpoints.close()
+    np.savez(out, *leaves, loss=local(loss), losses=np.array(losses), same=same,
+             position=position["position"], step=restored.step,
+             next=np.array([local(after_restore), local(after_saved)]))
     jax.distributed.shutdown()
     """
 )
@@ -69,7 +98,7 @@ def test_two_processes_match_one(tmp_path):
     outs = [tmp_path / f"out{i}.npz" for i in range(2)]
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), str(i), str(port), str(outs[i])],
+            [sys.executable, str(script), str(i), str(port), str(outs[i]), str(tmp_path / "ckpt")],
             env=env,
             cwd=ROOT,
             stdout=subprocess.PIPE,
@@ -99,8 +128,21 @@ def test_two_processes_match_one(tmp_path):
     params = model.init(jax.random.key(0), x)
     ref_loss, ref_grads = jax.value_and_grad(lambda p: mse_loss(model.apply(p, x), y))(params)
     ref_leaves = jax.tree.leaves(ref_grads)
+    opt = optax.adam(1e-2)
+    p, o, train_losses = params, opt.init(params), []
+    for _ in range(2):
+        loss, g = jax.value_and_grad(lambda p: mse_loss(model.apply(p, x), y))(p)
+        upd, o = opt.update(g, o, p)
+        p = optax.apply_updates(p, upd)
+        train_losses.append(float(loss))
+    state_dir = tmp_path / "ckpt" / "2" / "state"
+    for i in range(2):  # each process wrote array data of its own
+        assert any((state_dir / f"ocdbt.process_{i}" / "d").iterdir()), f"process {i} wrote none"
     for i, out in enumerate(outs):
         got = np.load(out)
+        np.testing.assert_allclose(got["losses"], train_losses, rtol=1e-5, err_msg=f"process {i}")
+        assert got["same"] and int(got["step"]) == 2 and int(got["position"]) == 2
+        assert got["next"][0] == got["next"][1], f"process {i}: restored state trains differently"
         np.testing.assert_allclose(got["loss"], ref_loss, rtol=1e-5, err_msg=f"process {i} loss")
         for j, ref in enumerate(ref_leaves):
             scale = float(jnp.max(jnp.abs(ref))) + 1e-30

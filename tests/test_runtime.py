@@ -57,7 +57,7 @@ def reference():
     return params, np.array(losses)
 
 
-def trainer(D: int, P: int, kind: str, detector=None) -> ResilientTrainer:
+def trainer(D: int, P: int, kind: str, detector=None, on_event=None) -> ResilientTrainer:
     pm = pp.pipeline(
         MODEL,
         stages=P,
@@ -66,7 +66,7 @@ def trainer(D: int, P: int, kind: str, detector=None) -> ResilientTrainer:
         mesh=pp.make_mesh(data=D, stage=P),
         optimizer=optax.adam(1e-2),
     )
-    return ResilientTrainer(pm, mse_loss, detector)
+    return ResilientTrainer(pm, mse_loss, detector, on_event=on_event)
 
 
 CASES = [
@@ -82,12 +82,37 @@ CASES = [
     "kind,D,P,fail,rejoin", CASES, ids=[f"{k}-{d}x{p}-{len(f)}fail" for k, d, p, f, _ in CASES]
 )
 def test_loss_unbroken_through_failure_and_rejoin(reference, kind, D, P, fail, rejoin):
+    """The failed devices' rows of the state are overwritten with NaN (-1 for
+    integers) the moment they fail, so a switch or rejoin that read them would
+    break the loss; it must stay unbroken."""
     params, want = reference
-    tr = trainer(D, P, kind, InjectedFailures(fail, rejoin))
+    current = {}
+
+    def poison(buf, dead):
+        def row(shard):
+            if shard.device not in dead:
+                return shard.data
+            bad = np.nan if np.issubdtype(buf.dtype, np.floating) else -1
+            return jax.device_put(np.full(shard.data.shape, bad, buf.dtype), shard.device)
+
+        rows = [row(s) for s in buf.addressable_shards]
+        return jax.make_array_from_single_device_arrays(buf.shape, buf.sharding, rows)
+
+    def lose_failed_devices(event):
+        if event.kind == "failure":
+            mesh = tr.pipelined.mesh
+            dead = {mesh.devices[w.replica, w.stage] for w in event.failed}
+            state = current["state"]  # the state the trainer retries from
+            for bufs in (state.device_params, state.device_opt):
+                bufs.update({k: poison(b, dead) for k, b in bufs.items()})
+
+    tr = trainer(D, P, kind, InjectedFailures(fail, rejoin), lose_failed_devices)
     data = batches()
     state = tr.init(params, data[0], precompile=False)
+    row_bytes = sum(b.nbytes // (D * P) for b in jax.tree.leaves(state))
     got = []
     for batch in data:
+        current["state"] = state
         state, loss = tr.step(state, batch)
         got.append(float(loss))
     np.testing.assert_allclose(got, want, rtol=1e-5)
@@ -95,15 +120,16 @@ def test_loss_unbroken_through_failure_and_rejoin(reference, kind, D, P, fail, r
     failures = [e for e in tr.events if e.kind == "failure"]
     assert [e.step for e in failures] == sorted(fail)
     switches = [(e.step, e.failed) for e in tr.events if e.kind == "switch"]
-    down, expect = frozenset(), []
+    down, expect, moved = frozenset(), [], []
     for step in sorted({*fail, *rejoin}):
-        down = (down | {Worker(*w) for w in fail.get(step, ())}) - {
-            Worker(*w) for w in rejoin.get(step, ())
-        }
+        back = {Worker(*w) for w in rejoin.get(step, ())}
+        down = (down | {Worker(*w) for w in fail.get(step, ())}) - back
         expect.append((step, down))
+        moved.append(len(back) * row_bytes)  # survivors keep their rows; a rejoin copies one
     assert switches == expect
+    assert [e.bytes_moved for e in tr.events if e.kind == "switch"] == moved
     # the committed state lives on the full mesh again after the rejoin
-    devices = set(jax.tree.leaves(state.params)[0].sharding.device_set)
+    devices = set(state.device_params["float32"].sharding.device_set)
     assert devices == set(tr.pipelined.mesh.devices.flat)
 
 

@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     prompt = "The sea was "
     tokens = sample(
         pm.apply,
-        state.params,
+        jax.device_get(state.params),  # the tiny model on the host, for one-device sampling
         task.corpus.encode(prompt),
         200,
         task.model.config.seq_len,

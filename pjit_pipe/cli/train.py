@@ -113,12 +113,32 @@ def add_failure_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="on-disk cache of compiled programs")
 
 
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """Where to save checkpoints (and resume from), and how often."""
+    from pjit_pipe.cli.schedule import positive_int
+
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="save checkpoints here (orbax); a DIR holding one resumes after its latest step",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=100,
+        metavar="N",
+        help="save every N steps and at the end (default 100)",
+    )
+
+
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "train", help="train an example model on a pipeline", description=__doc__
     )
     add_training_args(parser)
     add_failure_args(parser)
+    add_checkpoint_args(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     parser.set_defaults(run=run)
 
@@ -131,7 +151,16 @@ class Task:
     loss_fn: Any
     next_batch: Any  # () -> (x, y)
     tokens_per_example: int
+    rng: Any  # the data stream's numpy Generator: its state is the stream position
     corpus: Any = None
+
+    def position(self) -> dict:
+        """Where the data stream stands (JSON), for a checkpoint."""
+        return self.rng.bit_generator.state
+
+    def seek(self, position: dict) -> None:
+        """Continue the data stream from a saved `position`."""
+        self.rng.bit_generator.state = position
 
 
 def make_task(name: str, batch: int, seed: int) -> Task:
@@ -149,6 +178,7 @@ def make_task(name: str, batch: int, seed: int) -> Task:
             lm_loss,
             lambda: corpus.batch(rng, batch, config.seq_len),
             config.seq_len,
+            rng,
             corpus,
         )
     teacher = rng.normal(size=(16, 8)).astype(np.float32) / 4.0
@@ -157,7 +187,7 @@ def make_task(name: str, batch: int, seed: int) -> Task:
         x = rng.normal(size=(batch, 16)).astype(np.float32)
         return x, np.sin(x @ teacher)
 
-    return Task(ResidualMLP(), mse_loss, regression, 1)
+    return Task(ResidualMLP(), mse_loss, regression, 1, rng)
 
 
 @dataclass
@@ -176,7 +206,9 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     """Build the pipeline and run args.steps steps through the injected failures;
     on_step(StepRecord) after each (tokens: input positions in the global batch).
     With on_compiled(variant), failure variants are compiled before training
-    starts, calling it after each; otherwise in the background."""
+    starts, calling it after each; otherwise in the background. With
+    args.checkpoint_dir, resume from its latest checkpoint (if any) and save
+    every args.checkpoint_every steps and at the end."""
     data, stages = args.mesh
     fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
     ensure_host_devices(data * stages)
@@ -185,6 +217,10 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
 
     import pjit_pipe as pp
     from pjit_pipe.runtime import InjectedFailures, ResilientTrainer
+    from pjit_pipe.runtime.checkpoint import Checkpoints
+
+    directory = getattr(args, "checkpoint_dir", None)
+    checkpoints = Checkpoints(directory, args.checkpoint_every) if directory else None
 
     batch = args.batch or 2 * data * args.microbatches
     task = make_task(args.model, batch, args.seed)
@@ -209,17 +245,24 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         cache_dir=getattr(args, "cache_dir", None),
         on_event=lambda e: events.append(e.describe()),
     )
-    x, y = task.next_batch()
-    params = pm.init(jax.random.key(args.seed), x)
+    x, y = task.next_batch()  # the batch of step 0, or an example to resume with
+    key = jax.random.key(args.seed)
+    if checkpoints is not None and checkpoints.latest_step() is not None:
+        step_fn = pm.train_step(task.loss_fn, donate=False)
+        start_from, position = checkpoints.restore(step_fn, (x, y), jax.eval_shape(pm.init, key, x))
+        task.seek(position)
+        x, y = task.next_batch()
+    else:
+        start_from = pm.init(key, x)
     state = trainer.init(
-        params,
+        start_from,
         (x, y),
         precompile=precompile > 0,
         background=on_compiled is None,
         on_compiled=on_compiled,
     )
     try:
-        for step in range(args.steps):
+        for step in range(state.step, args.steps):
             start = time.perf_counter()
             state, loss = trainer.step(state, (x, y))
             down = sorted(trainer.detector.down)
@@ -233,9 +276,14 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
             )
             events.clear()
             on_step(record)
+            position = task.position()  # before the batch of the next step
             x, y = task.next_batch()
+            if checkpoints is not None:
+                checkpoints.save(state, position, force=state.step == args.steps)
     finally:
         trainer.close()
+        if checkpoints is not None:
+            checkpoints.close()  # waits for the last save
     return pm, state, task
 
 
@@ -244,11 +292,11 @@ def run(args: argparse.Namespace) -> int:
 
     check_workers("--fail", args.fail, *args.mesh)
     check_workers("--rejoin", args.rejoin, *args.mesh)
-    bar = None if args.json else tqdm(total=args.steps, desc=f"train {args.model}", unit="step")
+    bars: list[Any] = []  # the progress bar, made at the first step (errors come first)
 
     def on_step(rec: StepRecord) -> None:
         tokens_per_s = rec.tokens / rec.seconds
-        if bar is None:
+        if args.json:
             record = {
                 "step": rec.step,
                 "loss": rec.loss,
@@ -258,15 +306,20 @@ def run(args: argparse.Namespace) -> int:
                 "events": rec.events,
             }
             print(json.dumps(record), flush=True)
-        else:
-            for line in rec.events:
-                bar.write(line)
-            bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
-            bar.update()
+            return
+        if not bars:
+            bars.append(
+                tqdm(total=args.steps, initial=rec.step, desc=f"train {args.model}", unit="step")
+            )
+        bar = bars[0]
+        for line in rec.events:
+            bar.write(line)
+        bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
+        bar.update()
 
     try:
         train(args, on_step)
     finally:
-        if bar is not None:
+        for bar in bars:
             bar.close()
     return 0

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from typing import Any
 
 import flax.errors
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -28,8 +27,9 @@ from pjit_pipe.failures import FailurePattern
 from pjit_pipe.frontend.adapters import as_model
 from pjit_pipe.frontend.cut import BALANCE, StageCut, cut_module
 from pjit_pipe.frontend.mesh import AXES, make_mesh
-from pjit_pipe.frontend.opt_state import check_opt_layout, merge_opt_state, split_opt_state
+from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.rngs import step_rngs, with_step_rngs
+from pjit_pipe.frontend.state import StateView, TrainState
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.topology import Topology
 from pjit_pipe.passes.reroute import schedule_with_failures
@@ -37,21 +37,6 @@ from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator.costs import Costs
 
 LossFn = Callable[[Any, Any], jax.Array]
-
-
-@flax.struct.dataclass
-class TrainState:
-    """Training state of a pipelined model.
-
-    params: the module's own variables {'params': ...} (layout-free: save them).
-    opt_state: `optimizer.init(params)`, in the module's layout too (the
-        pipeline splits it by stage for each step and merges it back).
-    step: number of optimizer steps taken.
-    """
-
-    params: Any
-    opt_state: Any
-    step: int = flax.struct.field(pytree_node=False, default=0)
 
 
 def _positive(name: str, value: Any) -> int:
@@ -147,6 +132,7 @@ class Pipelined:
         )
         self._cuts: dict[Any, StageCut] = {}
         self._steps: dict[Any, Any] = {}
+        self._views: dict[int, StateView] = {}  # per compiled step: its state view
 
     def with_options(self, **changes: Any) -> Pipelined:
         """A copy with some options changed (e.g. another mesh or optimizer)."""
@@ -302,17 +288,16 @@ class Pipelined:
         return self._steps[key].forward(cut.split(self.place(params)), x, rngs)
 
     def place(self, tree: Any) -> Any:
-        """`tree` replicated on the devices this pipeline runs on (a no-op when it is).
-
-        Switching to or from a failure variant moves the state this way: a
-        rejoining device gets its copy from a live one."""
+        """`tree` replicated on the devices this pipeline runs on (a no-op when it is):
+        the batch of a step, and value_and_grad's parameters."""
         return jax.device_put(tree, NamedSharding(self.device_mesh, PartitionSpec()))
 
-    def train_step(self, loss_fn: LossFn) -> TrainStep:
-        """A training step for `loss_fn` with the pipeline's optax optimizer."""
+    def train_step(self, loss_fn: LossFn, donate: bool = True) -> TrainStep:
+        """A training step for `loss_fn` with the pipeline's optax optimizer; with
+        `donate` each step consumes the state it is given (its memory is reused)."""
         if self.optimizer is None:
             raise ValueError("train_step: pipeline(..., optimizer=...) needs an optax optimizer")
-        return TrainStep(self, loss_fn)
+        return TrainStep(self, loss_fn, donate)
 
 
 @contextlib.contextmanager
@@ -330,52 +315,104 @@ def _explain_rng_errors() -> Iterator[None]:
 
 
 class TrainStep:
-    """step(state, (x, y)) -> (new state, loss before the update); step.init(params, batch)."""
+    """step(state, (x, y)) -> (new state, loss before the update); step.init(params, batch).
 
-    def __init__(self, pipelined: Pipelined, loss_fn: LossFn):
+    The state stays in this pipeline's device layout between steps (see
+    frontend/state.py): the compiled step takes and returns each device's own
+    rows, donated unless `donate` is False. A state from another pipeline
+    (another mesh, a failure variant) is moved into this layout first.
+    """
+
+    def __init__(self, pipelined: Pipelined, loss_fn: LossFn, donate: bool = True):
         self.pipelined = pipelined
         self.loss_fn = loss_fn
+        self.donate = donate
 
-    def init(self, params: Any, batch: tuple[Any, Any], rngs: Any = None) -> TrainState:
-        """A fresh TrainState; `batch` is an example (x, y) that fixes the stage cut
-        (and `rngs` an example key, for a model that draws random numbers)."""
+    def _program(
+        self, params: Any, batch: tuple[Any, Any], rngs: Any = None
+    ) -> tuple[Any, StateView]:
+        """The compiled pipeline for these shapes (and rng streams) and its state view."""
+        cut, step = self.pipelined._step(params, *batch, self.loss_fn, rngs=rngs)
+        views = self.pipelined._views
+        if id(step) not in views:
+            views[id(step)] = StateView(cut, step.layout, self.pipelined.optimizer)
+        return step, views[id(step)]
+
+    def view(self, params: Any, batch: tuple[Any, Any]) -> StateView:
+        """The state view (module layout <-> this step's device layout) for parameters
+        shaped like `params` (arrays or ShapeDtypeStructs) and batches like `batch`."""
+        model = self.pipelined.model
+        return self._program(model.variables(model.params(params)), batch)[1]
+
+    def init(
+        self,
+        params: Any,
+        batch: tuple[Any, Any],
+        opt_state: Any = None,
+        step: int = 0,
+        rngs: Any = None,
+    ) -> TrainState:
+        """A TrainState from module-layout `params` (and `opt_state`, default a fresh
+        `optimizer.init`; `step`, e.g. from a checkpoint); `batch` is an example
+        (x, y) that fixes the stage cut, and `rngs` an example key for a model that
+        draws random numbers. Each stage's rows are built on its devices."""
         model = self.pipelined.model
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
-        cut, _ = self.pipelined._step(params, *batch, self.loss_fn, rngs=step_rngs(rngs))
-        check_opt_layout(cut, self.pipelined.optimizer, params)
-        state = TrainState(params=params, opt_state=self.pipelined.optimizer.init(params))
-        # Place it as train steps return it (replicated on the mesh), so the
-        # second step does not compile again for a new input layout.
-        return self.pipelined.place(state)
+        _, view = self._program(params, batch, step_rngs(rngs))
+        check_opt_layout(view.cut, self.pipelined.optimizer, params)
+        device_params, device_opt = view.to_device(params, opt_state)
+        return TrainState(device_params, device_opt, step, view)
+
+    def adopt(
+        self, state: TrainState, batch: tuple[Any, Any], unavailable: Collection[Any] = ()
+    ) -> tuple[TrainState, int]:
+        """`state` in this step's device layout, and the bytes that moved to get it
+        there. Devices that run the same stages keep their rows; a device new to
+        its stages copies them from a live peer; `unavailable` devices (failed
+        ones) are never read."""
+        _, view = self._program(state.view.variables, batch)
+        return self._into(view, state, unavailable)
+
+    @staticmethod
+    def _into(
+        view: StateView, state: TrainState, unavailable: Collection[Any] = ()
+    ) -> tuple[TrainState, int]:
+        if state.view is view:
+            return state, 0
+        try:
+            params, opt, moved = view.layout.relayout(
+                state.view.layout, state.device_params, state.device_opt, unavailable
+            )
+        except ValueError:  # another stage cut or chunk layout: via the module layout
+            params, opt = state.view.to_module(state, unavailable)
+            params, opt = view.to_device(params, opt)
+            moved = sum(b.nbytes for b in jax.tree.leaves((params, opt)))  # at most this
+        return TrainState(params, opt, state.step, view), moved
 
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
     ) -> tuple[TrainState, jax.Array]:
         """One step; `rngs` (a key or {stream: key}) for a model that draws random
         numbers, as in `Pipelined.value_and_grad`."""
-        x, y = batch
         rngs = step_rngs(rngs)
-        cut, step = self.pipelined._step(state.params, x, y, self.loss_fn, rngs=rngs)
-        state, (x, y) = self.pipelined.place((state, (x, y)))
-        opt_stages = split_opt_state(cut, state.opt_state, state.params)
-        params, opt_stages, loss = step.train_step(cut.split(state.params), opt_stages, x, y, rngs)
-        params = cut.merge(params)
-        opt_state = merge_opt_state(cut, opt_stages, state.opt_state, params)
-        return TrainState(params, opt_state, state.step + 1), loss
+        step, view = self._program(state.view.variables, batch, rngs)
+        state, _ = self._into(view, state)
+        x, y = self.pipelined.place(batch)
+        params, opt, loss = step.device_train_step(
+            state.device_params, state.device_opt, x, y, self.donate, rngs
+        )
+        return TrainState(params, opt, state.step + 1, view), loss
 
     def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
-        """Compile ahead of time for states and batches shaped like these (arrays or
-        ShapeDtypeStructs); returns the seconds it took."""
-        x, y = batch
-        cut, step = self.pipelined._step(state.params, x, y, self.loss_fn)
+        """Compile ahead of time for states like this one and batches shaped like
+        `batch` (arrays or ShapeDtypeStructs); returns the seconds it took."""
+        step, _ = self._program(state.view.variables, batch)
         sharding = NamedSharding(self.pipelined.device_mesh, PartitionSpec())
-        placed = jax.tree.map(
+        x, y = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=sharding),
-            (state, x, y),
+            batch,
         )
-        state, x, y = placed
-        opt_stages = split_opt_state(cut, state.opt_state, state.params)
-        return step.compile_train_step(cut.split(state.params), opt_stages, x, y)
+        return step.compile_device_train_step(x, y, self.donate)
 
 
 class PipelinedClass:

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as PS
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
+from pjit_pipe.lowering.device_state import DeviceLayout
 from pjit_pipe.lowering.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
@@ -483,6 +484,18 @@ class PipelineStep:
         self._vg = jax.jit(self._value_and_grad)
         self._train = jax.jit(self._train_step) if optimizer is not None else None
         self._compiled_train = None
+        # The training state between steps: each device's rows of its own stages.
+        self.layout: DeviceLayout | None = None
+        if optimizer is not None:
+            self.layout = DeviceLayout(
+                topo, lowered.held, lowered.param_spec, self._opt_spec, optimizer
+            )
+        # The device-layout step, consuming its state buffers (donate) or not.
+        self._device_steps = {
+            donate: jax.jit(self._train_buffers, donate_argnums=(0, 1) if donate else ())
+            for donate in (True, False)
+        }
+        self._compiled_device: dict[bool, Any] = {}
         self._compiled_vg = None
 
     @property
@@ -568,7 +581,9 @@ class PipelineStep:
         )
         return loss, self._unpack(low.param_spec, grads)
 
-    def _train_step(self, stage_params, opt_state, x, y):
+    def _train_buffers(self, params: Buffers, opt: Buffers, x, y):
+        """The training step on the device layout: (params, opt) buffers of shape
+        (devices, v, L) in, the updated buffers and the loss out."""
         low, spec = self._low, self._opt_spec
         plan = low.step_plan if low.stepping else low.plan
 
@@ -590,14 +605,16 @@ class PipelineStep:
         out = self.topology.spec
         updates = (jnp.asarray(plan.updates),) if low.stepping else ()
         f = self._shard_map(body, 2, (out, out, PS()), n_replicated=len(updates))
-        params, opt, loss = f(
-            self._pack(low.param_spec, stage_params),
-            self._pack(spec, opt_state),
-            *self._device_args(x, y, plan),
-            *updates,
-        )
+        params, opt, loss = f(params, opt, *self._device_args(x, y, plan), *updates)
         if low.stepping and low.iterations == 1:
             loss = loss[0]
+        return params, opt, loss
+
+    def _train_step(self, stage_params, opt_state, x, y):
+        low, spec = self._low, self._opt_spec
+        params, opt, loss = self._train_buffers(
+            self._pack(low.param_spec, stage_params), self._pack(spec, opt_state), x, y
+        )
         return self._unpack(low.param_spec, params), self._unpack(spec, opt), loss
 
     # ---- public API ----
@@ -669,6 +686,43 @@ class PipelineStep:
         start = time.perf_counter()
         args = jax.tree.map(_abstract_placed, (list(stage_params), list(opt_state), x, y))
         self._compiled_train = self._train.lower(*args).compile()
+        return time.perf_counter() - start
+
+    def device_train_step(
+        self,
+        params: Buffers,
+        opt: Buffers,
+        x: Any,
+        y: Any,
+        donate: bool = True,
+        rngs: Any = None,
+    ) -> tuple[Buffers, Buffers, jax.Array]:
+        """train_step on the device layout (`self.layout`): (params, opt) buffers in
+        and out, no per-stage trees. With `donate` the buffers passed in are consumed
+        (their memory holds the new state). `rngs` as in `train_step`."""
+        if self.layout is None:
+            raise ValueError(
+                "device_train_step needs lower(..., optimizer=an optax transformation)"
+            )
+        run = self._compiled_device.get(donate) or self._device_steps[donate]
+        return run(params, opt, self._with_keys(x, rngs), y)
+
+    def compile_device_train_step(self, x: Any, y: Any, donate: bool = True) -> float:
+        """AOT-compile device_train_step for batches shaped and placed like x and y
+        (arrays or ShapeDtypeStructs with shardings); returns the seconds it took."""
+        if self.layout is None:
+            raise ValueError(
+                "device_train_step needs lower(..., optimizer=an optax transformation)"
+            )
+        if self._low.rng_impls is not None:
+            raise ValueError(
+                "compile_device_train_step: a pipeline lowered with rngs compiles on its "
+                "first device_train_step call instead"
+            )
+        start = time.perf_counter()
+        batch = jax.tree.map(_abstract_placed, (x, y))
+        lowered = self._device_steps[donate].lower(*self.layout.avals(), *batch)
+        self._compiled_device[donate] = lowered.compile()
         return time.perf_counter() - start
 
     def memory_analysis(self) -> Any:

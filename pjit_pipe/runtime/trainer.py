@@ -2,13 +2,14 @@
 
 Each step is an attempt inside the detector's context: the detector says which
 workers are down, the matching variant runs (switching programs costs a
-dictionary lookup when it was precompiled, plus moving the replicated state
-onto the new device set), and its result is committed only if no worker died
-meanwhile. Otherwise the step is retried on the new variant from the last
-committed state, so no microbatch is lost and no update applied twice. When a
-worker is back, the next step runs the fault-free program again; placing the
-state on the full mesh copies the stage parameters and optimizer state to the
-rejoined device from a live peer.
+dictionary lookup when it was precompiled), and its result is committed only
+if no worker died meanwhile. Otherwise the step is retried on the new variant
+from the last committed state, so no microbatch is lost and no update applied
+twice. The state is sharded by stage (frontend/state.py): on a switch the
+survivors keep their own rows, nothing is read from a failed device, and when
+a worker is back the fault-free program runs again after the rejoined device
+copies its stage's parameters and optimizer state from a live peer. Each
+switch event records the bytes that moved.
 """
 
 from __future__ import annotations
@@ -34,12 +35,16 @@ class Event:
     kind: str
     failed: frozenset[Worker]
     seconds: float = 0.0
+    bytes_moved: int = 0  # state bytes copied between devices by a switch
 
     def describe(self) -> str:
         down = ", ".join(map(str, sorted(self.failed))) or "none"
         if self.kind == "failure":
             return f"step {self.step}: worker(s) {down} failed; retrying the step"
-        return f"step {self.step}: switched to the program for failed = {down} in {self.seconds * 1e3:.0f} ms"
+        return (
+            f"step {self.step}: switched to the program for failed = {down} in "
+            f"{self.seconds * 1e3:.0f} ms, moving {self.bytes_moved} bytes of state"
+        )
 
 
 class ResilientTrainer:
@@ -77,10 +82,16 @@ class ResilientTrainer:
         background: bool = True,
         on_compiled: Callable[[Variant], None] | None = None,
     ) -> TrainState:
-        """The initial state. Compiles the fault-free step, then, with `precompile`,
-        every pattern of up to max_failures failed workers (in a background thread
-        unless `background` is False; `on_compiled(variant)` after each)."""
-        state = self.pipelined.train_step(self.loss_fn).init(params, batch)
+        """The initial state from module-layout `params` (or a TrainState, e.g. a
+        restored checkpoint, moved into the fault-free layout). Compiles the
+        fault-free step, then, with `precompile`, every pattern of up to
+        max_failures failed workers (in a background thread unless `background`
+        is False; `on_compiled(variant)` after each)."""
+        step = self.pipelined.train_step(self.loss_fn, donate=False)
+        if isinstance(params, TrainState):
+            state, _ = step.adopt(params, batch)
+        else:
+            state = step.init(params, batch)
         self.variants = Variants(self.pipelined, self.loss_fn, state, batch, self.cache_dir)
         self.variants.get(())
         if precompile:
@@ -94,7 +105,7 @@ class ResilientTrainer:
         while True:
             try:
                 with self.detector.attempt(state.step) as down:
-                    variant = self._switch(state.step, down)
+                    variant, state = self._switch(state, down, batch)
                     new_state, loss = variant(state, batch)
                     jax.block_until_ready(loss)
             except WorkerFailure as failure:
@@ -102,13 +113,21 @@ class ResilientTrainer:
                 continue
             return new_state, loss
 
-    def _switch(self, step: int, down: frozenset[Worker]):
+    def _switch(
+        self, state: TrainState, down: frozenset[Worker], batch: tuple[Any, Any]
+    ) -> tuple[Variant, TrainState]:
+        """The variant for `down`, and the state moved into its layout (the
+        devices of the down workers are never read)."""
         start = time.perf_counter()
         variant = self.variants.get(down)
+        mesh = self.pipelined.mesh
+        unavailable = {mesh.devices[w.replica, w.stage] for w in down}
+        state, moved = variant.step.adopt(state, batch, unavailable)
         if down != self._current:
             self._current = down
-            self._record(Event(step, "switch", down, time.perf_counter() - start))
-        return variant
+            seconds = time.perf_counter() - start
+            self._record(Event(state.step, "switch", down, seconds, moved))
+        return variant, state
 
     def _record(self, event: Event) -> None:
         self.events.append(event)

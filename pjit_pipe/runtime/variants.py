@@ -151,7 +151,8 @@ class Variants:
     def _build(self, failed: Failed, future: Future) -> None:
         try:
             pv = self.base.with_failures(sorted(failed)) if failed else self.base
-            step = pv.train_step(self.loss_fn)
+            # Not donated: a failed attempt is retried from the state it was given.
+            step = pv.train_step(self.loss_fn, donate=False)
             seconds = step.compile(*self.example)
             future.set_result(Variant(failed, pv, step, seconds))
         except BaseException as e:  # the waiter re-raises it

@@ -1,0 +1,134 @@
+"""Training-state memory per device, and the step time, before and after stage sharding.
+
+For each configuration, adam, two warm-up steps, then the median of --steps:
+
+- after: `pm.train_step` (the device layout: each device holds only the
+  parameter and optax rows of its stages, donated to each step);
+- before: the replicated module-layout state the pipeline kept until now
+  (the whole model and optax state on every device, split by stage and
+  packed inside every step, merged back after it), rebuilt here from the same
+  compiled pipeline's per-stage entry point.
+
+Per device it prints the bytes held (measured from the arrays' shards),
+the ideal share (its stages' parameters + optax state) and their ratio. The
+flat layout pads each device's rows to the largest stage, so a device of a
+small stage pays for the embedding or LM head of the largest one: the
+configurations show how much.
+
+Run: python benchmarks/bench_memory.py [--steps N]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+import pjit_pipe as pp
+from models import GPT, GPTConfig, lm_loss
+from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
+from pjit_pipe.lowering.device_state import device_bytes
+
+CONFIGS = {
+    "tiny GPT 2x4": (GPTConfig.tiny(vocab=65), 2, 4, 4),
+    "wider GPT 1x8": (
+        GPTConfig(vocab=512, seq_len=32, d_model=128, n_heads=4, n_layers=8, d_ff=512),
+        1,
+        8,
+        8,
+    ),
+}
+
+
+def timed(fn, n: int) -> float:
+    times = []
+    for _ in range(n):
+        start = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(name: str, config: GPTConfig, D: int, P: int, M: int, steps: int) -> None:
+    rng = np.random.default_rng(0)
+    x = rng.integers(0, config.vocab, size=(2 * D * M, config.seq_len)).astype(np.int32)
+    batch = (x, np.roll(x, -1, axis=1))
+    optimizer = optax.adam(1e-3)
+    pm = pp.pipeline(
+        GPT(config),
+        stages=P,
+        microbatches=M,
+        mesh=pp.make_mesh(data=D, stage=P),
+        optimizer=optimizer,
+    )
+    params = pm.init(jax.random.key(0), x)
+    train = pm.train_step(lm_loss)
+    state = train.init(params, batch)
+    box = {"state": state}
+
+    def after():
+        box["state"], loss = train(box["state"], batch)
+        return loss
+
+    timed(after, 2)
+    after_s = timed(after, steps)
+    held = box["state"].device_bytes()
+    layout = box["state"].view.layout
+
+    # before: the whole module-layout state replicated on every device
+    cut, program = pm._step(params, *batch, lm_loss)
+    replicated = NamedSharding(pm.mesh, PartitionSpec())
+    old = jax.device_put((params, optimizer.init(params)), replicated)
+    x_r, y_r = jax.device_put(batch, replicated)
+    old_box = {"state": old}
+
+    def before():
+        p, o = old_box["state"]
+        sp, so, loss = program.train_step(cut.split(p), split_opt_state(cut, o, p), x_r, y_r)
+        p = cut.merge(sp)
+        old_box["state"] = (p, merge_opt_state(cut, so, o, p))
+        return loss
+
+    timed(before, 2)
+    before_s = timed(before, steps)
+    old_held = device_bytes(old_box["state"])
+
+    print(f"{name}: step {before_s * 1e3:.1f} ms before, {after_s * 1e3:.1f} ms after")
+    print(
+        f"{'device':>7} {'stages':>7} {'before B':>10} {'after B':>10} {'ideal B':>10} {'ratio':>6}"
+    )
+    worst = 0.0
+    for d, p in zip(layout.devices, layout.positions, strict=True):
+        ideal = layout.ideal_bytes(p)
+        worst = max(worst, held[d] / ideal)
+        stages = ",".join(map(str, layout.held[p]))
+        print(
+            f"{d.id:>7} {stages:>7} {old_held[d]:>10} {held[d]:>10} {ideal:>10} "
+            f"{held[d] / ideal:6.3f}"
+        )
+    print(
+        f"largest after/ideal: {worst:.3f}; before/ideal up to {max(old_held.values()) / min(layout.ideal_bytes(p) for p in layout.positions):.2f}"
+    )
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    args = parser.parse_args(argv)
+    for name, (config, D, P, M) in CONFIGS.items():
+        measure(name, config, D, P, M, args.steps)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
