@@ -302,16 +302,16 @@ def test_tied_adam_steps_match_optax_and_copies_stay_equal():
         assert rel_err(loss, ref_loss) < 1e-5
     assert rel_err(state.params, ref_p) < 1e-5
     # Both holders' copies of the embedding, as the program returns them, agree to
-    # rounding: the same update, fused differently in each stage's branch (the
-    # train step re-syncs them from the first holder at every merge).
+    # rounding: the same update, fused differently in each stage's branch.
     cut, program = pm._step(state.params, x, y, lm_loss)
     assert cut.shared == {"wte": (0, 3)}
-    x, y = pm.place((x, y))
     opt_stages = split_opt_state(cut, state.opt_state, state.params)
-    stage_params, _, _ = program.train_step(cut.split(state.params), opt_stages, x, y)
+    stage_params, opt_stages, x, y = pm.place((cut.split(state.params), opt_stages, x, y))
+    stage_params, _, _ = program.train_step(stage_params, opt_stages, x, y)
     first, last = stage_params[0]["wte"]["embedding"], stage_params[3]["wte"]["embedding"]
     np.testing.assert_allclose(first, last, rtol=1e-6, atol=1e-7)
-    assert float(jnp.max(jnp.abs(first - state.params["params"]["wte"]["embedding"]))) > 1e-4
+    before = np.asarray(state.params["params"]["wte"]["embedding"])
+    assert float(np.max(np.abs(np.asarray(first) - before))) > 1e-4
 
 
 @pytest.mark.slow
