@@ -59,14 +59,24 @@ class StageNorms:
     record: the index of the call whose local reduction this pass records.
     """
 
-    def __init__(self, known: list[jax.Array], record: int | None):
+    def __init__(
+        self,
+        known: list[jax.Array],
+        record: int | None,
+        uncounted: frozenset[str] = frozenset(),
+    ):
         self.known = known
         self.record = record
+        # Units (top-level keys of the stage's tree) this stage holds a copy of
+        # but another stage counts: a tied weight enters the whole model's norm once.
+        self.uncounted = uncounted
         self.calls = 0
         self.recorded: jax.Array | None = None
         self.combine: str | None = None  # SUM or MAX, for the recorded call
 
     def __call__(self, tree: Any, ord: Any, squared: bool) -> jax.Array:
+        if self.uncounted and isinstance(tree, dict) and self.uncounted <= tree.keys():
+            tree = {k: v for k, v in tree.items() if k not in self.uncounted}
         leaves = [jnp.asarray(a) for a in jax.tree.leaves(tree)]
         dtype = jnp.result_type(*leaves) if leaves else jnp.float32
         f32 = [a.astype(jnp.float32) for a in leaves]

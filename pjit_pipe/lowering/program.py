@@ -410,7 +410,7 @@ class Lowered:
 
             def local_norm(s, c, k=k, combine=combine):
                 p, g, o = stage_args(s, c)
-                with stage_norms(StageNorms(known, record=k)) as norms:
+                with stage_norms(StageNorms(known, k, self._uncounted(s))) as norms:
                     optimizer.update(g, o, p)
                 combine.append(norms.combine)
                 return norms.recorded
@@ -428,6 +428,11 @@ class Lowered:
             {k: jnp.stack([p_c[k] for p_c, _ in out]) for k in params},
             {k: jnp.stack([o_c[k] for _, o_c in out]) for k in opt},
         )
+
+    def _uncounted(self, s: int) -> frozenset[str]:
+        """Tied units stage s holds whose norm its first holder counts instead."""
+        units = self.shared.holders.items() if self.shared is not None else ()
+        return frozenset(u for u, holders in units if s in holders and s != min(holders))
 
     def _stage0_avals(self, optimizer: optax.GradientTransformation) -> tuple[Any, Any]:
         p = self.st.param_avals[0]

@@ -60,6 +60,7 @@ class SharedGrads:
         axes: tuple[str, ...],
     ):
         self.units = sorted(shared)
+        self.holders = {unit: tuple(sorted(stages)) for unit, stages in shared.items()}
         self.axes = axes
         self.positions = positions
         self.sizes: dict[str, int] = {}
