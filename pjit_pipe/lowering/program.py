@@ -149,19 +149,28 @@ class Lowered:
                 if s == S - 1:
                     return msg, res_out, out.astype(jnp.float32) * self.scale
                 return self.msg_spec.pack(s, out)[self.msg_key], res_out, jnp.zeros((), jnp.float32)
-            if self.remat:
-                pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
-            else:
-                pull = st.pullback(s, p, _row(res, row[RES_R]))
             if s == S - 1:
                 g = jnp.asarray(self.scale, st.loss_aval.dtype)
             else:
                 g = self.msg_spec.unpack(s, {self.msg_key: msgs[row[G_SLOT]]})
-            dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
+            r = _row(res, row[RES_R])  # B returns it, with a split stage's cotangents
+            if s in st.split:  # see split_backward.py
+                if kind is Kind.B:
+                    dinput, r = st.input_grad(s, p, r, g)
+                elif kind is Kind.W:
+                    dparams, dinput = st.weight_grad(s, p, r), None
+                else:
+                    dparams, dinput = st.fused_grad(s, p, r, g)
+            else:
+                if self.remat:
+                    pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
+                else:
+                    pull = st.pullback(s, p, r)
+                dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
             if kind in (Kind.B, Kind.BW) and s > 0:
                 msg = self.msg_spec.pack(s - 1, dinput)[self.msg_key]
             if kind is Kind.B:
-                return msg, {}, jnp.zeros((), jnp.float32)
+                return msg, r, jnp.zeros((), jnp.float32)
             # A uniform chunk's gradient stays a tree (see `_zero_grads`).
             dpar = dparams if self.uniform[c] else self.param_spec.pack(s, dparams)
             return msg, dpar, jnp.zeros((), jnp.float32)
@@ -231,12 +240,16 @@ class Lowered:
 
             msg, res, loss = lax.cond(taken(self.forwards), forward, lambda *a: a, msg, res, loss)
         if self.input_grads[0]:
-            msg = lax.cond(
-                taken(self.input_grads),
-                lambda msg: dispatch(self.input_grads, *args, res, row)[0],
-                lambda msg: msg,
-                msg,
-            )
+            # B of a split stage writes its site cotangents into the residual row.
+            writes = any(self.plan.branches[i - 1][1] in self.st.split for i in self.input_grads[0])
+
+            def input_grad(msg, res):
+                msg, r, _ = dispatch(self.input_grads, *args, res, row)
+                if writes:
+                    res = {k: b.at[row[RES_R]].set(r[k]) for k, b in res.items()}
+                return msg, res
+
+            msg, res = lax.cond(taken(self.input_grads), input_grad, lambda *a: a, msg, res)
         grads = list(grads)
         for c, group in enumerate(self.weight_grads):
             if not group[0]:
@@ -612,8 +625,17 @@ def lower(
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
+    # Stages run as separate B and W get the split backward (remat recomputes instead).
+    split = (
+        () if remat else {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
+    )
     stages = StageVjp(
-        stage_fns, loss_fn, _abstract(list(stage_params)), jax.tree.map(mb, x), jax.tree.map(mb, y)
+        stage_fns,
+        loss_fn,
+        _abstract(list(stage_params)),
+        jax.tree.map(mb, x),
+        jax.tree.map(mb, y),
+        split,
     )
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
