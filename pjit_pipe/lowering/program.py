@@ -153,10 +153,14 @@ class Lowered:
                 g = jnp.asarray(self.scale, st.loss_aval.dtype)
             else:
                 g = self.msg_spec.unpack(s, {self.msg_key: msgs[row[G_SLOT]]})
-            r = _row(res, row[RES_R])  # B returns it, with a split stage's cotangents
+            r = _row(res, row[RES_R])
+            # B's residual write: a split stage's cotangents at their offset; any other
+            # stage's B rewrites what is there (a B group of several stages needs one shape).
+            put = {k: (res[k][row[RES_R], :w], 0) for k, w in st.cot_width.items()}
             if s in st.split:  # see split_backward.py
                 if kind is Kind.B:
-                    dinput, r = st.input_grad(s, p, r, g)
+                    dinput, cots = st.input_grad(s, p, r, g)
+                    put = {k: (cots[k], off) for k, off in st.cot_offset(s).items()}
                 elif kind is Kind.W:
                     dparams, dinput = st.weight_grad(s, p, r), None
                 else:
@@ -170,7 +174,7 @@ class Lowered:
             if kind in (Kind.B, Kind.BW) and s > 0:
                 msg = self.msg_spec.pack(s - 1, dinput)[self.msg_key]
             if kind is Kind.B:
-                return msg, r, jnp.zeros((), jnp.float32)
+                return msg, put, jnp.zeros((), jnp.float32)
             # A uniform chunk's gradient stays a tree (see `_zero_grads`).
             dpar = dparams if self.uniform[c] else self.param_spec.pack(s, dparams)
             return msg, dpar, jnp.zeros((), jnp.float32)
@@ -240,13 +244,12 @@ class Lowered:
 
             msg, res, loss = lax.cond(taken(self.forwards), forward, lambda *a: a, msg, res, loss)
         if self.input_grads[0]:
-            # B of a split stage writes its site cotangents into the residual row.
-            writes = any(self.plan.branches[i - 1][1] in self.st.split for i in self.input_grads[0])
 
             def input_grad(msg, res):
-                msg, r, _ = dispatch(self.input_grads, *args, res, row)
-                if writes:
-                    res = {k: b.at[row[RES_R]].set(r[k]) for k, b in res.items()}
+                msg, put, _ = dispatch(self.input_grads, *args, res, row)
+                res = dict(res)
+                for k, (cots, off) in put.items():  # a split stage's site cotangents
+                    res[k] = lax.dynamic_update_slice(res[k], cots[None], (row[RES_R], off))
                 return msg, res
 
             msg, res = lax.cond(taken(self.input_grads), input_grad, lambda *a: a, msg, res)
@@ -609,6 +612,7 @@ def lower(
     optimizer: optax.GradientTransformation | None = None,
     remat: bool = False,
     iterations: int = 1,
+    split_backward: bool = True,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -620,15 +624,16 @@ def lower(
     and y are examples (shapes only). With remat=True, B and W recompute the
     stage forward instead of reading stored vjp residuals. With iterations=N,
     train_step runs N back-to-back training iterations per call (x and y are
-    then examples of one iteration's batch).
+    then examples of one iteration's batch). split_backward=False makes W
+    re-run the whole stage pullback (the old split, kept for comparisons).
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     # Stages run as separate B and W get the split backward (remat recomputes instead).
-    split = (
-        () if remat else {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
-    )
+    split = {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
+    if remat or not split_backward:
+        split = set()
     stages = StageVjp(
         stage_fns,
         loss_fn,

@@ -20,6 +20,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.split_backward import SplitBackward
@@ -66,6 +67,17 @@ class StageVjp:
             )
             for s in sorted(self.split)
         }
+        # Per dtype, the widest stage's cotangents: every split stage's row ends its
+        # cotangents with zero padding up to this width, so B writes one
+        # fixed-size slice (at a per-stage offset) into the residual store.
+        widths = {s: self._cotangent_sizes(s) for s in self.split}
+        self.cot_width = {
+            k: max(w.get(k, 0) for w in widths.values()) for w in widths.values() for k in w
+        }
+        pads = {
+            s: [jax.ShapeDtypeStruct((self.cot_width[k] - w.get(k, 0),), k) for k in self.cot_width]
+            for s, w in widths.items()
+        }
         self.res_treedef: list[Any] = []
         self.res_where: list[list[tuple[str, int]]] = []
         stored = []
@@ -89,7 +101,7 @@ class StageVjp:
             self.res_treedef.append(box["treedef"])
             if s in self.split:  # + W's data operands and the site cotangents B writes
                 sb = self.splitters[s]
-                leaves = [leaves, sb.stored, sb.perturbations]
+                leaves = [leaves, sb.stored, sb.perturbations, pads[s]]
             stored.append(leaves)
         self.loss_aval = loss
         self.res_spec = FlatSpec(stored)
@@ -141,7 +153,8 @@ class StageVjp:
             raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
         if s in self.split:
             (out, operands), sb = out, self.splitters[s]
-            stored = [stored, operands, sb.zero_perturbations()]
+            pads = [jnp.zeros(k, key) for key, k in self._pad_sizes(s).items()]
+            stored = [stored, operands, sb.zero_perturbations(), pads]
         return out, self.res_spec.pack(s, stored)
 
     def pullback(self, s: int, p: Any, res: Buffers) -> Callable:
@@ -160,31 +173,45 @@ class StageVjp:
     # ---- the split backward (stages in `split`) ----
 
     def input_grad(self, s: int, p: Any, res: Buffers, g: Any) -> tuple[Any, Buffers]:
-        """B: (input gradient, the residual row with the site cotangents written in)."""
+        """B: (input gradient, per dtype the site cotangents as one flat slice of
+        width `cot_width`, to be written at `cot_offset(s)` of the residual row)."""
         dinput, cots = self.pullback(s, p, res)(g)
-        return dinput, self._write_cotangents(s, res, cots)
+        flat = {}
+        for key, width in self.cot_width.items():
+            mine = [jnp.ravel(c) for c in cots if np.dtype(c.dtype).name == key]
+            part = jnp.concatenate(mine) if mine else jnp.zeros((0,), key)
+            flat[key] = jnp.pad(part, (0, width - part.shape[0]))
+        return dinput, flat
+
+    def cot_offset(self, s: int) -> dict[str, int]:
+        """Where stage s's cotangent slice starts in its residual row, per dtype."""
+        n = len(self.res_spec.slots[s]) - len(self.splitters[s].perturbations) - len(self.cot_width)
+        first: dict[str, int] = {}
+        for key, start, _ in self.res_spec.slots[s][n:]:
+            first.setdefault(key, start)
+        return first
 
     def weight_grad(self, s: int, p: Any, res: Buffers) -> Any:
         """W: the parameter gradient from the row's data operands and cotangents."""
-        _, operands, cots = self.res_spec.unpack(s, res)
+        _, operands, cots, _ = self.res_spec.unpack(s, res)
         return self.splitters[s].weight_grads(p, operands, cots)
 
     def fused_grad(self, s: int, p: Any, res: Buffers, g: Any) -> tuple[Any, Any]:
         """BW of a split stage: B then W without storing the cotangents."""
         dinput, cots = self.pullback(s, p, res)(g)
-        _, operands, _ = self.res_spec.unpack(s, res)
+        _, operands, _, _ = self.res_spec.unpack(s, res)
         return self.splitters[s].weight_grads(p, operands, cots), dinput
 
-    def _write_cotangents(self, s: int, res: Buffers, cots: Sequence[Any]) -> Buffers:
-        """The row with its trailing cotangent leaves replaced (in-place slices)."""
-        slots = self.res_spec.slots[s][-len(cots) :] if cots else []
-        out = dict(res)
-        for key in res:
-            mine = [(start, c) for (k, start, _), c in zip(slots, cots, strict=True) if k == key]
-            if mine:
-                flat = jnp.concatenate([jnp.ravel(c).astype(key) for _, c in mine])
-                out[key] = jax.lax.dynamic_update_slice(out[key], flat, (mine[0][0],))
-        return out
+    def _cotangent_sizes(self, s: int) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for a in self.splitters[s].perturbations:
+            key = np.dtype(a.dtype).name
+            sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
+        return sizes
+
+    def _pad_sizes(self, s: int) -> dict[str, int]:
+        mine = self._cotangent_sizes(s)
+        return {k: w - mine.get(k, 0) for k, w in self.cot_width.items()}
 
     def residual_bytes(self, s: int) -> dict[str, int]:
         """Bytes of one microbatch's stored buffers of stage s, by role: `b` (read
@@ -194,5 +221,6 @@ class StageVjp:
         avals = jax.tree.unflatten(self.res_spec.treedefs[s], self.res_spec.avals[s])
         if s not in self.split:
             return {"b": nbytes(avals), "w_operands": 0, "cotangents": 0}
-        b, operands, cots = avals
+        b, operands, cots, pads = avals
+        cots = [cots, pads]
         return {"b": nbytes(b), "w_operands": nbytes(operands), "cotangents": nbytes(cots)}
