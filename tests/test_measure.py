@@ -60,3 +60,18 @@ def test_measured_costs_are_positive_cached_and_steer_auto():
     assert pm.schedule.programs == make_schedule("auto", 2, m, costs=costs).programs
     swapped = Costs(f=costs.f[::-1], b=costs.b[::-1], w=costs.w[::-1], c=costs.c)
     assert make_schedule("auto", 2, m, costs=swapped).programs != pm.schedule.programs
+
+
+def test_balance_by_measured_time_cuts_the_model():
+    from models.mlp import Chain, Dense
+    from pjit_pipe.frontend.cut import cut_module
+
+    model = Chain([Dense(8), Dense(8), Dense(512), Dense(8)])
+    x = jnp.ones((64, 8))
+    params = model.init(jax.random.key(0), x)
+    cut = cut_module(model, params, x, 2, balance="time")
+    assert cut.stages == 2
+    assert sorted(k for keys in cut.keys for k in keys) == sorted(cut.units)
+    # The two wide layers (8 -> 512, 512 -> 8) take most of the time: the two
+    # light ones stay together in the first stage.
+    assert cut.bounds[1] >= 2
