@@ -15,6 +15,7 @@ BENCHMARKS = [
     "bench_lowering",
     "bench_variants",
     "bench_memory",
+    "bench_backward",
 ]
 
 

@@ -235,7 +235,7 @@ def test_memory_follows_the_schedule():
     def loss(out, y):
         return jnp.mean(out**2) + 0.0 * y.sum()
 
-    temp = {}
+    temp, row_bytes = {}, {}
     for kind in ("gpipe", "1f1b", "zb-h1"):
         try:
             sched = make_schedule(kind, P, m)
@@ -245,9 +245,14 @@ def test_memory_follows_the_schedule():
             continue
         step = lower(sched, fns, loss, mesh_of(1, P), params, x, y)
         temp[kind] = step.memory_analysis().temp_size_in_bytes
+        sizes = step._low.st.res_spec.sizes
+        row_bytes[kind] = sum(n * np.dtype(k).itemsize for k, n in sizes.items())
     assert temp["1f1b"] <= temp["gpipe"] / 2, temp
     if "zb-h1" in temp:
-        assert temp["zb-h1"] <= 1.1 * temp["1f1b"], temp
+        # As many microbatches in flight as 1f1b, each holding more: the split
+        # backward keeps W's operands and cotangents (see split_backward.py).
+        grow = row_bytes["zb-h1"] / row_bytes["1f1b"]
+        assert temp["zb-h1"] <= 1.1 * grow * temp["1f1b"], (temp, grow)
 
 
 def test_bad_inputs_are_rejected_before_compiling():

@@ -140,6 +140,12 @@ def register(subparsers: Any) -> None:
     add_failure_args(parser)
     add_checkpoint_args(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
+    parser.add_argument(
+        "--show-costs",
+        action="store_true",
+        help="measure each stage's F, B, W (ms) on the mesh and print them first "
+        "(with --json: one object with key 'costs'; 'costs_arg' is for `schedule --costs`)",
+    )
     parser.set_defaults(run=run)
 
 
@@ -232,6 +238,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         chunks=args.chunks,
         mesh=pp.make_mesh(data=data, stage=stages),
         optimizer=optax.adam(args.lr),
+        **({"costs": "measure"} if getattr(args, "show_costs", False) else {}),
     )
     precompile = getattr(args, "precompile", None)
     if precompile is None:
@@ -254,6 +261,9 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         x, y = task.next_batch()
     else:
         start_from = pm.init(key, x)
+    if getattr(args, "show_costs", False):
+        pm.measure_costs(pm.init(key, x), x, y, task.loss_fn)
+        show_costs(pm, args.json)
     state = trainer.init(
         start_from,
         (x, y),
@@ -285,6 +295,21 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         if checkpoints is not None:
             checkpoints.close()  # waits for the last save
     return pm, state, task
+
+
+def show_costs(pm: Any, as_json: bool) -> None:
+    """Print the measured per-stage costs (ms per microbatch)."""
+    table = pm.stage_times.as_dict(pm.stages)
+    if as_json:
+        print(json.dumps({"costs": table}), flush=True)
+        return
+    print("measured costs (ms per microbatch):")
+    for p in range(pm.stages):
+        print(
+            f"  stage {p}: F {table['f'][p]:.3f}  B {table['b'][p]:.3f}  W {table['w'][p]:.3f}"
+            f"  (fused BW {table['bw'][p]:.3f})"
+        )
+    print(f"  transfer C {table['c']:.3f}; for `pjit-pipe schedule --costs`: {table['costs_arg']}")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -21,6 +21,8 @@ module's top-level names (`params['params'][name]`), an NNX module's children
 (see `adapters.py`). A stage's parameters are a dict of its units, named by
 their paths ('blocks_0' in linen, 'blocks/0' in NNX), and split/merge
 round-trip exactly: checkpoints never depend on the pipeline layout.
+With balance="time" the segments are weighed by their measured forward and
+backward time (`measure.py`) instead of FLOPs.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from pjit_pipe.frontend.analysis import liveness
 from pjit_pipe.frontend.balance import balance as balance_costs
 from pjit_pipe.frontend.trace import Event, Run
 
-BALANCE = ("flops", "params")
+BALANCE = ("flops", "params", "time")
 
 
 def _zeros(avals: Any) -> Any:
@@ -71,6 +73,10 @@ def _units(param_avals: dict, children: Sequence[Path]) -> dict[str, Path]:
 def _unit_of(path: Path, children: Sequence[Path]) -> Path:
     owners = [c for c in children if path[: len(c)] == c]
     return max(owners, key=len) if owners else path[:1]
+
+
+def _is_aval(x: Any) -> bool:
+    return isinstance(x, jax.ShapeDtypeStruct)
 
 
 def _get(tree: Any, path: Path) -> Any:
@@ -317,6 +323,21 @@ def cut_module(
     }
     if balance == "flops":
         costs = [s.flops for s in segments]
+    elif balance == "time":  # measured forward + backward of each segment
+        from pjit_pipe.frontend.measure import segment_times  # compiles: load on use
+
+        one_each = StageCut(
+            model=model,
+            events=events,
+            bounds=tuple(s.start for s in segments),
+            keys=tuple(tuple(sorted(s.keys)) for s in segments),
+            flops=tuple(s.flops for s in segments),
+            x_aval=x_aval,
+            param_avals=param_avals,
+            units=units,
+        )
+        stage_params = one_each.split(model.variables(param_avals), _is_aval)
+        costs = segment_times(one_each.stage_fns(), stage_params, x_aval)
     else:
         costs = [float(sum(sizes[k] for k in s.keys)) for s in segments]
     starts = balance_costs(costs, stages)

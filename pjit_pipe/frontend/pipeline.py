@@ -65,7 +65,7 @@ class Pipelined:
         mesh: Mesh | None = None,
         chunks: int = 1,
         mem_limit: float | None = None,
-        costs: Costs | None = None,
+        costs: Costs | str | None = None,
         optimizer: optax.GradientTransformation | None = None,
         remat: bool = False,
         balance: str = "flops",
@@ -89,8 +89,42 @@ class Pipelined:
             )
         self.replicas = self.mesh.shape["data"]
         self.failed = FailurePattern.of(self.replicas, self.stages, failed)
+        # costs="measure" (the default for schedule="auto"): the schedule is made
+        # again on first use, with the stage costs measured from the model.
+        if costs is None and schedule == "auto":
+            costs = "measure"
+        if isinstance(costs, str) and costs != "measure":
+            raise ValueError(f"costs: expected a Costs, None or 'measure', got {costs!r}")
+        self.measure = costs == "measure"
+        self.measured_costs: Costs | None = None
+        self.stage_times = None  # measure.StageTimes, once measured
+        self._schedule_args = (schedule, mem_limit, search_time)
+        self._make_schedule(None if self.measure else costs)
         # The mesh the compiled program runs on: `mesh`, or the survivors' devices.
         self.device_mesh: Mesh = Topology.of(self.mesh, self.failed.failed).mesh
+        self.optimizer = optimizer
+        self.remat = remat
+        self.balance = balance
+        self._options = dict(
+            stages=stages,
+            microbatches=microbatches,
+            schedule=schedule,
+            mesh=mesh,
+            chunks=chunks,
+            mem_limit=mem_limit,
+            costs=costs,
+            optimizer=optimizer,
+            remat=remat,
+            balance=balance,
+            failed=tuple(sorted(self.failed.failed)),
+            search_time=search_time,
+        )
+        self._cuts: dict[Any, StageCut] = {}
+        self._steps: dict[Any, Any] = {}
+        self._views: dict[int, StateView] = {}  # per compiled step: its state view
+
+    def _make_schedule(self, costs: Costs | None) -> None:
+        schedule, mem_limit, search_time = self._schedule_args
         if self.failed.failed:
             self.schedule: Schedule = schedule_with_failures(
                 schedule,
@@ -113,26 +147,28 @@ class Pipelined:
                 mem_limit,
                 self.replicas,
             )
-        self.optimizer = optimizer
-        self.remat = remat
-        self.balance = balance
-        self._options = dict(
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            mesh=mesh,
-            chunks=chunks,
-            mem_limit=mem_limit,
-            costs=costs,
-            optimizer=optimizer,
-            remat=remat,
-            balance=balance,
-            failed=tuple(sorted(self.failed.failed)),
-            search_time=search_time,
+
+    def measure_costs(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> Costs:
+        """Per-stage F/B/W (ms) measured on this pipeline's devices for these shapes
+        (cached per model, loss, shapes and devices; see `measure.py`)."""
+        from pjit_pipe.frontend.measure import measure_stage_times
+
+        cut = self.cut(params, x)
+        n = self.replicas * self.microbatches
+        mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), a.dtype)  # noqa: E731
+        x_mb, y_mb = jax.tree.map(mb, x), jax.tree.map(mb, y)
+        stage_params = cut.split(params)
+        key = (
+            id(self.module),
+            loss_fn,
+            str(jax.tree.map(lambda a: (a.shape, a.dtype), (x_mb, y_mb))),
         )
-        self._cuts: dict[Any, StageCut] = {}
-        self._steps: dict[Any, Any] = {}
-        self._views: dict[int, StateView] = {}  # per compiled step: its state view
+        key += (str(jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params)),)
+        times = measure_stage_times(
+            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, self.mesh, key=key
+        )
+        self.stage_times = times
+        return times.costs(self.stages)
 
     def with_options(self, **changes: Any) -> Pipelined:
         """A copy with some options changed (e.g. another mesh or optimizer)."""
@@ -221,6 +257,9 @@ class Pipelined:
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
 
         self._batch(x, y)
+        if self.measure and self.measured_costs is None:
+            self.measured_costs = self.measure_costs(params, x, y, loss_fn)
+            self._make_schedule(self.measured_costs)
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         key = (id(cut), loss_fn, has_aux, tuple(sorted(rngs or ())), str(avals))
@@ -445,9 +484,10 @@ def pipeline(
     Options: stages (P), microbatches (m per replica), schedule (one of
     pjit_pipe.schedules.KINDS), mesh (from make_mesh; default one replica on
     the first P devices), chunks (v, virtual stages per device), mem_limit,
-    costs (Costs for the schedule generators), optimizer (optax, for
-    train_step), remat (recompute forwards in the backward), balance ('flops'
-    or 'params': how stages are balanced), failed ((replica, stage) workers
+    costs (Costs for the schedule generators, or 'measure': time each stage's
+    F, B, W on the devices at first use; the default for schedule='auto'),
+    optimizer (optax, for train_step), remat (recompute forwards in the
+    backward), balance ('flops', 'params' or 'time': how stages are balanced), failed ((replica, stage) workers
     that are down; see `Pipelined.with_failures`), search_time (seconds for
     the re-routed schedule search).
     """

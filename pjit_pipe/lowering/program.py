@@ -165,19 +165,32 @@ class Lowered:
                 if s == S - 1:
                     return msg, res_out, out * self.loss_mult
                 return self.msg_spec.pack_act(s, out), res_out, self._no_loss()
-            if self.remat:
-                pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
-            else:
-                pull = st.pullback(s, p, _row(res, row[RES_R]))
             if s == S - 1:
                 g = self.loss.seed(self.scale)
             else:
                 g = self.msg_spec.unpack_grad(s, _row(msgs, row[G_SLOT]))
-            dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
+            r = _row(res, row[RES_R])
+            # B's residual write: a split stage's cotangents at their offset; any other
+            # stage's B rewrites what is there (a B group of several stages needs one shape).
+            put = {k: (res[k][row[RES_R], :w], 0) for k, w in st.cot_width.items()}
+            if s in st.split:  # see split_backward.py
+                if kind is Kind.B:
+                    dinput, cots = st.input_grad(s, p, r, g)
+                    put = {k: (cots[k], off) for k, off in st.cot_offset(s).items()}
+                elif kind is Kind.W:
+                    dparams, dinput = st.weight_grad(s, p, r), None
+                else:
+                    dparams, dinput = st.fused_grad(s, p, r, g)
+            else:
+                if self.remat:
+                    pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
+                else:
+                    pull = st.pullback(s, p, r)
+                dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
             if kind in (Kind.B, Kind.BW) and s > 0:
                 msg = self.msg_spec.pack_grad(s - 1, dinput)
             if kind is Kind.B:
-                return msg, {}, self._no_loss()
+                return msg, put, self._no_loss()
             # A uniform chunk's gradient stays a tree (see `_zero_grads`).
             dpar = dparams if self.uniform[c] else self.param_spec.pack(s, dparams)
             return msg, dpar, self._no_loss()
@@ -263,12 +276,15 @@ class Lowered:
 
             msg, res, loss = lax.cond(taken(self.forwards), forward, lambda *a: a, msg, res, loss)
         if self.input_grads[0]:
-            msg = lax.cond(
-                taken(self.input_grads),
-                lambda msg: dispatch(self.input_grads, *args, res, row)[0],
-                lambda msg: msg,
-                msg,
-            )
+
+            def input_grad(msg, res):
+                msg, put, _ = dispatch(self.input_grads, *args, res, row)
+                res = dict(res)
+                for k, (cots, off) in put.items():  # a split stage's site cotangents
+                    res[k] = lax.dynamic_update_slice(res[k], cots[None], (row[RES_R], off))
+                return msg, res
+
+            msg, res = lax.cond(taken(self.input_grads), input_grad, lambda *a: a, msg, res)
         grads = list(grads)
         for c, group in enumerate(self.weight_grads):
             if not group[0]:
@@ -786,6 +802,7 @@ def lower(
     has_aux: bool = False,
     rngs: Any = None,
     shared: Mapping[str, Sequence[int]] | None = None,
+    split_backward: bool = True,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -805,12 +822,19 @@ def lower(
     takes its own rngs, and a stage function reads its microbatch's keys with
     `rng.current_rngs()` (see rng.py). `shared` maps a key of the stage
     parameter dicts to the virtual stages that each hold a copy of it (tied
-    weights): their gradients are summed, so the copies stay equal.
+    weights): their gradients are summed, so the copies stay equal. split_backward=False
+    makes W re-run the whole stage pullback (the old split, kept for comparisons);
+    the split backward is also off with remat (B and W recompute) and with rngs
+    (its stage jaxpr is traced once, so it would fix one microbatch's keys).
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
+    # Stages run as separate B and W get the split backward (see the docstring).
+    split = {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
+    if remat or not split_backward or rngs is not None:
+        split = set()
     loss = LossLayout(loss_fn, has_aux)
     impls, example_keys = None, {}
     if rngs is not None:
@@ -823,6 +847,7 @@ def lower(
             _abstract(list(stage_params)),
             jax.tree.map(mb, x),
             jax.tree.map(mb, y),
+            split,
         )
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive integer, got {iterations!r}")

@@ -5,17 +5,25 @@ first stage reads the raw microbatch and takes no input gradient. F keeps the
 vjp residuals that B and W need (matmul outputs; see SAVE_DOTS); residuals that are the stage's own parameter
 arrays are not stored but re-read from the parameter buffer (parameters do not
 change within an iteration), so weights are never copied per microbatch.
+
+Stages listed in `split` (those the schedule runs as separate B and W, except
+the first, whose B is empty) use the split backward of `split_backward.py`:
+their residual row holds the vjp residuals w.r.t. (input, site
+perturbations), the data operands W reads, and the site cotangents that B
+writes into the same row; W then reads only the last two.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.split_backward import SplitBackward
 
 # Residuals kept from F: matmul outputs (and the stage input); B and W recompute
 # only the cheap elementwise ops from them, which is what XLA's fusion does in an
@@ -38,6 +46,7 @@ class StageVjp:
         stage_params: Sequence[Any],
         x_mb: Any,
         y_mb: Any,
+        split: Collection[int] = (),
     ):
         self.fns = list(stage_fns)
         self.loss_fn = loss_fn
@@ -48,6 +57,27 @@ class StageVjp:
             self.act_avals.append(
                 jax.eval_shape(self.fns[s], self.param_avals[s], self.act_avals[s])
             )
+        self.split = frozenset(s for s in split if 0 < s < self.S)
+        self.splitters = {
+            s: SplitBackward(
+                lambda p, a, y, s=s: self.forward(s, p, a, y),
+                self.param_avals[s],
+                self.act_avals[s],
+                y_mb if s == self.S - 1 else None,
+            )
+            for s in sorted(self.split)
+        }
+        # Per dtype, the widest stage's cotangents: every split stage's row ends its
+        # cotangents with zero padding up to this width, so B writes one
+        # fixed-size slice (at a per-stage offset) into the residual store.
+        widths = {s: self._cotangent_sizes(s) for s in self.split}
+        self.cot_width = {
+            k: max(w.get(k, 0) for w in widths.values()) for w in widths.values() for k in w
+        }
+        pads = {
+            s: [jax.ShapeDtypeStruct((self.cot_width[k] - w.get(k, 0),), k) for k in self.cot_width]
+            for s, w in widths.items()
+        }
         self.res_treedef: list[Any] = []
         self.res_where: list[list[tuple[str, int]]] = []
         stored = []
@@ -59,13 +89,17 @@ class StageVjp:
                 box["where"], box["treedef"] = where, jax.tree.structure(pull)
                 return out, leaves
 
-            loss, leaves = jax.eval_shape(probe, self.param_avals[s], self.act_avals[s], y_mb)
+            out, leaves = jax.eval_shape(probe, self.param_avals[s], self.act_avals[s], y_mb)
+            loss = out[0] if s in self.split else out
             if s == self.S - 1 and (loss.ndim != 1 or loss.dtype != jnp.float32):
                 raise ValueError(
                     f"loss_fn must return a float32 vector (see loss.LossLayout), got {loss}"
                 )
             self.res_where.append(box["where"])
             self.res_treedef.append(box["treedef"])
+            if s in self.split:  # + W's data operands and the site cotangents B writes
+                sb = self.splitters[s]
+                leaves = [leaves, sb.stored, sb.perturbations, pads[s]]
             stored.append(leaves)
         self.loss_aval = loss
         self.res_spec = FlatSpec(stored)
@@ -75,12 +109,19 @@ class StageVjp:
         return self.loss_fn(out, y) if s == self.S - 1 else out
 
     def _vjp_parts(self, s: int, p: Any, a: Any, y: Any):
-        """(output, pullback, residual origin list, stored residual leaves)."""
-        fwd = jax.checkpoint(lambda p, a: self.forward(s, p, a, y), policy=SAVE_DOTS)
-        if s == 0:
-            out, pull = jax.vjp(lambda p: fwd(p, a), p)
+        """(output, pullback, residual origin list, stored residual leaves); a split
+        stage's pullback is w.r.t. (input, perturbations) and its output is
+        (stage output, W's data operands)."""
+        if s in self.split:
+            sb = self.splitters[s]
+            y = y if s == self.S - 1 else None
+            fwd = jax.checkpoint(lambda p, a, eps: sb.forward(p, a, y, eps), policy=SAVE_DOTS)
+            out, pull, operands = jax.vjp(
+                lambda a, eps: fwd(p, a, eps), a, sb.zero_perturbations(), has_aux=True
+            )
+            out = (out, operands)
         else:
-            out, pull = jax.vjp(fwd, p, a)
+            out, pull = self._plain_vjp(s, p, a, y)
         leaves = jax.tree.leaves(pull)
         param_leaves = jax.tree.leaves(p)
         where, stored, seen = [], [], {}
@@ -95,16 +136,30 @@ class StageVjp:
                 where.append(("stored", seen[id(leaf)]))
         return out, pull, where, stored
 
+    def _plain_vjp(self, s: int, p: Any, a: Any, y: Any):
+        fwd = jax.checkpoint(lambda p, a: self.forward(s, p, a, y), policy=SAVE_DOTS)
+        if s == 0:
+            out, pull = jax.vjp(lambda p: fwd(p, a), p)
+        else:
+            out, pull = jax.vjp(fwd, p, a)
+        return out, pull
+
     def forward_with_residuals(self, s: int, p: Any, a: Any, y: Any) -> tuple[Any, Buffers]:
         """F: the stage output and its packed non-parameter residuals."""
         out, _, where, stored = self._vjp_parts(s, p, a, y)
         if where != self.res_where[s]:
             raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
+        if s in self.split:
+            (out, operands), sb = out, self.splitters[s]
+            pads = [jnp.zeros(k, key) for key, k in self._pad_sizes(s).items()]
+            stored = [stored, operands, sb.zero_perturbations(), pads]
         return out, self.res_spec.pack(s, stored)
 
     def pullback(self, s: int, p: Any, res: Buffers) -> Callable:
-        """The stage's vjp function rebuilt from stored residuals and current parameters."""
-        stored = jax.tree.leaves(self.res_spec.unpack(s, res))
+        """The stage's vjp function rebuilt from stored residuals and current parameters
+        (a split stage's: w.r.t. its input and site perturbations)."""
+        stored = self.res_spec.unpack(s, res)
+        stored = jax.tree.leaves(stored[0] if s in self.split else stored)
         param_leaves = jax.tree.leaves(p)
         leaves = [param_leaves[i] if src == "param" else stored[i] for src, i in self.res_where[s]]
         return jax.tree.unflatten(self.res_treedef[s], leaves)
@@ -112,3 +167,58 @@ class StageVjp:
     def recompute_pullback(self, s: int, p: Any, a: Any, y: Any) -> Callable:
         """The stage's vjp function by re-running its forward (remat)."""
         return self._vjp_parts(s, p, a, y)[1]
+
+    # ---- the split backward (stages in `split`) ----
+
+    def input_grad(self, s: int, p: Any, res: Buffers, g: Any) -> tuple[Any, Buffers]:
+        """B: (input gradient, per dtype the site cotangents as one flat slice of
+        width `cot_width`, to be written at `cot_offset(s)` of the residual row)."""
+        dinput, cots = self.pullback(s, p, res)(g)
+        flat = {}
+        for key, width in self.cot_width.items():
+            mine = [jnp.ravel(c) for c in cots if np.dtype(c.dtype).name == key]
+            part = jnp.concatenate(mine) if mine else jnp.zeros((0,), key)
+            flat[key] = jnp.pad(part, (0, width - part.shape[0]))
+        return dinput, flat
+
+    def cot_offset(self, s: int) -> dict[str, int]:
+        """Where stage s's cotangent slice starts in its residual row, per dtype."""
+        n = len(self.res_spec.slots[s]) - len(self.splitters[s].perturbations) - len(self.cot_width)
+        first: dict[str, int] = {}
+        for key, start, _ in self.res_spec.slots[s][n:]:
+            first.setdefault(key, start)
+        return first
+
+    def weight_grad(self, s: int, p: Any, res: Buffers) -> Any:
+        """W: the parameter gradient from the row's data operands and cotangents."""
+        _, operands, cots, _ = self.res_spec.unpack(s, res)
+        return self.splitters[s].weight_grads(p, operands, cots)
+
+    def fused_grad(self, s: int, p: Any, res: Buffers, g: Any) -> tuple[Any, Any]:
+        """BW of a split stage: B then W without storing the cotangents."""
+        dinput, cots = self.pullback(s, p, res)(g)
+        _, operands, _, _ = self.res_spec.unpack(s, res)
+        return self.splitters[s].weight_grads(p, operands, cots), dinput
+
+    def _cotangent_sizes(self, s: int) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for a in self.splitters[s].perturbations:
+            key = np.dtype(a.dtype).name
+            sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
+        return sizes
+
+    def _pad_sizes(self, s: int) -> dict[str, int]:
+        mine = self._cotangent_sizes(s)
+        return {k: w - mine.get(k, 0) for k, w in self.cot_width.items()}
+
+    def residual_bytes(self, s: int) -> dict[str, int]:
+        """Bytes of one microbatch's stored buffers of stage s, by role: `b` (read
+        only by B), `w_operands` (stored at F for W) and `cotangents` (written by B
+        for W); a stage that is not split stores only `b`."""
+        nbytes = lambda avals: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(avals))  # noqa: E731
+        avals = jax.tree.unflatten(self.res_spec.treedefs[s], self.res_spec.avals[s])
+        if s not in self.split:
+            return {"b": nbytes(avals), "w_operands": 0, "cotangents": 0}
+        b, operands, cots, pads = avals
+        cots = [cots, pads]
+        return {"b": nbytes(b), "w_operands": nbytes(operands), "cotangents": nbytes(cots)}

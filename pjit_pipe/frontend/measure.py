@@ -1,0 +1,191 @@
+"""Stage costs measured from the model: the F, B, W of each stage and the activation transfer.
+
+The schedule search prices candidates with per-stage F/B/W times (DESIGN.md
+sec. 3). Unit costs ignore the model; FLOP counts ignore what the hardware
+does with them. So `costs="measure"` compiles each virtual stage's F, B and W
+exactly as the lowering runs them (the split backward of
+`lowering/split_backward.py`; the first stage's B is empty) on the device
+that holds that stage, times each (median of a few runs after a warm-up),
+and times a ppermute of the boundary buffer between neighbouring devices.
+With v chunks per device, the chunks of position p are taken as the
+interleaved ones (p, p + P, ...) and their times add up.
+
+Results are cached per (model, loss, shapes, devices, chunks): measuring
+compiles four programs per stage, so a pipeline and its failure variants
+measure once.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from pjit_pipe.lowering.stages import StageVjp
+from pjit_pipe.simulator.costs import Costs
+
+
+@dataclass(frozen=True)
+class StageTimes:
+    """Median seconds of one microbatch's F, B, W and fused BW per virtual stage, and C."""
+
+    f: tuple[float, ...]
+    b: tuple[float, ...]
+    w: tuple[float, ...]
+    bw: tuple[float, ...]
+    c: float
+
+    def costs(self, positions: int) -> Costs:
+        """Per-position Costs in milliseconds (chunk p, p + P, ... on position p)."""
+
+        def per_position(times: Sequence[float]) -> list[float]:
+            return [1e3 * sum(times[p::positions]) for p in range(positions)]
+
+        return Costs(
+            f=per_position(self.f), b=per_position(self.b), w=per_position(self.w), c=1e3 * self.c
+        )
+
+    def as_dict(self, positions: int) -> dict[str, Any]:
+        """JSON form: per-position costs (ms), the fused BW, and the CLI's `--costs` text."""
+        costs = self.costs(positions)
+        bw = [1e3 * sum(self.bw[p::positions]) for p in range(positions)]
+        mean = lambda v: sum(v) / len(v)  # noqa: E731
+        cli = ",".join(f"{mean(v):.4g}" for v in (costs.f, costs.b, costs.w)) + f",{costs.c:.4g}"
+        return {"f": costs.f, "b": costs.b, "w": costs.w, "bw": bw, "c": costs.c, "costs_arg": cli}
+
+
+def median_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time of each callable after one warm-up, run round-robin."""
+    for f in fns.values():
+        jax.block_until_ready(f())
+    times: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            start = time.perf_counter()
+            jax.block_until_ready(f())
+            times[k].append(time.perf_counter() - start)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def _ones(avals: Any, device: jax.Device) -> Any:
+    return jax.tree.map(lambda a: jax.device_put(jnp.ones(a.shape, a.dtype), device), avals)
+
+
+def _stage_ops(st: StageVjp, s: int, device: jax.Device, y_mb: Any) -> dict[str, Callable]:
+    """F, B, W and BW of stage s as the lowering runs them, on `device`."""
+    p = _ones(st.param_avals[s], device)
+    a = _ones(st.act_avals[s], device)
+    y = _ones(y_mb, device) if s == st.S - 1 else None
+    g = (
+        jnp.asarray(1.0, st.loss_aval.dtype)
+        if s == st.S - 1
+        else _ones(st.act_avals[s + 1], device)
+    )
+    f = jax.jit(lambda p, a, y: st.forward_with_residuals(s, p, a, y))
+    _, res = f(p, a, y)
+    ops = {"F": lambda: f(p, a, y)}
+    if s in st.split:
+        b = jax.jit(lambda p, r: st.input_grad(s, p, r, g))
+        w = jax.jit(lambda p, r: st.weight_grad(s, p, r))
+        bw = jax.jit(lambda p, r: st.fused_grad(s, p, r, g))
+        ops |= {"B": lambda: b(p, res), "W": lambda: w(p, res), "BW": lambda: bw(p, res)}
+    else:  # the first stage: B is empty, W is the whole parameter backward
+        w = jax.jit(lambda p, r: st.pullback(s, p, r)(g)[0])
+        ops |= {"W": lambda: w(p, res), "BW": lambda: w(p, res)}
+    return ops
+
+
+def _transfer(mesh: Mesh, aval: Any, repeats: int) -> float:
+    """Seconds of one ppermute of `aval` between neighbouring stages (0 with one stage)."""
+    positions = mesh.shape["stage"]
+    if positions == 1:
+        return 0.0
+    row = Mesh(np.asarray(mesh.devices)[:1], mesh.axis_names)
+    pairs = [(i, i + 1) for i in range(positions - 1)]
+    size = int(sum(np.prod(a.shape) for a in jax.tree.leaves(aval)))
+    send = jax.jit(
+        jax.shard_map(
+            lambda b: jax.lax.ppermute(b, "stage", pairs),
+            mesh=row,
+            in_specs=PS("stage"),
+            out_specs=PS("stage"),
+            check_vma=False,
+        )
+    )
+    buf = jax.device_put(
+        jnp.ones((positions * max(size, 1),), jnp.float32), NamedSharding(row, PS("stage"))
+    )
+    return median_seconds({"c": lambda: send(buf)}, repeats)["c"]
+
+
+_CACHE: dict[Any, tuple[Any, StageTimes]] = {}
+
+
+def measure_stage_times(
+    stage_fns: Sequence[Callable],
+    loss_fn: Callable,
+    stage_params: Sequence[Any],
+    x_mb: Any,
+    y_mb: Any,
+    mesh: Mesh,
+    key: Any = None,
+    repeats: int = 5,
+) -> StageTimes:
+    """Time every virtual stage's F, B, W, BW on its device, and one boundary transfer.
+
+    `stage_params`, `x_mb`, `y_mb`: shapes of one microbatch (arrays or
+    ShapeDtypeStructs). With `key` (hashable: model, loss and shapes), the
+    result is cached per (key, devices)."""
+    devices = tuple(d.id for d in np.asarray(mesh.devices).flat)
+    full_key = None if key is None else (key, devices, len(stage_fns))
+    if full_key in _CACHE:
+        return _CACHE[full_key][1]
+    S, positions = len(stage_fns), mesh.shape["stage"]
+    avals = jax.tree.map(
+        lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), stage_params
+    )
+    st = StageVjp(stage_fns, loss_fn, avals, x_mb, y_mb, split=range(S))
+    row = np.asarray(mesh.devices)[0]
+    times: dict[int, dict[str, float]] = {}
+    for s in range(S):
+        times[s] = median_seconds(_stage_ops(st, s, row[s % positions], y_mb), repeats)
+    msg = max(st.act_avals[1:], key=lambda a: sum(np.prod(x.shape) for x in jax.tree.leaves(a)))
+    result = StageTimes(
+        f=tuple(times[s]["F"] for s in range(S)),
+        b=tuple(times[s].get("B", 0.0) for s in range(S)),
+        w=tuple(times[s]["W"] for s in range(S)),
+        bw=tuple(times[s]["BW"] for s in range(S)),
+        c=_transfer(mesh, msg, repeats) if S > 1 else 0.0,
+    )
+    if full_key is not None:
+        _CACHE[full_key] = (stage_fns, result)  # keeps the functions (and key ids) alive
+    return result
+
+
+def segment_times(stage_fns: Sequence[Callable], params: Sequence[Any], x_mb: Any) -> list[float]:
+    """Median seconds of each segment's forward + backward (`jax.vjp`) on the default
+    device, for balancing stages by measured time (`balance="time"`)."""
+    times, act = [], x_mb
+    for fn, p in zip(stage_fns, params, strict=True):
+        a = _ones(act, jax.devices()[0])
+        pp = _ones(
+            jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)), p),
+            jax.devices()[0],
+        )
+
+        def fwd_bwd(p, a, fn=fn):
+            out, pull = jax.vjp(fn, p, a)
+            return pull(jax.tree.map(jnp.ones_like, out))
+
+        step = jax.jit(fwd_bwd)
+        times.append(median_seconds({"t": lambda step=step, p=pp, a=a: step(p, a)}, 3)["t"])
+        act = jax.eval_shape(fn, pp, a)
+    return times

@@ -1,0 +1,364 @@
+"""Split a stage's backward into B (input gradient) and W (weight gradient) that cost BW together.
+
+Reverse mode through a stage computes two things: the cotangent of every
+intermediate value (the chain that ends in the input gradient) and, at each op
+that reads a parameter, that op's parameter cotangent. Only the second part can
+wait. If W simply re-ran the stage's pullback for the parameter gradients, it
+would re-run the whole chain too, and B + W would cost about twice BW.
+
+So we cut the stage's jaxpr (`make_jaxpr`, with nested `jit`/`checkpoint`
+calls inlined) at its *sites*: the equations that read both a value derived
+from the parameters alone ("param" values: the weights, their transposes,
+casts and broadcasts) and a value derived from the stage input or labels
+("data" values). Every parameter reaches the stage output only through a site,
+so the parameter gradient is the sum over sites of the site's own vjp with
+respect to its param operands, applied to the cotangent of the site's output,
+then pulled back through the cheap param-only chain.
+
+- F runs the stage forward (as an interpreter over the flat jaxpr) with a
+  zero-valued *perturbation* added to each site's output, and keeps, besides
+  the usual vjp residuals, the data operands that the sites' vjps read
+  (a dense layer's input; nothing for a bias add).
+- B takes the vjp with respect to (stage input, perturbations) only. The
+  parameters are constants there, so no weight-gradient contraction is ever
+  built, and the perturbations' cotangents are the sites' output cotangents,
+  which B stores.
+- W evaluates only the param-only chain, then for each site transposes the
+  site with its stored data operands fixed (one `dot_general` per dense
+  weight, a scatter-add for an embedding gather, a reduction for a bias or a
+  norm scale), sums the contributions of a parameter read twice, and pulls
+  them back through the param-only chain (`jax.vjp` of that chain).
+
+A site whose output feeds only an `add` site of the same shape (a matmul
+followed by its bias) shares that add's perturbation: the two cotangents are
+equal, so they are stored once. A site that is not linear in its param
+operands (e.g. `x / w`, or a `custom_jvp_call` or loop that reads a
+parameter) is handled by `jax.vjp` of that one equation, with all its data
+operands stored: correct, and only as costly as that equation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+CONST, PARAM, DATA = 0, 1, 2
+
+# Call-like equations whose body is inlined (their body's own ops become sites).
+_INLINE = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "remat"}
+# Equations jointly linear in their param operands once the data operands are
+# fixed: W transposes them instead of taking a vjp (no primal recomputation).
+_LINEAR = {
+    "dot_general",
+    "mul",
+    "add",
+    "add_any",
+    "sub",
+    "neg",
+    "gather",
+    "dynamic_slice",
+    "concatenate",
+    "conv_general_dilated",
+    "reduce_sum",
+    "broadcast_in_dim",
+    "reshape",
+    "transpose",
+    "convert_element_type",
+    "squeeze",
+    "expand_dims",
+    "copy",
+    "copy_p",
+}
+# Linear sites whose transpose does not read their data operands.
+_NO_DATA = {"add", "add_any", "sub", "neg", "concatenate"}
+
+
+@dataclass(frozen=True)
+class _Lit:
+    """A literal or a closed-over constant of the jaxpr."""
+
+    value: Any
+
+
+@dataclass(frozen=True)
+class _Eqn:
+    eqn: Any  # the jaxpr equation (primitive and params)
+    ins: tuple[int | _Lit, ...]  # operand value ids
+    outs: tuple[int, ...]  # result value ids
+
+
+@dataclass(frozen=True)
+class _Site:
+    index: int  # position in the flat equation list
+    cot: tuple[int | None, ...]  # per result: its perturbation number (None: no cotangent)
+    linear: bool
+
+
+def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
+    """Apply one jaxpr equation to `args` (as `jax.core.eval_jaxpr` does)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns: Sequence[Any] = ()
+    if isinstance(params, tuple):  # older JAX: (subfuns, params)
+        subfuns, params = params
+    with eqn.ctx.manager:
+        out = eqn.primitive.bind(*subfuns, *args, **params)
+    return list(out) if eqn.primitive.multiple_results else [out]
+
+
+def _flatten(closed: ClosedJaxpr) -> tuple[list[_Eqn], list[int], list[int | _Lit], dict]:
+    """(equations, input ids, output operands, id -> aval) with calls inlined."""
+    eqns: list[_Eqn] = []
+    avals: dict[int, Any] = {}
+
+    def fresh(aval) -> int:
+        avals[len(avals)] = aval
+        return len(avals) - 1
+
+    def walk(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[int | _Lit]) -> list:
+        env: dict[Any, int | _Lit] = {}
+        for v, c in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = _Lit(c)
+        for v, a in zip(jaxpr.invars, args, strict=True):
+            env[v] = a
+
+        def read(v):
+            return _Lit(v.val) if isinstance(v, Literal) else env[v]
+
+        for eqn in jaxpr.eqns:
+            ins = [read(v) for v in eqn.invars]
+            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
+            if eqn.primitive.name in _INLINE and body is not None:
+                if isinstance(body, ClosedJaxpr):
+                    outs = walk(body.jaxpr, body.consts, ins)
+                else:
+                    outs = walk(body, [], ins)
+            else:
+                outs = [fresh(v.aval) for v in eqn.outvars]
+                eqns.append(_Eqn(eqn, tuple(ins), tuple(outs)))
+            for v, o in zip(eqn.outvars, outs, strict=True):
+                env[v] = o
+        return [read(v) for v in jaxpr.outvars]
+
+    inputs = [fresh(v.aval) for v in closed.jaxpr.invars]
+    outputs = walk(closed.jaxpr, closed.consts, inputs)
+    return eqns, inputs, outputs, avals
+
+
+@jax.custom_jvp
+def _perturb(x: jax.Array, eps: jax.Array) -> jax.Array:
+    """x, whose tangent also carries eps's: the zero perturbation of a site output.
+
+    Unlike `x + eps`, the primal never reads eps, so a checkpointed forward
+    does not keep the (zero) perturbations as residuals."""
+    return x
+
+
+@_perturb.defjvp
+def _perturb_jvp(primals, tangents):
+    return primals[0], tangents[0] + tangents[1]
+
+
+def _struct(aval: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(aval.shape, aval.dtype)
+
+
+def _inexact(aval: Any) -> bool:
+    return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+class SplitBackward:
+    """The site analysis of one stage `fn(params, act, labels) -> out` and its split passes.
+
+    `perturbations` are the avals of the per-site zero inputs of `forward`;
+    `stored` the avals of the data operands F keeps for W.
+    """
+
+    def __init__(self, fn: Callable, params: Any, act: Any, labels: Any):
+        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, act, labels)
+        self.out_tree = jax.tree.structure(out_shape)
+        self.param_tree = jax.tree.structure(params)
+        self.eqns, inputs, self.outputs, self.avals = _flatten(closed)
+        n_p, n_a = len(jax.tree.leaves(params)), len(jax.tree.leaves(act))
+        self.param_ids, self.data_ids = inputs[:n_p], inputs[n_p:]
+        self.act_count = n_a
+        cls: dict[int, int] = {i: PARAM for i in self.param_ids}
+        cls.update({i: DATA for i in self.data_ids})
+        of = lambda v: CONST if isinstance(v, _Lit) else cls[v]  # noqa: E731
+        site_eqns: list[int] = []
+        for k, e in enumerate(self.eqns):
+            kinds = {of(v) for v in e.ins}
+            out_cls = DATA if DATA in kinds else PARAM if PARAM in kinds else CONST
+            if kinds >= {DATA, PARAM} and any(_inexact(self.avals[o]) for o in e.outs):
+                site_eqns.append(k)
+            cls.update({o: out_cls for o in e.outs})
+        self.cls = cls
+        self._assign(site_eqns, of)
+
+    def _assign(self, site_eqns: list[int], of: Callable[[Any], int]) -> None:
+        """Perturbation numbers (with matmul -> bias-add sharing) and stored operands."""
+        uses: dict[int, list[int]] = {}
+        for k, e in enumerate(self.eqns):
+            for v in e.ins:
+                if not isinstance(v, _Lit):
+                    uses.setdefault(v, []).append(k)
+        out_ids = {v for v in self.outputs if not isinstance(v, _Lit)}
+        sites = set(site_eqns)
+        # A single-result site whose only use is one add site of the same shape
+        # takes that add's perturbation (same cotangent).
+        share: dict[int, int] = {}
+        for k in site_eqns:
+            (o, *rest) = self.eqns[k].outs
+            users = uses.get(o, [])
+            if rest or o in out_ids or len(users) != 1:
+                continue
+            (j,) = users
+            if (
+                j in sites
+                and self.eqns[j].eqn.primitive.name in ("add", "add_any")
+                and self.avals[self.eqns[j].outs[0]] == self.avals[o]
+            ):
+                share[k] = j
+        self.perturbations: list[Any] = []
+        number: dict[int, tuple[int | None, ...]] = {}
+        self._eps_at: dict[int, tuple[int | None, ...]] = {}  # equation -> what F adds
+        for k in reversed(site_eqns):  # a sharing site's target comes later
+            if k in share:
+                number[k] = number[share[k]]
+                continue
+            cots = []
+            for o in self.eqns[k].outs:
+                if _inexact(self.avals[o]):
+                    cots.append(len(self.perturbations))
+                    self.perturbations.append(_struct(self.avals[o]))
+                else:
+                    cots.append(None)
+            number[k] = self._eps_at[k] = tuple(cots)
+        self.sites = []
+        stored: dict[int, None] = {}
+        self.param_operands: dict[int, None] = {}
+        for k in site_eqns:
+            e = self.eqns[k]
+            name = e.eqn.primitive.name
+            linear = name in _LINEAR and not (name == "select_n" and of(e.ins[0]) == PARAM)
+            self.sites.append(_Site(k, number[k], linear))
+            for v in e.ins:
+                if of(v) == DATA and not (linear and name in _NO_DATA):
+                    stored[v] = None
+                elif of(v) == PARAM:
+                    self.param_operands[v] = None
+        # Outputs that are param-only values (e.g. a stage returning a weight).
+        self.direct = []
+        for i, v in enumerate(self.outputs):
+            if not isinstance(v, _Lit) and self.cls[v] == PARAM and _inexact(self.avals[v]):
+                self.direct.append((i, v, len(self.perturbations)))
+                self.perturbations.append(_struct(self.avals[v]))
+                self.param_operands[v] = None
+        self.stored_ids = list(stored)
+        self.stored = [_struct(self.avals[v]) for v in self.stored_ids]
+
+    def zero_perturbations(self) -> list[jax.Array]:
+        return [jnp.zeros(a.shape, a.dtype) for a in self.perturbations]
+
+    # ---- F: the forward with perturbations, keeping W's data operands ----
+
+    def forward(self, params: Any, act: Any, labels: Any, eps: Sequence[jax.Array]):
+        """(stage output, data operands W needs); `eps` are added at the site outputs."""
+        env = dict(zip(self.param_ids, jax.tree.leaves(params), strict=True))
+        env.update(zip(self.data_ids, jax.tree.leaves((act, labels)), strict=True))
+        read = lambda v: v.value if isinstance(v, _Lit) else env[v]  # noqa: E731
+        for k, e in enumerate(self.eqns):
+            outs = _bind(e.eqn, [read(v) for v in e.ins])
+            added = self._eps_at.get(k, (None,) * len(outs))
+            for o, val, n in zip(e.outs, outs, added, strict=True):
+                env[o] = val if n is None else _perturb(val, eps[n])
+        outs = [read(v) for v in self.outputs]
+        for i, _, n in self.direct:
+            outs[i] = _perturb(outs[i], eps[n])
+        return jax.tree.unflatten(self.out_tree, outs), [env[v] for v in self.stored_ids]
+
+    # ---- W: parameter gradients from stored data operands and site cotangents ----
+
+    def _param_chain(self, params: Any) -> dict[int, Any]:
+        """Values of every const and param-only equation (no data equation runs)."""
+        env = dict(zip(self.param_ids, jax.tree.leaves(params), strict=True))
+        read = lambda v: v.value if isinstance(v, _Lit) else env[v]  # noqa: E731
+        for e in self.eqns:
+            if all(isinstance(v, _Lit) or self.cls[v] != DATA for v in e.ins):
+                for o, val in zip(e.outs, _bind(e.eqn, [read(v) for v in e.ins]), strict=True):
+                    env[o] = val
+        return env
+
+    def weight_grads(
+        self, params: Any, stored: Sequence[jax.Array], cots: Sequence[jax.Array]
+    ) -> Any:
+        """The stage's parameter gradient (a tree like `params`)."""
+        wanted = list(self.param_operands)
+
+        def chain(params):
+            env = self._param_chain(params)
+            return [env[v] for v in wanted]
+
+        values, pull = jax.vjp(chain, params)
+        env = self._param_chain(jax.tree.map(jax.lax.stop_gradient, params))
+        env.update(zip(wanted, values, strict=True))
+        env.update(zip(self.stored_ids, stored, strict=True))
+        acc: dict[int, jax.Array] = {}
+
+        def add(v: int, ct: Any) -> None:
+            acc[v] = ct if v not in acc else acc[v] + ct
+
+        for site in self.sites:
+            e = self.eqns[site.index]
+            slots = [
+                i for i, v in enumerate(e.ins) if not isinstance(v, _Lit) and self.cls[v] == PARAM
+            ]
+            args = []
+            for v in e.ins:
+                if isinstance(v, _Lit):
+                    args.append(v.value)
+                elif v in env:
+                    args.append(env[v])
+                else:  # a data operand the transpose does not read
+                    args.append(jnp.zeros(self.avals[v].shape, self.avals[v].dtype))
+
+            def site_fn(*ps, e=e, args=args, slots=slots):
+                full = list(args)
+                for i, p in zip(slots, ps, strict=True):
+                    full[i] = p
+                return _bind(e.eqn, full)
+
+            out_cts = [
+                cots[n] if n is not None else jnp.zeros(self.avals[o].shape, self.avals[o].dtype)
+                for n, o in zip(site.cot, e.outs, strict=True)
+            ]
+            primals = [args[i] for i in slots]
+            if site.linear:
+                cts = jax.linear_transpose(site_fn, *primals)(out_cts)
+            else:
+                cts = jax.vjp(site_fn, *primals)[1](out_cts)
+            for i, ct in zip(slots, cts, strict=True):
+                add(e.ins[i], ct)
+        for _, v, n in self.direct:
+            add(v, cots[n])
+        zeros = [jnp.zeros(self.avals[v].shape, self.avals[v].dtype) for v in wanted]
+        (grads,) = pull([acc.get(v, z) for v, z in zip(wanted, zeros, strict=True)])
+        return grads
+
+
+def count_primitives(jaxpr: Jaxpr, name: str) -> int:
+    """How many equations named `name` a jaxpr holds, sub-jaxprs included."""
+    total = 0
+    for eqn in jaxpr.eqns:
+        total += eqn.primitive.name == name
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, tuple | list) else (param,):
+                if isinstance(sub, ClosedJaxpr):
+                    total += count_primitives(sub.jaxpr, name)
+                elif isinstance(sub, Jaxpr):
+                    total += count_primitives(sub, name)
+    return total

@@ -1,0 +1,77 @@
+"""costs="measure": stage costs timed from the model, cached, and used by the schedule search."""
+
+from __future__ import annotations
+
+import time
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import pjit_pipe as pp
+from pjit_pipe.schedules import make_schedule
+from pjit_pipe.simulator.costs import Costs
+
+
+class LightThenHeavy(nn.Module):
+    """One small dense layer, a boundary, then three wide ones: stage 1 does the work."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = pp.boundary(jnp.tanh(nn.Dense(16)(x)))
+        for _ in range(3):
+            x = jnp.tanh(nn.Dense(256)(x))
+        return nn.Dense(4)(x)
+
+
+def mse(out, y):
+    return jnp.mean((out - y) ** 2)
+
+
+@pytest.mark.slow  # compiles F, B, W, BW of each stage and the pipeline
+def test_measured_costs_are_positive_cached_and_steer_auto():
+    m = 4
+    model = LightThenHeavy()
+    x = jax.random.normal(jax.random.key(0), (m * 32, 8))
+    y = jax.random.normal(jax.random.key(1), (m * 32, 4))
+    pm = pp.pipeline(model, stages=2, microbatches=m, schedule="auto", mesh=pp.make_mesh(1, 2))
+    assert pm.measure  # the default for auto
+    params = pm.init(jax.random.key(2), x)
+    loss, grads = pm.value_and_grad(mse)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: mse(model.apply(p, x), y))(params)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+
+    costs = pm.measured_costs
+    assert all(v > 0 for v in (*costs.f, *costs.w, costs.b[1], costs.c))
+    assert costs.b[0] == 0  # the first stage's B is empty
+    assert costs.f[1] > costs.f[0]  # the heavy stage is measured as heavier
+
+    start = time.perf_counter()
+    again = pm.with_options().measure_costs(params, x, y, mse)  # a new pipeline, same model
+    assert time.perf_counter() - start < 1.0  # cached: nothing compiled or timed again
+    assert again == costs
+
+    # The search sees them: the compiled schedule is auto's for these costs, and
+    # the same search with the stage costs swapped chooses differently.
+    assert pm.schedule.programs == make_schedule("auto", 2, m, costs=costs).programs
+    swapped = Costs(f=costs.f[::-1], b=costs.b[::-1], w=costs.w[::-1], c=costs.c)
+    assert make_schedule("auto", 2, m, costs=swapped).programs != pm.schedule.programs
+
+
+def test_balance_by_measured_time_cuts_the_model():
+    from models.mlp import Chain, Dense
+    from pjit_pipe.frontend.cut import cut_module
+
+    model = Chain([Dense(8), Dense(8), Dense(512), Dense(8)])
+    x = jnp.ones((64, 8))
+    params = model.init(jax.random.key(0), x)
+    cut = cut_module(model, params, x, 2, balance="time")
+    assert cut.stages == 2
+    assert sorted(k for keys in cut.keys for k in keys) == sorted(cut.units)
+    # The two wide layers (8 -> 512, 512 -> 8) take most of the time: the two
+    # light ones stay together in the first stage.
+    assert cut.bounds[1] >= 2
