@@ -8,6 +8,8 @@ both pricing plans with the event simulator (`cost`).
 
 from __future__ import annotations
 
+import math
+
 from pjit_pipe.planner.cost import (
     PLANNABLE_KINDS,
     CostModel,
@@ -46,7 +48,7 @@ def plan_model(
         need, P, kind = smallest_memory(model, stages, replicas, kinds)
         held = float(model.devices.memory.max())
         raise PlanError(
-            f"no plan fits in memory: the smallest any plan needs is {need:.0f} bytes "
+            f"no plan fits in memory: the smallest any plan needs is {math.ceil(need)} bytes "
             f"({need / 1e9:.3g} GB) on its fullest device ({P} stages, {kind}), but the "
             f"largest device holds {held:.0f} bytes ({held / 1e9:.3g} GB)"
         ) from None
