@@ -14,6 +14,7 @@ BENCHMARKS = [
     "bench_failures",
     "bench_lowering",
     "bench_variants",
+    "bench_planner",
 ]
 
 

@@ -30,6 +30,19 @@ from pjit_pipe.planner.cost import STATE_COPIES, CostModel
 THRESHOLDS = (1.0, 1.02, 1.05, 1.1, 1.2, 1.35, 1.6, 2.0)
 
 
+def even_cuts(work: np.ndarray, stages: int) -> tuple[int, ...]:
+    """The even-compute split: cut where the running work crosses k/P of the total
+    (every stage keeps at least one layer)."""
+    prefix = np.cumsum(work)
+    cuts, last = [], 0
+    for k in range(1, stages):
+        j = int(np.searchsorted(prefix, k * prefix[-1] / stages)) + 1
+        j = min(max(j, last + 1), len(work) - (stages - k))
+        cuts.append(j)
+        last = j
+    return tuple(cuts)
+
+
 @dataclass(frozen=True)
 class Positions:
     """What a mapping makes of each pipeline position (see the module docstring)."""

@@ -38,10 +38,12 @@ from pjit_pipe.planner.cost import (
     PlanError,
     peak_inflight,
 )
-from pjit_pipe.planner.partition import Partitioner, positions
+from pjit_pipe.planner.partition import Partitioner, even_cuts, positions
 
 TOP_CANDIDATES = 4  # candidates (best proxy first) always priced by the simulator
 POOL_OPS = 50_000  # ... and more of them while their simulations stay within this many ops
+ALL_SHAPES_UP_TO = 8  # devices; beyond, a free search keeps to shapes with D * P = N
+MAX_SWAP_PASSES = 32  # improving swaps per swap search
 ENUMERATE_PLACEMENTS = 720  # shapes with at most this many placements try them all
 PER_SHAPE = 24  # candidates kept per shape
 LINK_WEIGHTS = (0.5, 0.0)  # the partition proxy's k (pjit_pipe.planner.partition)
@@ -60,13 +62,20 @@ class Candidate:
 
 
 def shapes(devices: int, layers: int, stages: int | None, replicas: int | None):
-    """Every (D, P) with D * P <= devices and P <= layers, or the fixed ones asked for."""
+    """Every (D, P) with D * P <= devices and P <= layers, or the fixed ones asked for.
+
+    With more than ALL_SHAPES_UP_TO devices and both free, only shapes that use
+    every device (D * P = N) are tried: leaving devices idle rarely pays there.
+    """
     ps = [stages] if stages else range(1, min(devices, layers) + 1)
     for p in ps:
         ds = [replicas] if replicas else range(1, devices // p + 1)
         for d in ds:
-            if d * p <= devices and p <= layers:
-                yield d, p
+            if d * p > devices or p > layers:
+                continue
+            if not (stages or replicas) and devices > ALL_SHAPES_UP_TO and d * p != devices:
+                continue
+            yield d, p
 
 
 def count_placements(devices: int, replicas: int, stages: int) -> int:
@@ -127,9 +136,9 @@ class Searcher:
         best = self.score(cuts, mapping, peaks, link_weight)
         D, P = len(mapping), len(mapping[0])
         cells = [(r, p) for r in range(D) for p in range(P)]
-        improved = True
-        while improved:
-            improved = False
+        improved, passes = True, 0
+        while improved and passes < MAX_SWAP_PASSES:
+            improved, passes = False, passes + 1
             used = {d for row in mapping for d in row}
             unused = [d for d in range(self.n_dev) if d not in used]
             moves = [(a, b) for a, b in itertools.combinations(cells, 2) if a[0] != b[0]]
@@ -161,15 +170,21 @@ class Searcher:
         """
         peaks = peak_inflight(kind, P, self.m)
         out: set[Candidate] = set()
+        even = even_cuts(self.model.profile.work, P)  # the even-compute split competes too
         if count_placements(self.n_dev, D, P) <= ENUMERATE_PLACEMENTS:
             for mapping, link_weight in itertools.product(
                 placements(self.n_dev, D, P), LINK_WEIGHTS
             ):
                 found = self.part.best(positions(self.model, mapping), peaks, link_weight)
-                if found is not None:
-                    score = self.score(found[0], mapping, peaks, link_weight)
-                    out.add(Candidate(found[0], mapping, score))
-            return sorted(out, key=lambda c: c.score)[:PER_SHAPE]
+                for cuts in {found[0] if found else None, even} - {None}:
+                    score = self.score(cuts, mapping, peaks, link_weight)
+                    if np.isfinite(score):
+                        out.add(Candidate(cuts, mapping, score))
+            return sorted(out, key=lambda c: (c.score, c.mapping, c.cuts))[:PER_SHAPE]
+        for seed in self.seeds(D, P):
+            score = self.score(even, seed, peaks, 0.5)
+            if np.isfinite(score):
+                out.add(Candidate(even, tuple(map(tuple, seed)), score))
         for seed, link_weight in itertools.product(self.seeds(D, P), LINK_WEIGHTS):
             mapping, cuts = seed, None
             for _ in range(4):
@@ -182,7 +197,7 @@ class Searcher:
                 if new_cuts == cuts:
                     break
                 cuts = new_cuts
-        return sorted(out, key=lambda c: c.score)[:PER_SHAPE]
+        return sorted(out, key=lambda c: (c.score, c.mapping, c.cuts))[:PER_SHAPE]
 
     # ---- simulator phase ---------------------------------------------------
     def objective(self, ev: Evaluation) -> float:
@@ -207,12 +222,12 @@ class Searcher:
                 out.append(self._with_flat(plan, moved))
         return out
 
-    def neighbours(self, plan: Plan, kinds: list[str]) -> Iterator[Plan]:
+    def neighbours(self, plan: Plan, kinds: list[str], vary: str = "all") -> Iterator[Plan]:
         """Plans one move away, lazily: another kind, a cut moved by one layer, or a
-        mapping move (`mapping_moves`)."""
+        mapping move (`mapping_moves`). vary="cuts" or "mapping" keeps the rest fixed."""
         n = len(self.model.profile)
         yield from (Plan(plan.stages, plan.mapping, k) for k in kinds if k != plan.schedule)
-        cuts = tuple(s[0] for s in plan.stages[1:])
+        cuts = tuple(s[0] for s in plan.stages[1:]) if vary != "mapping" else ()
         for k in range(len(cuts)):
             for step in (-1, 1):
                 new = list(cuts)
@@ -221,7 +236,8 @@ class Searcher:
                 hi = new[k + 1] if k + 1 < len(new) else n
                 if lo < new[k] < hi:
                     yield Plan.from_cuts(tuple(new), n, plan.mapping, plan.schedule)
-        yield from self.mapping_moves(plan)
+        if vary != "cuts":
+            yield from self.mapping_moves(plan)
 
     def recut(self, plan: Plan) -> list[Plan]:
         """`plan` with the partition DP's cuts for its mapping (one per link weight)."""
@@ -235,20 +251,22 @@ class Searcher:
                 )
         return out
 
-    def climb(self, start: Evaluation, budget: int, kinds: list[str]) -> Evaluation:
+    def climb(
+        self, start: Evaluation, budget: int, kinds: list[str], vary: str = "all"
+    ) -> Evaluation:
         """Iterated local search on the simulated period.
 
         First-improvement hill climbing over `neighbours`; at a local optimum,
-        a kick (a random mapping move from the best plan, re-cut by the DP;
-        seeded, so the search is deterministic) restarts it, until `budget`
-        simulations are spent.
+        a kick (a random mapping move from the best plan, re-cut by the DP
+        unless vary="mapping"; seeded, so the search is deterministic) restarts
+        it, until `budget` simulations are spent. vary="cuts" only climbs.
         """
         rng = np.random.default_rng(0)
         best = current = start
         seen = {start.plan}
         while budget > 0:
             improved = False
-            for cand in self.neighbours(current.plan, kinds):
+            for cand in self.neighbours(current.plan, kinds, vary):
                 if budget <= 0:
                     break
                 if cand in seen or not self.model.fits(cand):
@@ -263,11 +281,11 @@ class Searcher:
                 best = current
             if improved:
                 continue
-            moves = self.mapping_moves(best.plan)
+            moves = self.mapping_moves(best.plan) if vary != "cuts" else []
             if not moves:
-                break  # one device, one layer: nothing to perturb
+                break  # nothing to perturb
             kicked = moves[int(rng.integers(len(moves)))]
-            recuts = self.recut(kicked) or [kicked]
+            recuts = (self.recut(kicked) if vary == "all" else []) or [kicked]
             kick = recuts[int(rng.integers(len(recuts)))]
             if kick in seen or not self.model.fits(kick):
                 budget -= 1  # a wasted kick still counts, so the loop ends
