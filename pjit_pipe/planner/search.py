@@ -44,7 +44,7 @@ TOP_CANDIDATES = 4  # candidates (best proxy first) always priced by the simulat
 POOL_OPS = 50_000  # ... and more of them while their simulations stay within this many ops
 ALL_SHAPES_UP_TO = 8  # devices; beyond, a free search keeps to shapes with D * P = N
 MAX_SWAP_PASSES = 32  # improving swaps per swap search
-ENUMERATE_PLACEMENTS = 720  # shapes with at most this many placements try them all
+ENUMERATE_PLACEMENTS = 5040  # shapes with at most this many device permutations try them all
 PER_SHAPE = 24  # candidates kept per shape
 LINK_WEIGHTS = (0.5, 0.0)  # the partition proxy's k (pjit_pipe.planner.partition)
 CLIMBS = 3  # hill climbs, each from the best simulated plan of a different shape
@@ -76,11 +76,6 @@ def shapes(devices: int, layers: int, stages: int | None, replicas: int | None):
             if not (stages or replicas) and devices > ALL_SHAPES_UP_TO and d * p != devices:
                 continue
             yield d, p
-
-
-def count_placements(devices: int, replicas: int, stages: int) -> int:
-    """How many `placements` there are: N! / (N - DP)! / D!."""
-    return math.perm(devices, replicas * stages) // math.factorial(replicas)
 
 
 def placements(devices: int, replicas: int, stages: int):
@@ -165,13 +160,15 @@ class Searcher:
     def for_shape(self, D: int, P: int, kind: str) -> list[Candidate]:
         """Candidates of one shape, best proxy first (empty if none fits).
 
-        With few placements (at most ENUMERATE_PLACEMENTS) each is cut by the DP;
+        With few device permutations (at most ENUMERATE_PLACEMENTS) every placement
+        is cut by the DP;
         otherwise each seed alternates DP and swap search.
         """
         peaks = peak_inflight(kind, P, self.m)
         out: set[Candidate] = set()
         even = even_cuts(self.model.profile.work, P)  # the even-compute split competes too
-        if count_placements(self.n_dev, D, P) <= ENUMERATE_PLACEMENTS:
+        # placements() walks every permutation of D*P devices: bound those, not the canonical ones
+        if math.perm(self.n_dev, D * P) <= ENUMERATE_PLACEMENTS:
             for mapping, link_weight in itertools.product(
                 placements(self.n_dev, D, P), LINK_WEIGHTS
             ):
