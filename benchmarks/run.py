@@ -16,6 +16,7 @@ BENCHMARKS = [
     "bench_variants",
     "bench_memory",
     "bench_backward",
+    "bench_planner",
 ]
 
 

@@ -38,33 +38,12 @@ def _title(kind: str, result: SimResult) -> str:
     )
 
 
-def gantt(
-    result_or_schedule: SimResult | Schedule,
-    path: str | Path,
-    costs: Costs | None = None,
-    title: str | None = None,
-) -> Path:
-    """Draw the events of a simulation (a Schedule is simulated for one iteration first).
-
-    `path` must end in .png or .svg; `title` replaces the schedule kind in the heading,
-    which always shows makespan and bubble ratio. Returns the written path.
-    """
-    path = Path(path)
-    if path.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"path: a Gantt chart is written as .png or .svg, got {str(path)!r}")
-    if isinstance(result_or_schedule, Schedule):
-        result = simulate(result_or_schedule, costs)
-        kind = result_or_schedule.kind
-    else:
-        result = result_or_schedule
-        kind = "schedule"
+def draw_gantt(ax, result: SimResult, title: str, width: float) -> None:
+    """Draw `result`'s events on the matplotlib axes `ax` (`width`: the axes' inches,
+    to decide which boxes have room for a label)."""
     workers = sorted(result.busy)
     row = {w: i for i, w in enumerate(workers)}
     end = max((e.end for e in result.events), default=1.0) or 1.0
-    per_row = max((sum(e.worker == w for e in result.events) for w in workers), default=1)
-    width = min(40.0, max(8.0, 0.32 * per_row + 2.5))
-    fig = Figure(figsize=(width, 0.55 * len(workers) + 1.6), layout="constrained")
-    ax = fig.add_subplot()
     points_per_unit = (width - 1.5) * 72 / end
     chunks_of = {
         w: sorted(
@@ -107,7 +86,33 @@ def gantt(
         fontsize=8,
         frameon=False,
     )
-    ax.set_title(_title(title or kind, result), fontsize=10)
+    ax.set_title(_title(title, result), fontsize=10)
+
+
+def gantt(
+    result_or_schedule: SimResult | Schedule,
+    path: str | Path,
+    costs: Costs | None = None,
+    title: str | None = None,
+) -> Path:
+    """Draw the events of a simulation (a Schedule is simulated for one iteration first).
+
+    `path` must end in .png or .svg; `title` replaces the schedule kind in the heading,
+    which always shows makespan and bubble ratio. Returns the written path.
+    """
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise ValueError(f"path: a Gantt chart is written as .png or .svg, got {str(path)!r}")
+    if isinstance(result_or_schedule, Schedule):
+        result = simulate(result_or_schedule, costs)
+        kind = result_or_schedule.kind
+    else:
+        result = result_or_schedule
+        kind = "schedule"
+    per_row = max((sum(e.worker == w for e in result.events) for w in result.busy), default=1)
+    width = min(40.0, max(8.0, 0.32 * per_row + 2.5))
+    fig = Figure(figsize=(width, 0.55 * len(result.busy) + 1.6), layout="constrained")
+    draw_gantt(fig.add_subplot(), result, title or kind, width)
     with rc_context({"svg.fonttype": "none"}):  # SVG text stays text (searchable)
         fig.savefig(path, dpi=110)
     return path

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pjit_pipe.ir.dataflow import Dataflow, Event
+from pjit_pipe.ir.dataflow import Dataflow, DurationFn, Event, LatencyFn
 from pjit_pipe.ir.lockstep import tick_table
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Worker
@@ -79,6 +79,9 @@ def simulate(
     costs: Costs | None = None,
     iterations: int = 1,
     mode: Mode = "event",
+    *,
+    duration: DurationFn | None = None,
+    latency: LatencyFn | None = None,
 ) -> SimResult:
     """Execute `schedule` for `iterations` iterations and measure it.
 
@@ -87,15 +90,21 @@ def simulate(
     mode="lockstep": the tick table of `pjit_pipe.ir.lockstep`, as an SPMD program runs it.
     Makespan, span and busy time are of the first iteration; steady_period is
     (end of the last iteration - end of the first) / (iterations - 1).
+    In event mode `duration(worker, op)` and `latency(src, dst)` replace the
+    times `costs` gives (per-device speeds, per-link transfer times C).
     """
     costs = costs or Costs()
     if iterations < 1:
         raise ScheduleError(f"iterations must be >= 1, got {iterations}")
     if mode == "event":
         events = Dataflow(schedule).run(
-            costs.duration_fn(schedule), lambda a, b: costs.c, iterations=iterations
+            duration or costs.duration_fn(schedule),
+            latency or (lambda a, b: costs.c),
+            iterations=iterations,
         )
     elif mode == "lockstep":
+        if duration or latency:
+            raise ScheduleError("duration and latency overrides apply to mode='event' only")
         events = _lockstep_events(schedule, costs, iterations)
     else:
         raise ScheduleError(f"mode must be 'event' or 'lockstep', got {mode!r}")
