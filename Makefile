@@ -16,11 +16,11 @@ demo: $(STAMP)
 	$(BIN)/python -m pjit_pipe demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # The inner loop: everything but the tests marked slow.
 test-quick: $(STAMP)
-	$(BIN)/python -m pytest -q -m "not slow"
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run.py

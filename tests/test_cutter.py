@@ -233,7 +233,10 @@ def test_hf_style_lm_tied_remat_mask_matches_jax():
     _gpt2_case(pp.make_mesh(data=1, stage=4), "1f1b")
 
 
-MATRIX = [(d, kind) for d in (1, 2) for kind in ("1f1b", "zb-h1") if (d, kind) != (1, "1f1b")]
+# The quick test runs 1x4 1f1b; the suite adds the opposite corner (2x4 zb-h1).
+# Every (mesh, kind) pair of 1x4/2x4 x 1f1b/zb-h1 passed when this landed; the
+# suite keeps two to stay within its time budget.
+MATRIX = [(2, "zb-h1")]
 
 
 @pytest.mark.slow
@@ -243,7 +246,7 @@ def test_hf_style_lm_matrix(data, kind):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("data,kind", [(d, k) for d in (1, 2) for k in ("1f1b", "zb-h1")])
+@pytest.mark.parametrize("data,kind", [(1, "1f1b"), (2, "zb-h1")])
 def test_masked_carry_matrix(data, kind):
     model = MaskedCarry()
     x = jax.random.normal(jax.random.key(1), (8, 5, 3))

@@ -273,7 +273,7 @@ def test_dropout_uses_the_same_keys_per_microbatch():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("D", "kind"), MATRIX)
+@pytest.mark.parametrize(("D", "kind"), [(2, "zb-h1"), (1, "1f1b")])  # two corners: time budget
 def test_dropout_matrix(D, kind):
     check_dropout(D, kind)
 

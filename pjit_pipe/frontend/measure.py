@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.stages import StageVjp
 from pjit_pipe.simulator.costs import Costs
 
@@ -84,8 +85,9 @@ def _stage_ops(st: StageVjp, s: int, device: jax.Device, y_mb: Any) -> dict[str,
     p = _ones(st.param_avals[s], device)
     a = _ones(st.act_avals[s], device)
     y = _ones(y_mb, device) if s == st.S - 1 else None
+    # The last stage's output is the loss vector (loss.LossLayout): seed its value.
     g = (
-        jnp.asarray(1.0, st.loss_aval.dtype)
+        jax.device_put(jnp.zeros(st.loss_aval.shape, st.loss_aval.dtype).at[0].set(1.0), device)
         if s == st.S - 1
         else _ones(st.act_avals[s + 1], device)
     )
@@ -152,7 +154,7 @@ def measure_stage_times(
     avals = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), stage_params
     )
-    st = StageVjp(stage_fns, loss_fn, avals, x_mb, y_mb, split=range(S))
+    st = StageVjp(stage_fns, LossLayout(loss_fn).vector, avals, x_mb, y_mb, split=range(S))
     row = np.asarray(mesh.devices)[0]
     times: dict[int, dict[str, float]] = {}
     for s in range(S):
