@@ -18,21 +18,7 @@ from models import CNN, GPT2LM, GPT2Config, gpt2_batch, lm_loss
 from pjit_pipe.frontend import cut_module
 from pjit_pipe.frontend.analysis import liveness
 from pjit_pipe.frontend.opt_state import split_opt_state
-
-
-def rel_err(a, b) -> float:
-    """Largest leaf-wise max|a-b| / max|b|."""
-    return max(
-        float(jnp.max(jnp.abs(u - v)) / (jnp.max(jnp.abs(v)) + 1e-30))
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
-
-
-def compose(cut, params, x):
-    act = x
-    for fn, p in zip(cut.stage_fns(), cut.split(params), strict=True):
-        act = fn(p, act)
-    return act
+from tests.test_frontend import compose, rel_err
 
 
 class MaskedCarry(nn.Module):
