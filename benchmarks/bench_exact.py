@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import argparse
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.schedules.exact import solve_exact
-from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import simulate
 
 CASES = [

@@ -18,12 +18,13 @@ import sys
 import time
 from pathlib import Path
 
-from pjit_pipe.failures import FailurePattern
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.passes.reroute import schedule_with_failures
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator.baselines import drop_replica, lower_bound, naive_reroute
-from pjit_pipe.simulator.costs import Costs
+from pjit_pipe.schedules.baselines import drop_replica, naive_reroute
+from pjit_pipe.simulator.bounds import lower_bound
 from pjit_pipe.simulator.simulate import simulate
 
 ITERATIONS = 8

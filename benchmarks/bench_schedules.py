@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.schedules import KINDS, make_schedule
-from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import simulate
 
 UNIT = Costs()

@@ -11,10 +11,10 @@ import pytest
 
 from pjit_pipe.cli import main
 from pjit_pipe.cli.schedule import DEFAULT_ITERATIONS
-from pjit_pipe.ir import from_json
+from pjit_pipe.ir import Costs, from_json
 from pjit_pipe.passes import stagger
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator import Costs, simulate
+from pjit_pipe.simulator import simulate
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import OPT, B, F, Op, W, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
@@ -19,7 +20,6 @@ from pjit_pipe.ir.validate import validate
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.schedules.auto import auto
 from pjit_pipe.schedules.exact import MAX_ORDER_BINARIES, refiner, solve_exact
-from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import simulate
 
 COSTS = {"unit": Costs(1, 1, 1, 0), "5,6,4,1": Costs(5, 6, 4, 1)}

@@ -4,7 +4,7 @@ from itertools import combinations, permutations
 
 import pytest
 
-from pjit_pipe.failures import FailurePattern, enumerate_patterns, inverse, permute_replicas
+from pjit_pipe.ir.failures import FailurePattern, enumerate_patterns, inverse, permute_replicas
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.schedules import make_schedule

@@ -8,6 +8,7 @@ from pjit_pipe.ir import (
     RECV,
     SEND,
     B,
+    Costs,
     DeadlockError,
     F,
     Payload,
@@ -24,7 +25,7 @@ from pjit_pipe.ir import (
 )
 from pjit_pipe.ir.lockstep import tick_table
 from pjit_pipe.schedules.classic import gpipe, one_f_one_b
-from pjit_pipe.simulator import Costs, simulate
+from pjit_pipe.simulator import simulate
 
 
 def two_stage(p0, p1, **kw) -> Schedule:

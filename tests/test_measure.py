@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 import pjit_pipe as pp
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator.costs import Costs
 
 
 class LightThenHeavy(nn.Module):

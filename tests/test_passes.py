@@ -8,12 +8,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pjit_pipe.ir import Kind, Op, Payload, Schedule, Worker, interleaved_layout, v_layout
+from pjit_pipe.ir import Costs, Kind, Op, Payload, Schedule, Worker, interleaved_layout, v_layout
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import defer_w, insert_comm, split_backward, stagger
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator import Costs, simulate
+from pjit_pipe.simulator import simulate
 
 EPS = 1e-9
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

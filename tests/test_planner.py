@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pjit_pipe.cli import main
+from pjit_pipe.ir import Costs
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.planner import (
     CostModel,
@@ -23,7 +24,7 @@ from pjit_pipe.planner import (
 from pjit_pipe.planner.exact import exact_plan
 from pjit_pipe.planner.profile import SHIPPED
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator import Costs, simulate
+from pjit_pipe.simulator import simulate
 
 
 def _node_lines(path) -> list[str]:

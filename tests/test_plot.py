@@ -9,11 +9,11 @@ from pathlib import Path
 
 import pytest
 
-from pjit_pipe.ir import Kind
+from pjit_pipe.ir import Costs, Kind
 from pjit_pipe.ir.ops import format_op
 from pjit_pipe.passes import defer_w, insert_comm, split_backward
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator import Costs, simulate
+from pjit_pipe.simulator import simulate
 from pjit_pipe.simulator.plot import gantt
 from pjit_pipe.simulator.trace import chrome_trace
 

@@ -14,7 +14,7 @@ import pytest
 
 import pjit_pipe as pp
 from models import ResidualMLP, mse_loss
-from pjit_pipe.failures import enumerate_patterns
+from pjit_pipe.ir.failures import enumerate_patterns
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.runtime import (

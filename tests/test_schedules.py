@@ -10,12 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pjit_pipe.ir import Kind, ScheduleError, Worker, validate
+from pjit_pipe.ir import Costs, Kind, ScheduleError, Worker, validate
 from pjit_pipe.ir.text import from_json, from_text, to_json, to_text
 from pjit_pipe.schedules import KINDS, make_schedule
 from pjit_pipe.schedules.heuristic import Policy, greedy
 from pjit_pipe.schedules.timing import Shape, Step, evaluate
-from pjit_pipe.simulator import Costs, simulate
+from pjit_pipe.simulator import simulate
 
 ZB = Costs(5, 6, 4, 1)
 

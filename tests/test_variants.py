@@ -25,7 +25,7 @@ from test_lowering import (
     xent,
 )
 
-from pjit_pipe.failures import FailurePattern
+from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.lowering import lower
 from pjit_pipe.passes import stagger

@@ -7,14 +7,14 @@ import json
 import math
 from pathlib import Path
 
-from pjit_pipe.failures import FailurePattern
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.text import to_json, to_text
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.reroute import schedule_with_failures
 from pjit_pipe.schedules import KINDS, make_schedule
-from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import SimResult, simulate
 
 DEFAULT_ITERATIONS = 4

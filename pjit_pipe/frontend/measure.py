@@ -29,9 +29,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.stages import StageVjp
-from pjit_pipe.simulator.costs import Costs
 
 
 @dataclass(frozen=True)

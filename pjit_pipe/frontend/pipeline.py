@@ -23,18 +23,18 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pjit_pipe.failures import FailurePattern
 from pjit_pipe.frontend.adapters import as_model
 from pjit_pipe.frontend.cut import BALANCE, StageCut, cut_module
 from pjit_pipe.frontend.mesh import AXES, make_mesh
 from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.rngs import step_rngs, with_step_rngs
 from pjit_pipe.frontend.state import StateView, TrainState
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.topology import Topology
 from pjit_pipe.passes.reroute import schedule_with_failures
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator.costs import Costs
 
 LossFn = Callable[[Any, Any], jax.Array]
 

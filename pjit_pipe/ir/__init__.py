@@ -1,6 +1,9 @@
-"""The schedule IR: ops, per-worker programs, placement, text/JSON forms, validation."""
+"""The schedule IR: ops, per-worker programs, placement, text/JSON forms, validation,
+costs and failure patterns."""
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.dataflow import Dataflow, DeadlockError, Event
+from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import memory_trace, peak_memory
 from pjit_pipe.ir.ops import BW, OPT, RECV, SEND, B, F, Kind, Op, Payload, W, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError, interleaved_layout, v_layout
@@ -13,10 +16,12 @@ __all__ = [
     "RECV",
     "SEND",
     "B",
+    "Costs",
     "Dataflow",
     "DeadlockError",
     "Event",
     "F",
+    "FailurePattern",
     "Kind",
     "Op",
     "Payload",

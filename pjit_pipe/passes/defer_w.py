@@ -20,11 +20,11 @@ from __future__ import annotations
 from collections import defaultdict, deque
 from typing import Literal
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.dataflow import Dataflow, DeadlockError
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import simulate
 
 FillRule = Literal["fit", "eager"]

@@ -26,12 +26,13 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from pjit_pipe.failures import FailurePattern, inverse, permute_replicas
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern, inverse, permute_replicas
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import BW, OPT, B, F, Kind, Op, W, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.simulator.costs import Costs
+from pjit_pipe.simulator.bounds import lower_bound
 from pjit_pipe.simulator.simulate import simulate
 
 Slot = tuple[int, int, int]  # (virtual stage, microbatch, home replica)
@@ -424,7 +425,6 @@ def schedule_with_failures(
     time limit cuts their searches at different points).
     """
     from pjit_pipe.schedules import make_schedule
-    from pjit_pipe.simulator.baselines import lower_bound
 
     costs = costs or Costs()
     pattern = FailurePattern.of(replicas, stages, failed)

@@ -37,13 +37,13 @@ from functools import lru_cache
 
 import numpy as np
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.planner.devices import Devices
 from pjit_pipe.planner.profile import Profile
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import SimResult, simulate
 
 PLANNABLE_KINDS = ("1f1b", "zb-h1", "gpipe", "zb-h2")

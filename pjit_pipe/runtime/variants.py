@@ -21,8 +21,8 @@ from typing import Any
 
 import jax
 
-from pjit_pipe.failures import FailurePattern, enumerate_patterns
 from pjit_pipe.frontend.pipeline import Pipelined, TrainState, TrainStep
+from pjit_pipe.ir.failures import FailurePattern, enumerate_patterns
 from pjit_pipe.ir.ops import Worker
 
 Failed = frozenset[Worker]

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.schedules.auto import OBJECTIVES, Objective, auto
@@ -28,7 +29,6 @@ from pjit_pipe.schedules.common import check_positive
 from pjit_pipe.schedules.interleaved import interleaved_1f1b
 from pjit_pipe.schedules.zbv import zb_v
 from pjit_pipe.schedules.zero_bubble import zb_h1, zb_h2
-from pjit_pipe.simulator.costs import Costs
 
 KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "auto")
 

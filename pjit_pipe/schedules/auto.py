@@ -19,6 +19,7 @@ import math
 from collections.abc import Callable, Sequence
 from typing import Literal
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError, interleaved_layout, v_layout
@@ -29,7 +30,6 @@ from pjit_pipe.schedules.interleaved import interleaved_1f1b
 from pjit_pipe.schedules.timing import Shape, Step, evaluate, to_ops
 from pjit_pipe.schedules.zbv import zb_v
 from pjit_pipe.schedules.zero_bubble import zb_h1, zb_h2
-from pjit_pipe.simulator.costs import Costs
 
 Objective = Literal["makespan", "span"]
 OBJECTIVES = ("makespan", "span")

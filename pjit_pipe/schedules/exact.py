@@ -45,13 +45,13 @@ from dataclasses import dataclass
 import highspy
 import numpy as np
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import Kind, Op
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.schedules.auto import ExactSolver, auto
 from pjit_pipe.schedules.common import check_positive, replicated
 from pjit_pipe.schedules.timing import Shape, Step, to_ops
-from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import simulate
 
 MAX_ORDER_BINARIES = 12_000

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import BW, B, F, Kind, Op, W
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.simulator.costs import Costs
 
 
 class Step(NamedTuple):

@@ -10,11 +10,11 @@ span 24 = m(F+B+W), makespan 25.5, peak memory <= P.
 
 from __future__ import annotations
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.schedule import Schedule, v_layout
 from pjit_pipe.schedules.common import check_positive, replicated
 from pjit_pipe.schedules.heuristic import Policy, greedy
 from pjit_pipe.schedules.timing import Shape, to_ops
-from pjit_pipe.simulator.costs import Costs
 
 # Without reservation the order is tighter; with it, it is guaranteed to exist.
 _POLICIES = tuple(

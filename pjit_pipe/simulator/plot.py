@@ -13,9 +13,9 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.simulator.costs import Costs
 from pjit_pipe.simulator.simulate import SimResult, simulate
 
 COLORS = {

@@ -5,12 +5,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.dataflow import Dataflow, DurationFn, Event, LatencyFn
 from pjit_pipe.ir.lockstep import tick_table
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.simulator.costs import Costs
 
 Mode = Literal["event", "lockstep"]
 

@@ -1,7 +1,8 @@
 """What a re-routed schedule is measured against under failures.
 
-- `lower_bound`: no schedule can beat the work of its busiest surviving worker
-  (nor the fault-free ideal), whatever the order of its ops.
+(The bound every schedule is measured against, `lower_bound`, is a price and
+lives in `pjit_pipe.simulator.bounds`.)
+
 - `drop_replica`: the usual fallback: replicas with a failed worker stop, the
   intact ones split the global batch and run the fault-free schedule.
 - `naive_reroute`: peers take the orphaned microbatches, but with fused BW and
@@ -10,49 +11,13 @@
 
 from __future__ import annotations
 
-from pjit_pipe.failures import FailurePattern
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes.reroute import ORDERS, Failed, assign, best_of, list_schedule
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator.costs import Costs
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def lower_bound(
-    stages: int,
-    microbatches: int,
-    replicas: int,
-    failed: Failed = (),
-    costs: Costs | None = None,
-    chunks: int = 1,
-) -> float:
-    """Work-conserving bound on the steady iteration period.
-
-    The larger of the fault-free bound and the load of the busiest surviving
-    worker: a stage with k failed replicas spreads its D*m microbatches over
-    D-k workers, one of which gets ceil(D*m/(D-k)) whole microbatches (plus
-    the optimizer steps of its `chunks` chunks). The fault-free bound is the
-    larger of the ideal m*(F+B+W) and one microbatch's round trip: stage 0
-    cannot start an iteration before its optimizer has the previous one's
-    gradients, which need every stage's F and B of one microbatch (and at
-    least 2(P-1) transfers) and its own W.
-    """
-    costs = costs or Costs()
-    pattern = FailurePattern.of(replicas, stages, failed)
-    per_stage = costs.per_stage(stages)
-    total = replicas * microbatches
-    steps = chunks * costs.opt
-    round_trip = sum(f + b for f, b, _ in per_stage) + per_stage[0][2] / chunks
-    round_trip += 2 * (stages - 1) * costs.c + costs.opt
-    busiest = max(
-        _ceil_div(total, len(pattern.survivors(p))) * sum(per_stage[p]) for p in range(stages)
-    )
-    return max(round_trip, busiest + steps)
 
 
 def drop_replica(
@@ -76,7 +41,7 @@ def drop_replica(
         raise ScheduleError(
             f"drop_replica: every one of the {replicas} replicas has a failed worker ({pattern})"
         )
-    per_replica = _ceil_div(replicas * microbatches, alive)
+    per_replica = -(-replicas * microbatches // alive)  # ceil
     return make_schedule(kind, stages, per_replica, chunks, costs, mem_limit, replicas=alive)
 
 
