@@ -21,8 +21,7 @@ from pathlib import Path
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.passes.reroute import schedule_with_failures
-from pjit_pipe.schedules import make_schedule
+from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.schedules.baselines import drop_replica, naive_reroute
 from pjit_pipe.simulator.bounds import lower_bound
 from pjit_pipe.simulator.simulate import simulate

@@ -29,8 +29,7 @@ from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.lowering import lower
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.reroute import schedule_with_failures
-from pjit_pipe.schedules import make_schedule
+from pjit_pipe.schedules import make_schedule, schedule_with_failures
 
 M = 4
 PATTERNS = [(D, P, ((r, s),)) for D, P in ((2, 4), (4, 2)) for r in range(D) for s in range(P)] + [

@@ -13,7 +13,6 @@ from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.text import to_json, to_text
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.reroute import schedule_with_failures
 from pjit_pipe.schedules import KINDS, make_schedule
 from pjit_pipe.simulator.simulate import SimResult, simulate
 
@@ -175,6 +174,7 @@ def _summary_line(kind: str, result: SimResult) -> str:
 def run(args: argparse.Namespace) -> int:
     """Build the schedule, validate it, simulate it, then print/draw/trace it."""
     kwargs = {} if args.chunks is None else {"chunks": args.chunks}
+    failed = FailurePattern.parse(args.failed, args.replicas, args.stages)
     schedule = make_schedule(
         args.kind,
         args.stages,
@@ -183,24 +183,13 @@ def run(args: argparse.Namespace) -> int:
         mem_limit=args.mem_limit,
         replicas=args.replicas,
         exact_time_limit=args.exact,
+        failed=failed,
         **kwargs,
     )
     if args.chunks is not None and schedule.chunks != args.chunks:
         raise ValueError(
             f"--chunks {args.chunks} does not fit kind {args.kind}, which uses "
             f"{schedule.chunks} chunk(s) per device"
-        )
-    failed = FailurePattern.parse(args.failed, args.replicas, args.stages)
-    if failed.failed:
-        schedule = schedule_with_failures(
-            args.kind,
-            args.stages,
-            args.microbatches,
-            args.replicas,
-            failed,
-            args.costs,
-            args.mem_limit,
-            schedule.chunks,
         )
     if args.stagger:
         schedule = stagger(schedule)

@@ -33,7 +33,6 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.topology import Topology
-from pjit_pipe.passes.reroute import schedule_with_failures
 from pjit_pipe.schedules import make_schedule
 
 LossFn = Callable[[Any, Any], jax.Array]
@@ -125,28 +124,17 @@ class Pipelined:
 
     def _make_schedule(self, costs: Costs | None) -> None:
         schedule, mem_limit, search_time = self._schedule_args
-        if self.failed.failed:
-            self.schedule: Schedule = schedule_with_failures(
-                schedule,
-                self.stages,
-                self.microbatches,
-                self.replicas,
-                self.failed,
-                costs,
-                mem_limit,
-                self.chunks,
-                time_limit=search_time,
-            )
-        else:
-            self.schedule = make_schedule(
-                schedule,
-                self.stages,
-                self.microbatches,
-                self.chunks,
-                costs,
-                mem_limit,
-                self.replicas,
-            )
+        self.schedule: Schedule = make_schedule(
+            schedule,
+            self.stages,
+            self.microbatches,
+            self.chunks,
+            costs,
+            mem_limit,
+            self.replicas,
+            failed=self.failed,
+            search_time=search_time,
+        )
 
     def measure_costs(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> Costs:
         """Per-stage F/B/W (ms) measured on this pipeline's devices for these shapes

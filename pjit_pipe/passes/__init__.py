@@ -2,7 +2,7 @@
 
 from pjit_pipe.passes.comm import insert_comm
 from pjit_pipe.passes.defer_w import defer_w
-from pjit_pipe.passes.reroute import reroute, schedule_with_failures
+from pjit_pipe.passes.reroute import reroute
 from pjit_pipe.passes.split_backward import split_backward
 from pjit_pipe.passes.stagger import stagger
 
@@ -10,7 +10,6 @@ __all__ = [
     "defer_w",
     "insert_comm",
     "reroute",
-    "schedule_with_failures",
     "split_backward",
     "stagger",
 ]

@@ -13,15 +13,14 @@ allows, else a pending W. Later iterations start where earlier ones left the
 pipeline, so their programs are the steady-state ones.
 
 `reroute` is the pass: one balanced assignment, op priorities taken from the
-input schedule. `schedule_with_failures` searches assignments and priority
-orders and keeps the shortest steady iteration period under the memory limit.
+input schedule. The search over assignments and priority orders lives with the
+generators, in `pjit_pipe.schedules.failure_aware`.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
-import time
 from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -32,12 +31,11 @@ from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import BW, OPT, B, F, Kind, Op, W, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.simulator.bounds import lower_bound
-from pjit_pipe.simulator.simulate import simulate
+from pjit_pipe.simulator.simulate import best_of
 
 Slot = tuple[int, int, int]  # (virtual stage, microbatch, home replica)
 Placement = dict[Slot, Worker]
-Failed = FailurePattern | Iterable[tuple[int, int]]
+FailedWorkers = FailurePattern | Iterable[tuple[int, int]]  # a pattern or its (replica, stage)s
 
 ORDERS = ("interleave", "last", "first")
 STEADY_ITERATIONS = 6
@@ -334,27 +332,8 @@ def list_schedule(
     ]
 
 
-def steady_period(schedule: Schedule, costs: Costs, iterations: int = STEADY_ITERATIONS) -> float:
-    """Iteration period once the pipeline is in its steady state."""
-    return simulate(schedule, costs, iterations=iterations).steady_period
-
-
-def best_of(candidates: Iterable[Schedule], costs: Costs, target: float = -math.inf) -> Schedule:
-    """The candidate with the shortest steady period (the first one on ties).
-
-    Stops at the first candidate whose period reaches `target` (a lower bound).
-    """
-    best, best_period = None, math.inf
-    for cand in candidates:
-        period = steady_period(cand, costs)
-        if period < best_period - 1e-9:
-            best, best_period = cand, period
-        if best_period <= target + 1e-9:
-            break
-    return best
-
-
-def _default_limit(schedule: Schedule, mem_limit: float | None) -> float:
+def default_limit(schedule: Schedule, mem_limit: float | None) -> float:
+    """`mem_limit`, or else the schedule's own peak activation memory."""
     return max(peak_memory(schedule).values()) if mem_limit is None else mem_limit
 
 
@@ -363,7 +342,7 @@ def _symmetric_under(schedule: Schedule, perm: tuple[int, ...]) -> bool:
     return moved.programs == schedule.programs and moved.failed == schedule.failed
 
 
-def _canonically(
+def canonically(
     schedule: Schedule, pattern: FailurePattern, build: Callable[[FailurePattern], Schedule]
 ) -> Schedule:
     """Build for the canonical pattern and relabel back, when the input allows it.
@@ -378,7 +357,7 @@ def _canonically(
 
 def reroute(
     schedule: Schedule,
-    failed: Failed,
+    failed: FailedWorkers,
     costs: Costs | None = None,
     mem_limit: float | None = None,
 ) -> Schedule:
@@ -390,7 +369,7 @@ def reroute(
     costs = costs or Costs()
     pattern = FailurePattern.of(schedule.replicas, schedule.stages, failed)
     pattern = FailurePattern(schedule.replicas, schedule.stages, pattern.failed | schedule.failed)
-    limit = _default_limit(schedule, mem_limit)
+    limit = default_limit(schedule, mem_limit)
 
     def build(pat: FailurePattern) -> Schedule:
         placement = assign(schedule, pat)
@@ -398,61 +377,4 @@ def reroute(
         runs = list_schedule(schedule, pat, placement, costs, caps, kind=f"{schedule.kind}+reroute")
         return best_of(runs[1:], costs)
 
-    return validate(_canonically(schedule, pattern, build), mem_limit=limit)
-
-
-def schedule_with_failures(
-    kind: str,
-    stages: int,
-    microbatches: int,
-    replicas: int,
-    failed: Failed,
-    costs: Costs | None = None,
-    mem_limit: float | None = None,
-    chunks: int | None = None,
-    time_limit: float = 10.0,
-) -> Schedule:
-    """The re-routed schedule with the shortest steady iteration period found.
-
-    Starts from the fault-free `kind` schedule (its op order gives the
-    priorities) and tries every round-robin rotation and a block assignment of
-    orphaned microbatches, each with re-routed work interleaved, last or first
-    (with chunks > 1, each also without reserving memory for a microbatch's
-    later chunks, which is faster when it does not get stuck). Stops as soon as a candidate reaches the work-conserving lower bound, or
-    after `time_limit` seconds. `mem_limit` defaults to the fault-free
-    schedule's peak memory; `chunks` defaults to the kind's own. Patterns equal
-    up to a permutation of replicas get one schedule, relabelled (unless the
-    time limit cuts their searches at different points).
-    """
-    from pjit_pipe.schedules import make_schedule
-
-    costs = costs or Costs()
-    pattern = FailurePattern.of(replicas, stages, failed)
-    base = make_schedule(kind, stages, microbatches, chunks, costs, mem_limit, replicas)
-    target = lower_bound(stages, microbatches, replicas, pattern, costs, base.chunks)
-    limit = _default_limit(base, mem_limit)
-    caps = dict.fromkeys(base.workers, limit)
-    deadline = time.monotonic() + time_limit
-
-    def candidates(pat: FailurePattern):
-        spread = max(len(pat.survivors(p)) for p in range(stages))
-        assignments = [(k, False) for k in range(spread)] + [(0, True)]
-        name = f"{kind}+reroute"
-        reserves = (False,) if base.chunks == 1 else (False, True)  # same thing when v=1
-        for order in ORDERS:
-            for offset, blocks in assignments:
-                placement = assign(base, pat, offset, blocks)
-                for reserve in reserves:
-                    try:
-                        yield from list_schedule(
-                            base, pat, placement, costs, caps, order, reserve=reserve, kind=name
-                        )[1:]
-                    except ScheduleError:
-                        if reserve:
-                            raise
-                        # stuck without reservation: the reserving run follows
-                if time.monotonic() > deadline:
-                    return
-
-    result = _canonically(base, pattern, lambda pat: best_of(candidates(pat), costs, target))
-    return validate(result, mem_limit=limit)
+    return validate(canonically(schedule, pattern, build), mem_limit=limit)

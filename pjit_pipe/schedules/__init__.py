@@ -1,6 +1,7 @@
 """Schedule generators: build an IR schedule from (kind, P, m, v, costs, memory limit).
 
-`make_schedule` is the one entry point the CLI, the frontend and the benchmarks use.
+`make_schedule` is the one entry point the CLI, the frontend and the benchmarks use;
+given failed workers it runs the failure-aware search (`failure_aware`).
 
 Kinds, their chunk counts and what they need (m microbatches, P stages):
 
@@ -18,14 +19,16 @@ A fixed kind given a mem_limit below its own peak memory raises ScheduleError
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.schedules.auto import OBJECTIVES, Objective, auto
 from pjit_pipe.schedules.classic import gpipe, one_f_one_b
 from pjit_pipe.schedules.common import check_positive
+from pjit_pipe.schedules.failure_aware import search_reroutes
 from pjit_pipe.schedules.interleaved import interleaved_1f1b
 from pjit_pipe.schedules.zbv import zb_v
 from pjit_pipe.schedules.zero_bubble import zb_h1, zb_h2
@@ -71,8 +74,16 @@ def make_schedule(
     *,
     objective: Objective = "makespan",
     exact_time_limit: float | None = None,
+    failed: FailurePattern | Iterable[tuple[int, int]] = (),
+    search_time: float = 10.0,
 ) -> Schedule:
-    """Generate a fault-free schedule of `kind` (one of KINDS).
+    """Generate a schedule of `kind` (one of KINDS), re-routed around `failed` workers.
+
+    `failed` ((replica, stage) pairs or a FailurePattern): when some are given,
+    the fault-free schedule is the starting point of the failure-aware search
+    (`pjit_pipe.schedules.failure_aware`, at most `search_time` seconds), which
+    re-routes their microbatches to surviving peers; `mem_limit` then bounds
+    the re-routed schedule too (default: the fault-free one's peak).
 
     chunks=None takes the kind's own (DEFAULT_CHUNKS). `costs` (negative ones
     are rejected) steer zb-v and auto; `objective` ("makespan" or "span", see
@@ -95,6 +106,26 @@ def make_schedule(
         raise ScheduleError(f"mem_limit must be a number or None, got {mem_limit!r}")
     if exact_time_limit is not None and kind != "auto":
         raise ScheduleError(f"exact_time_limit (--exact) applies to kind 'auto' only, not {kind!r}")
+    pattern = FailurePattern.of(replicas, stages, failed)
+    schedule = _fault_free(
+        kind, stages, microbatches, chunks, costs, mem_limit, replicas, objective, exact_time_limit
+    )
+    if pattern.failed:
+        return search_reroutes(schedule, pattern, costs, mem_limit, search_time)
+    return schedule
+
+
+def _fault_free(
+    kind: str,
+    stages: int,
+    microbatches: int,
+    chunks: int,
+    costs: Costs,
+    mem_limit: float | None,
+    replicas: int,
+    objective: Objective,
+    exact_time_limit: float | None,
+) -> Schedule:
     if kind == "auto":
         exact = None
         if exact_time_limit is not None:
@@ -113,4 +144,27 @@ def make_schedule(
     return schedule
 
 
-__all__ = ["DEFAULT_CHUNKS", "KINDS", "make_schedule"]
+def schedule_with_failures(
+    kind: str,
+    stages: int,
+    microbatches: int,
+    replicas: int,
+    failed: FailurePattern | Iterable[tuple[int, int]],
+    costs: Costs | None = None,
+    mem_limit: float | None = None,
+    chunks: int | None = None,
+    time_limit: float = 10.0,
+) -> Schedule:
+    """The failure-aware search from the fault-free `kind` schedule, even with no failure.
+
+    `make_schedule(..., failed=...)` is the entry point; this form always
+    re-routes (B/W split, staggered), which the tests use to compare the
+    re-routed program with the fault-free one.
+    """
+    costs = costs or Costs()
+    pattern = FailurePattern.of(replicas, stages, failed)
+    base = make_schedule(kind, stages, microbatches, chunks, costs, mem_limit, replicas)
+    return search_reroutes(base, pattern, costs, mem_limit, time_limit)
+
+
+__all__ = ["DEFAULT_CHUNKS", "KINDS", "make_schedule", "schedule_with_failures"]

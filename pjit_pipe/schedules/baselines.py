@@ -16,8 +16,9 @@ from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.passes.reroute import ORDERS, Failed, assign, best_of, list_schedule
+from pjit_pipe.passes.reroute import ORDERS, FailedWorkers, assign, list_schedule
 from pjit_pipe.schedules import make_schedule
+from pjit_pipe.simulator.simulate import best_of
 
 
 def drop_replica(
@@ -25,7 +26,7 @@ def drop_replica(
     stages: int,
     microbatches: int,
     replicas: int,
-    failed: Failed,
+    failed: FailedWorkers,
     costs: Costs | None = None,
     mem_limit: float | None = None,
     chunks: int = 1,
@@ -47,7 +48,7 @@ def drop_replica(
 
 def naive_reroute(
     schedule: Schedule,
-    failed: Failed,
+    failed: FailedWorkers,
     costs: Costs | None = None,
     mem_limit: float | None = None,
 ) -> Schedule:

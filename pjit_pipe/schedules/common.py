@@ -15,13 +15,6 @@ def check_positive(**values: int) -> None:
             raise ScheduleError(f"{name} must be a positive integer, got {v!r}")
 
 
-def require_microbatches_at_least(kind: str, microbatches: int, minimum: int) -> None:
-    if microbatches < minimum:
-        raise ScheduleError(
-            f"{kind} needs microbatches >= {minimum} (got microbatches={microbatches})"
-        )
-
-
 def with_opt(stage_ops: list[Op], held: list[int], replica: int) -> list[Op]:
     """Append the optimizer step of every held stage after the iteration's work."""
     return [*stage_ops, *(OPT(s, replica) for s in held)]

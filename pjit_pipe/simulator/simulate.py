@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -138,3 +140,26 @@ def simulate(
         mode=mode,
         events=events,
     )
+
+
+STEADY_ITERATIONS = 6
+
+
+def steady_period(schedule: Schedule, costs: Costs, iterations: int = STEADY_ITERATIONS) -> float:
+    """Iteration period once the pipeline is in its steady state."""
+    return simulate(schedule, costs, iterations=iterations).steady_period
+
+
+def best_of(candidates: Iterable[Schedule], costs: Costs, target: float = -math.inf) -> Schedule:
+    """The candidate with the shortest steady period (the first one on ties).
+
+    Stops at the first candidate whose period reaches `target` (a lower bound).
+    """
+    best, best_period = None, math.inf
+    for cand in candidates:
+        period = steady_period(cand, costs)
+        if period < best_period - 1e-9:
+            best, best_period = cand, period
+        if best_period <= target + 1e-9:
+            break
+    return best
