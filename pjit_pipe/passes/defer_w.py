@@ -22,14 +22,13 @@ from typing import Literal
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.dataflow import Dataflow, DeadlockError
-from pjit_pipe.ir.memory import peak_memory
+from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units, peak_memory
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.simulator.simulate import simulate
 
 FillRule = Literal["fit", "eager"]
 _EPS = 1e-9
-_MEM_DELTA = {Kind.F: 2, Kind.B: -1, Kind.W: -1, Kind.BW: -2}  # half-chunk units
 
 
 class _Worker:
@@ -43,11 +42,11 @@ class _Worker:
         self.time = 0.0
         self.mem = 0
 
-    def forced(self, op: Op, limit: int | None) -> Op | None:
-        """A pending W that must run before `op`, or None."""
+    def forced(self, op: Op, limit: float) -> Op | None:
+        """A pending W that must run before `op` (`limit` in half-chunk units), or None."""
         if op.kind is Kind.OPT:
             return next((w for w in self.pending if w.stage == op.stage), None)
-        if op.kind is Kind.F and limit is not None and self.mem + 2 > limit and self.pending:
+        if op.kind is Kind.F and self.mem + MEMORY_DELTA[Kind.F] > limit and self.pending:
             return self.pending[0]
         return None
 
@@ -56,7 +55,7 @@ def _replay(schedule: Schedule, costs: Costs, mem_limit: float | None, rule: Fil
     """Re-time `schedule`, placing each W by `rule`; return the new programs."""
     flow = Dataflow(schedule)
     duration = costs.duration_fn(schedule)
-    limit = None if mem_limit is None else int(mem_limit * 2 * schedule.chunks + _EPS)
+    limit = limit_units(mem_limit, schedule.chunks)
     state = {w: _Worker(schedule.program(w)) for w in schedule.alive_workers}
     resolved: dict[tuple, tuple[float, Worker]] = {}
     counts: dict[tuple, int] = defaultdict(int)
@@ -67,7 +66,7 @@ def _replay(schedule: Schedule, costs: Costs, mem_limit: float | None, rule: Fil
         st = state[w]
         st.out.append(op)
         st.time = start + duration(w, op)
-        st.mem += _MEM_DELTA.get(op.kind, 0)
+        st.mem += MEMORY_DELTA.get(op.kind, 0)
         if op.kind is Kind.W:
             st.pending.remove(op)
         elif op.kind is Kind.B:

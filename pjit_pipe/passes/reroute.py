@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern, inverse, permute_replicas
-from pjit_pipe.ir.memory import peak_memory
+from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units, peak_memory, units_per_microbatch
 from pjit_pipe.ir.ops import BW, OPT, B, F, Kind, Op, W, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
@@ -169,8 +169,8 @@ class _ListScheduler:
         self.cap = {}
         for w in self.live:
             limit = caps.get(w)
-            units = math.inf if limit is None else math.floor(limit * 2 * v + 1e-9)
-            if units < 2 * v:
+            units = limit_units(limit, v)
+            if units < units_per_microbatch(v):
                 raise ScheduleError(
                     f"mem_limit {limit:g} on worker {w} is below one microbatch's activations (1), "
                     "which a worker holds until the microbatch has passed all its chunks"
@@ -259,10 +259,10 @@ class _ListScheduler:
         reserves room for all its chunks there, so it can never get stuck halfway
         (without `reserve`, chunks > 1 may deadlock at a tight limit: ScheduleError)."""
         if not self.reserve:
-            return st.mem + 2 <= self.cap[w]
+            return st.mem + MEMORY_DELTA[Kind.F] <= self.cap[w]
         if s not in self.first:
             return True  # its room was reserved when it entered
-        return st.mem + st.reserved + 2 * (1 + self.ahead[s]) <= self.cap[w]
+        return st.mem + st.reserved + MEMORY_DELTA[Kind.F] * (1 + self.ahead[s]) <= self.cap[w]
 
     def _send(self, key: tuple, src: Worker, dst: Worker, end: float) -> None:
         at = end + (self.c if src != dst else 0.0)
@@ -284,8 +284,10 @@ class _ListScheduler:
             return
         if op.kind is Kind.F:
             st.fdone.add((s, j, r))
-            st.mem += 2
-            st.reserved += 2 * self.ahead[s] if s in self.first else -2
+            st.mem += MEMORY_DELTA[Kind.F]
+            st.reserved += (
+                MEMORY_DELTA[Kind.F] * self.ahead[s] if s in self.first else -MEMORY_DELTA[Kind.F]
+            )
             if s < self.last:
                 self._send((it, "act", s, j, r), w, self.placement[(s + 1, j, r)], end)
             return
@@ -293,14 +295,13 @@ class _ListScheduler:
             st.bdone.add((s, j, r))
             if s > 0:
                 self._send((it, "grad", s, j, r), w, self.placement[(s - 1, j, r)], end)
+            st.mem += MEMORY_DELTA[op.kind]
             if op.kind is Kind.B:
-                st.mem -= 1
                 st.wqueue.append((s, j, r))
                 return
-            st.mem -= 2
         else:  # W
             st.wqueue.popleft()
-            st.mem -= 1
+            st.mem += MEMORY_DELTA[Kind.W]
         st.computed += 1
         count, at = self.wcount.get((it, s), (0, 0.0))
         self.wcount[(it, s)] = (count + 1, max(at, end))

@@ -46,6 +46,7 @@ import highspy
 import numpy as np
 
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.memory import limit_units
 from pjit_pipe.ir.ops import Kind, Op
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
@@ -387,7 +388,7 @@ def _build(
                 lo=prob.load_from(2, s, j) + (f + b) * (m - j - 1),
             )
         if limit is not None:  # memory after F_i: (i+1) - (B's and W's before it)/2 <= limit
-            halves = math.floor(2 * (limit - 1) + 1e-9)
+            halves = limit_units(limit - 1, chunks=1)  # room left beside F_i's own, v = 1
             for i in range(halves // 2 + 1, m):
                 add(
                     *((1, rel(s, 0, i, 1, j)) for j in range(i)),

@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units, units_per_microbatch
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.schedules.timing import Shape, Step, Timing, finish
 
@@ -62,9 +63,10 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
     held = [shape.held(p) for p in range(P)]
     entry = [h[0] for h in held]  # the chunk a microbatch visits first on each position
     cap = [m] * P if policy.caps is None else [max(1, c) for c in policy.caps]
-    # Memory in integer units of 1/(2v): F adds 2, B and W free 1 each.
-    units = math.inf if limit is None else math.floor(limit * 2 * v + 1e-9)
-    admit = 2 * v if policy.reserve else 2
+    # Memory in half-chunk units (`pjit_pipe.ir.memory`): F adds `grow`, B and W free the rest.
+    grow = MEMORY_DELTA[Kind.F]
+    units = limit_units(limit, v)
+    admit = units_per_microbatch(v) if policy.reserve else MEMORY_DELTA[Kind.F]
     lat_f = [shape.latency(s - 1, s) if s else 0.0 for s in range(S)]
     lat_b = [shape.latency(s + 1, s) if s < S - 1 else 0.0 for s in range(S)]
     inf = math.inf
@@ -103,7 +105,7 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
                 if s == entry[p]:
                     ok = inflight[p] < cap[p] and mem[p] + reserved[p] + admit <= units
                 else:
-                    ok = mem[p] + 2 <= units
+                    ok = mem[p] + grow <= units
                 if not ok:
                     continue
                 if act[s][j] <= t:
@@ -134,13 +136,13 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
         wake(heap, (end, p))
         if kind is Kind.F:
             nf[s] += 1
-            mem[p] += 2
+            mem[p] += grow
             if s == entry[p]:
                 inflight[p] += 1
                 if policy.reserve:
-                    reserved[p] += 2 * (v - 1)
+                    reserved[p] += admit - grow
             elif policy.reserve:
-                reserved[p] -= 2
+                reserved[p] -= grow
             if s == S - 1:
                 grad[s][j] = end
             else:
@@ -149,7 +151,7 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
                     wake(heap, (act[s + 1][j], layout[s + 1]))
         elif kind is Kind.B:
             nb[s] += 1
-            mem[p] -= 1
+            mem[p] += MEMORY_DELTA[Kind.B]
             pending_w[p].append((s, j))
             if s == entry[p]:
                 inflight[p] -= 1
@@ -158,7 +160,7 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
                 if layout[s - 1] != p:
                     wake(heap, (grad[s - 1][j], layout[s - 1]))
         else:
-            mem[p] -= 1
+            mem[p] += MEMORY_DELTA[Kind.W]
     if left:
         return None
     return Plan(tuple(map(tuple, progs)), finish(shape, first, free), policy)
