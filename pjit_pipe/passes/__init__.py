@@ -1,14 +1,24 @@
-"""IR -> IR passes: each takes a valid schedule and returns a valid one."""
+"""IR -> IR passes: each takes a valid schedule and returns a valid one.
 
+Passes compose with `chain(...)` (like `optax.chain`); bind a pass's options
+first (`functools.partial(defer_w, costs=costs)`, `postpone_w(defer)`).
+"""
+
+from pjit_pipe.passes.chain import Pass, chain, renamed
 from pjit_pipe.passes.comm import insert_comm
 from pjit_pipe.passes.defer_w import defer_w
+from pjit_pipe.passes.postpone_w import postpone_w
 from pjit_pipe.passes.reroute import reroute
 from pjit_pipe.passes.split_backward import split_backward
 from pjit_pipe.passes.stagger import stagger
 
 __all__ = [
+    "Pass",
+    "chain",
     "defer_w",
     "insert_comm",
+    "postpone_w",
+    "renamed",
     "reroute",
     "split_backward",
     "stagger",
