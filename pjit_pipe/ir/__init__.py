@@ -1,8 +1,8 @@
 """The schedule IR: ops, per-worker programs, placement, text/JSON forms, validation,
-costs and failure patterns."""
+costs, failure patterns and the execution engine."""
 
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.dataflow import Dataflow, DeadlockError, Event
+from pjit_pipe.ir.engine import DeadlockError, Engine, TimedOp
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import memory_trace, peak_memory
 from pjit_pipe.ir.ops import BW, OPT, RECV, SEND, B, F, Kind, Op, Payload, W, Worker
@@ -17,9 +17,8 @@ __all__ = [
     "SEND",
     "B",
     "Costs",
-    "Dataflow",
     "DeadlockError",
-    "Event",
+    "Engine",
     "F",
     "FailurePattern",
     "Kind",
@@ -27,6 +26,7 @@ __all__ = [
     "Payload",
     "Schedule",
     "ScheduleError",
+    "TimedOp",
     "W",
     "Worker",
     "from_json",

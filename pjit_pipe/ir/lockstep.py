@@ -8,7 +8,7 @@ SEND/RECV ops are dropped: communication happens between every pair of ticks.
 
 from __future__ import annotations
 
-from pjit_pipe.ir.dataflow import Dataflow, DeadlockError
+from pjit_pipe.ir.engine import DeadlockError, Engine, Stamped
 from pjit_pipe.ir.ops import COMM_KINDS, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 
@@ -33,12 +33,12 @@ def iteration_ticks(schedule: Schedule, iterations: int) -> IterationTicks:
             w: [op for op in p if op.kind not in COMM_KINDS] for w, p in schedule.programs.items()
         }
     )
-    flow = Dataflow(compute_only)
+    flow = Engine(compute_only)
     progs = {w: compute_only.program(w) for w in compute_only.alive_workers}
     deps = {w: [[k for k, _ in flow.deps(w, op)] for op in ops] for w, ops in progs.items()}
     ptr = dict.fromkeys(progs, 0)
-    counts: dict[tuple, int] = {}
-    ready: set[tuple] = set()
+    counts: dict[Stamped, int] = {}
+    ready: set[Stamped] = set()
     ticks: IterationTicks = []
     remaining = sum(len(p) for p in progs.values()) * iterations
     while remaining:
@@ -47,9 +47,9 @@ def iteration_ticks(schedule: Schedule, iterations: int) -> IterationTicks:
             if ptr[w] == len(ops) * iterations:
                 continue
             it, i = divmod(ptr[w], len(ops))
-            wait = [(it, *k) for k in deps[w][i]]
-            if i == 0 and it > 0 and not schedule.staggered:
-                wait.append((it - 1, "opt_all"))
+            wait = [(it, k) for k in deps[w][i]]
+            if (barrier := flow.barrier(it, i)) is not None:
+                wait.append(barrier)
             if all(k in ready for k in wait):
                 tick[w] = (it, ops[i])
         if not tick:
@@ -63,7 +63,7 @@ def iteration_ticks(schedule: Schedule, iterations: int) -> IterationTicks:
             ptr[w] += 1
             remaining -= 1
             for k in flow.produces(w, op):
-                key = (it, *k)
+                key = (it, k)
                 counts[key] = counts.get(key, 0) + 1
                 if counts[key] == flow.aggregate_size(k):
                     ready.add(key)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from pjit_pipe.ir.dataflow import Dataflow
+from pjit_pipe.ir.engine import Engine, Received, Tensor
 from pjit_pipe.ir.memory import memory_trace
 from pjit_pipe.ir.ops import COMM_KINDS, Kind, Op, Payload, Worker, format_op
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
@@ -100,7 +100,7 @@ def _check_coverage(s: Schedule) -> None:
                 raise ScheduleError(f"OPT{st} never runs on worker {w}")
 
 
-def _check_local_order(s: Schedule, flow: Dataflow) -> None:
+def _check_local_order(s: Schedule, flow: Engine) -> None:
     """A dependency produced on the same worker must come earlier in its program."""
     for w in s.alive_workers:
         prog = s.program(w)
@@ -116,7 +116,7 @@ def _check_local_order(s: Schedule, flow: Dataflow) -> None:
             needed += [
                 produced_at.get(key, -1)
                 for key, cross in flow.deps(w, op)
-                if not cross and key[0] in ("act", "grad", "recv")
+                if not cross and isinstance(key, Tensor | Received)
             ]
             at = max(needed, default=-1)
             if at > i:
@@ -125,7 +125,7 @@ def _check_local_order(s: Schedule, flow: Dataflow) -> None:
                 )
 
 
-def _check_comm(s: Schedule, flow: Dataflow) -> None:
+def _check_comm(s: Schedule, flow: Engine) -> None:
     """With explicit communication, every cross-worker tensor has one SEND and one RECV."""
     sends: Counter = Counter()
     recvs: Counter = Counter()
@@ -144,7 +144,7 @@ def _check_comm(s: Schedule, flow: Dataflow) -> None:
     received = {k for w, _, op in s.ops() if op.kind is Kind.RECV for k in flow.produces(w, op)}
     for w, i, op in s.ops():
         for key, _ in flow.deps(w, op):
-            if key[0] == "recv" and key not in received:
+            if isinstance(key, Received) and key not in received:
                 raise ScheduleError(f"{_at(w, i, op)}: its input from another worker has no RECV")
 
 
@@ -153,7 +153,7 @@ def validate(schedule: Schedule, mem_limit: float | None = None) -> Schedule:
     _check_shape(schedule)
     _check_ops(schedule)
     _check_coverage(schedule)
-    flow = Dataflow(schedule)
+    flow = Engine(schedule)
     _check_local_order(schedule, flow)
     if flow.explicit_comm:
         _check_comm(schedule, flow)

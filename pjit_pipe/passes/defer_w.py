@@ -2,7 +2,7 @@
 
 B is on the critical path (the previous stage waits for its input gradient), W
 is not: it only has to finish before its stage's OPT. The pass replays the
-schedule in time with the dataflow engine's semantics, keeping the order of
+schedule in time with the execution engine's rules (`pjit_pipe.ir.engine`), keeping the order of
 every other op, and runs a pending W only when the worker would otherwise sit
 idle. A W is forced earlier when its stage's OPT comes next, or when the next F
 would push the worker's activation memory over `mem_limit` (W frees memory).
@@ -21,7 +21,7 @@ from collections import defaultdict, deque
 from typing import Literal
 
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.dataflow import Dataflow, DeadlockError
+from pjit_pipe.ir.engine import DeadlockError, Engine, Key
 from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units, peak_memory
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
@@ -53,13 +53,13 @@ class _Worker:
 
 def _replay(schedule: Schedule, costs: Costs, mem_limit: float | None, rule: FillRule) -> Schedule:
     """Re-time `schedule`, placing each W by `rule`; return the new programs."""
-    flow = Dataflow(schedule)
+    flow = Engine(schedule)
     duration = costs.duration_fn(schedule)
     limit = limit_units(mem_limit, schedule.chunks)
     state = {w: _Worker(schedule.program(w)) for w in schedule.alive_workers}
-    resolved: dict[tuple, tuple[float, Worker]] = {}
-    counts: dict[tuple, int] = defaultdict(int)
-    waiting: dict[tuple, list[Worker]] = defaultdict(list)
+    resolved: dict[Key, tuple[float, Worker]] = {}
+    counts: dict[Key, int] = defaultdict(int)
+    waiting: dict[Key, list[Worker]] = defaultdict(list)
     queue = deque(state)
 
     def execute(w: Worker, op: Op, start: float) -> None:

@@ -7,7 +7,7 @@ iteration period shrinks from the makespan towards the span.
 
 from __future__ import annotations
 
-from pjit_pipe.ir.dataflow import Dataflow, DeadlockError
+from pjit_pipe.ir.engine import DeadlockError, Engine
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 
@@ -32,7 +32,7 @@ def _move_opt(program: tuple[Op, ...], opt: Op) -> tuple[Op, ...]:
 
 def _deadlock_free(schedule: Schedule) -> bool:
     try:
-        Dataflow(schedule).run(lambda w, op: 1.0, lambda a, b: 0.0)
+        Engine(schedule).run(lambda w, op: 1.0, lambda a, b: 0.0)
     except DeadlockError:
         return False
     return True

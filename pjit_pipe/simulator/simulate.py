@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.dataflow import Dataflow, DurationFn, Event, LatencyFn
+from pjit_pipe.ir.engine import DurationFn, Engine, LatencyFn, TimedOp
 from pjit_pipe.ir.lockstep import tick_table
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Worker
@@ -31,7 +31,7 @@ class SimResult:
     steady_period: float
     iterations: int
     mode: Mode
-    events: list[Event] = field(repr=False)
+    events: list[TimedOp] = field(repr=False)
 
     def worker_bubble(self, w: Worker) -> float:
         return 1.0 - self.busy[w] / self.worker_span[w] if self.worker_span[w] else 0.0
@@ -51,12 +51,12 @@ class SimResult:
         }
 
 
-def _lockstep_events(schedule: Schedule, costs: Costs, iterations: int) -> list[Event]:
+def _lockstep_events(schedule: Schedule, costs: Costs, iterations: int) -> list[TimedOp]:
     """Events of the tick-synchronous execution: each tick lasts as long as its slowest op,
     plus one transfer time when a tensor leaves its worker at the end of the tick."""
     duration = costs.duration_fn(schedule)
     index = {w: {op: i for i, op in enumerate(schedule.program(w))} for w in schedule.alive_workers}
-    flow = Dataflow(schedule)
+    flow = Engine(schedule)
     consumers_elsewhere = set()
     for w, _, op in schedule.ops():
         for key, cross in flow.deps(w, op):
@@ -68,7 +68,7 @@ def _lockstep_events(schedule: Schedule, costs: Costs, iterations: int) -> list[
         for tick in table:
             length = max(duration(w, op) for w, op in tick.items())
             for w, op in tick.items():
-                events.append(Event(w, index[w][op], it, op, t, t + duration(w, op)))
+                events.append(TimedOp(w, index[w][op], it, op, t, t + duration(w, op)))
             sends = any(
                 k in consumers_elsewhere for w, op in tick.items() for k in flow.produces(w, op)
             )
@@ -99,7 +99,7 @@ def simulate(
     if iterations < 1:
         raise ScheduleError(f"iterations must be >= 1, got {iterations}")
     if mode == "event":
-        events = Dataflow(schedule).run(
+        events = Engine(schedule).run(
             duration or costs.duration_fn(schedule),
             latency or (lambda a, b: costs.c),
             iterations=iterations,
