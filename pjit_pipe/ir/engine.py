@@ -5,7 +5,7 @@ from here, so none can disagree about what a schedule means: the validator and
 the event simulator run `Engine.run`; `defer_w` replays with `Engine.deps`;
 the fast per-replica evaluator (`schedules.timing`), the list schedulers
 (`schedules.heuristic`, `passes.reroute`) and the exact MILP's precedence
-edges (`schedules.exact`) are built from `needs` and `made_by`. Memory is
+edges (`schedules.exact`) are built from `needs` and `makes`. Memory is
 stated once too, in `pjit_pipe.ir.memory` (`MEMORY_DELTA`).
 
 Dependencies, for virtual stage s of microbatch (j, home replica r):
@@ -113,9 +113,13 @@ def needs(kind: Kind, stage: int, last: int) -> tuple[tuple[Payload, int], ...]:
     raise ScheduleError(f"needs: {kind} is not a compute op")
 
 
-def made_by(payload: Payload) -> tuple[Kind, ...]:
-    """The compute kinds that produce a tensor of `payload` (of their own stage)."""
-    return (Kind.F,) if payload is Payload.ACT else (Kind.B, Kind.BW)
+def makes(kind: Kind) -> Payload | None:
+    """The tensor of its own stage a compute op outputs (None: W, whose output is local)."""
+    if kind is Kind.F:
+        return Payload.ACT
+    if kind in (Kind.B, Kind.BW):
+        return Payload.GRAD
+    return None
 
 
 @dataclass(frozen=True)

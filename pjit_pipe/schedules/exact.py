@@ -8,7 +8,7 @@ program and lets HiGHS minimise the makespan:
   window derived from the precedences and a feasible incumbent's makespan;
 - a binary per pair of ops on one worker whose order is not forced, with
   disjunctive big-M constraints (the big-M of each pair comes from the windows);
-- the precedences of `pjit_pipe.ir.dataflow` with the durations of
+- the precedences of `pjit_pipe.ir.engine.needs` with the durations of
   `Costs.duration_fn` and the transfer time C between workers;
 - the activation memory after each F (DESIGN.md section 3), which is linear in
   the binaries, bounded by the limit.
@@ -46,6 +46,7 @@ import highspy
 import numpy as np
 
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.engine import makes, needs
 from pjit_pipe.ir.memory import limit_units
 from pjit_pipe.ir.ops import Kind, Op
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
@@ -63,6 +64,8 @@ _PAIRS = ((0, 1), (0, 2), (1, 2))  # (earlier kind, later kind) of the ordering 
 _GAP = 1e-6
 
 Program = list[tuple[int, int]]  # one worker's ops as (kind index 0/1/2 = F/B/W, microbatch)
+
+_MADE_BY = {makes(kind): k for k, kind in enumerate(_KINDS) if makes(kind)}  # payload -> k
 
 
 @dataclass(frozen=True)
@@ -113,13 +116,17 @@ class _Problem:
         P, m, c = self.P, self.m, self.c
         for s in range(P):
             f, b, w = (self.d(k, s) for k in range(3))
+            # The engine's dependencies, inputs from other stages first (the model's row order).
+            deps = [
+                (k, sorted(needs(kind, s, P - 1), key=lambda need: need[1] == s))
+                for k, kind in enumerate(_KINDS)
+            ]
             for j in range(m):
-                if s > 0:
-                    yield self.idx(0, s - 1, j), self.idx(0, s, j), self.d(0, s - 1) + c
-                if s < P - 1:
-                    yield self.idx(1, s + 1, j), self.idx(1, s, j), self.d(1, s + 1) + c
-                yield self.idx(0, s, j), self.idx(1, s, j), f
-                yield self.idx(1, s, j), self.idx(2, s, j), b
+                for k, inputs in deps:
+                    for payload, src in inputs:
+                        made = _MADE_BY[payload]
+                        lag = self.d(made, src) + (c if src != s else 0.0)
+                        yield self.idx(made, src, j), self.idx(k, s, j), lag
                 if j > 0:
                     yield self.idx(0, s, j - 1), self.idx(0, s, j), f
                     yield self.idx(1, s, j - 1), self.idx(1, s, j), b

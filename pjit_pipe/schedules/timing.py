@@ -3,9 +3,10 @@
 `pjit_pipe.simulator.simulate` is general (replicas, failures, SEND/RECV) and
 takes a fifth of a second at P=32, m=128: too slow to call for every candidate
 that `auto` weighs. This prices a fault-free replica under the same semantics
-(an op starts when its worker is free and its inputs have arrived, `c` later
-when they cross workers; OPT after the worker's work), so its figures equal
-the simulator's; the tests check that they do.
+(the dependency rules of `pjit_pipe.ir.engine`: an op starts when its worker
+is free and its inputs have arrived, `c` later when they cross workers; OPT
+after the worker's work), so its figures equal the simulator's; the tests
+check that they do.
 """
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.ops import BW, B, F, Kind, Op, W
+from pjit_pipe.ir.engine import makes, needs
+from pjit_pipe.ir.ops import BW, B, F, Kind, Op, Payload, W
 from pjit_pipe.ir.schedule import ScheduleError
 
 
@@ -93,11 +95,19 @@ def finish(shape: Shape, first: Sequence[float], last: Sequence[float]) -> Timin
 
 
 def evaluate(shape: Shape, programs: Sequence[Sequence[Step]]) -> Timing:
-    """Price the per-position `programs` (OPT excluded); ScheduleError if they deadlock."""
+    """Price the per-position `programs` (OPT excluded); ScheduleError if they deadlock.
+
+    The dependencies are the engine's (`pjit_pipe.ir.engine.needs`), for one replica.
+    """
     S, m, P = shape.num_virtual, shape.microbatches, len(programs)
-    # ends[0][s][j]: end of F(s, j); ends[1][s][j]: end of B or BW(s, j).
-    ends: list[list[list[float | None]]] = [[[None] * m for _ in range(S)] for _ in range(2)]
-    waiting: dict[tuple[int, int, int], list[int]] = {}
+    # ends[payload][s][j]: end of F(s, j) (ACT) or of B/BW(s, j) (GRAD); None: not yet.
+    ends = {p: [[None] * m for _ in range(S)] for p in Payload}
+    inputs = {  # (kind, stage) -> ((payload, stage made at, transfer time), ...)
+        (kind, s): tuple((pay, src, shape.latency(src, s)) for pay, src in needs(kind, s, S - 1))
+        for kind in (Kind.F, Kind.B, Kind.W, Kind.BW)
+        for s in range(S)
+    }
+    waiting: dict[tuple[Payload, int, int], list[int]] = {}
     ptr, free, first = [0] * P, [0.0] * P, [0.0] * P
     todo = list(range(P))
     while todo:
@@ -105,26 +115,22 @@ def evaluate(shape: Shape, programs: Sequence[Sequence[Step]]) -> Timing:
         prog = programs[p]
         while ptr[p] < len(prog):
             kind, s, j = step = prog[ptr[p]]
-            if kind is Kind.F:
-                need, lat = ((0, s - 1, j), shape.latency(s - 1, s)) if s else (None, 0.0)
-            elif kind is Kind.W:
-                need, lat = (1, s, j), 0.0
-            elif s == S - 1:
-                need, lat = (0, s, j), 0.0
-            else:
-                need, lat = (1, s + 1, j), shape.latency(s + 1, s)
-            ready = 0.0
-            if need is not None:
-                ready = ends[need[0]][need[1]][need[2]]
-                if ready is None:
-                    waiting.setdefault(need, []).append(p)
+            start = free[p]
+            blocked = None
+            for pay, src, lat in inputs[(kind, s)]:
+                at = ends[pay][src][j]
+                if at is None:
+                    blocked = (pay, src, j)
                     break
-            start = max(free[p], ready + lat)
+                start = max(start, at + lat)
+            if blocked is not None:
+                waiting.setdefault(blocked, []).append(p)
+                break
             if ptr[p] == 0:
                 first[p] = start
             free[p] = start + shape.duration(step)
-            if kind is not Kind.W:
-                made = 0 if kind is Kind.F else 1
+            made = makes(kind)
+            if made is not None:
                 ends[made][s][j] = free[p]
                 todo.extend(waiting.pop((made, s, j), ()))
             ptr[p] += 1
