@@ -39,6 +39,7 @@ class _Worker:
         self.ptr = 0
         self.pending: deque[Op] = deque()
         self.out: list[Op] = []
+        self.times: list[tuple[float, float]] = []  # (start, end) of each op of `out`
         self.time = 0.0
         self.mem = 0
 
@@ -51,8 +52,11 @@ class _Worker:
         return None
 
 
-def _replay(schedule: Schedule, costs: Costs, mem_limit: float | None, rule: FillRule) -> Schedule:
-    """Re-time `schedule`, placing each W by `rule`; return the new programs."""
+def replay(
+    schedule: Schedule, costs: Costs, mem_limit: float | None, rule: FillRule
+) -> tuple[Schedule, dict[Worker, list[tuple[float, float]]]]:
+    """Re-time `schedule`, placing each W by `rule`: the new schedule, and when each of
+    its ops runs ((start, end) per worker, in program order: the engine's own times)."""
     flow = Engine(schedule)
     duration = costs.duration_fn(schedule)
     limit = limit_units(mem_limit, schedule.chunks)
@@ -66,6 +70,7 @@ def _replay(schedule: Schedule, costs: Costs, mem_limit: float | None, rule: Fil
         st = state[w]
         st.out.append(op)
         st.time = start + duration(w, op)
+        st.times.append((start, st.time))
         st.mem += MEMORY_DELTA.get(op.kind, 0)
         if op.kind is Kind.W:
             st.pending.remove(op)
@@ -125,7 +130,8 @@ def _replay(schedule: Schedule, costs: Costs, mem_limit: float | None, rule: Fil
                 st = state[w]
                 execute(w, st.pending[0], st.time)
                 queue.append(w)
-    return schedule.replace(programs={w: st.out for w, st in state.items()})
+    programs = {w: st.out for w, st in state.items()}
+    return schedule.replace(programs=programs), {w: st.times for w, st in state.items()}
 
 
 def defer_w(
@@ -146,7 +152,7 @@ def defer_w(
     best, best_key = schedule, rank(schedule, True)
     for limit in limits:
         for rule in ("fit", "eager"):
-            cand = _replay(schedule, costs, limit, rule)
+            cand, _ = replay(schedule, costs, limit, rule)
             key = rank(cand, False)
             if (mem_limit is None or key[1] <= mem_limit + _EPS) and key < best_key:
                 best, best_key = cand, key

@@ -6,11 +6,9 @@ spare is needed. The extra work fits the peers' bubbles only when the backward
 is split into B and W (W waits for idle time) and each stage steps its
 optimizer as soon as its own gradients are reduced (staggering).
 
-Programs are built by a list scheduler that replays the dataflow semantics of
-`pjit_pipe.ir.dataflow` over a few back-to-back iterations: a free worker runs
-a ready B first (it unblocks the stage above), else a ready F while memory
-allows, else a pending W. Later iterations start where earlier ones left the
-pipeline, so their programs are the steady-state ones.
+Programs are built by the list scheduler of `pjit_pipe.passes.list_scheduler`
+(a policy over the execution engine's rules) over a few back-to-back
+iterations; later iterations are the steady-state ones.
 
 `reroute` is the pass: one balanced assignment, op priorities taken from the
 input schedule. The search over assignments and priority orders lives with the
@@ -19,26 +17,18 @@ generators, in `pjit_pipe.schedules.failure_aware`.
 
 from __future__ import annotations
 
-import heapq
-import math
-from collections import deque
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern, inverse, permute_replicas
-from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units, peak_memory, units_per_microbatch
-from pjit_pipe.ir.ops import BW, OPT, B, F, Kind, Op, W, Worker
-from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.memory import peak_memory
+from pjit_pipe.ir.ops import Worker
+from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
+from pjit_pipe.passes.list_scheduler import Placement, list_schedule
 from pjit_pipe.simulator.simulate import best_of
 
-Slot = tuple[int, int, int]  # (virtual stage, microbatch, home replica)
-Placement = dict[Slot, Worker]
 FailedWorkers = FailurePattern | Iterable[tuple[int, int]]  # a pattern or its (replica, stage)s
-
-ORDERS = ("interleave", "last", "first")
-STEADY_ITERATIONS = 6
 
 
 def assign(
@@ -70,267 +60,6 @@ def assign(
                 {(s, j, r): Worker(r, p) for s in held for j in range(schedule.microbatches)}
             )
     return placement
-
-
-def _ranks(schedule: Schedule) -> tuple[dict[Slot, int], dict[Slot, int]]:
-    """Position of each slot's F, and of its B/BW, among its worker's forwards/backwards."""
-    frank: dict[Slot, int] = {}
-    brank: dict[Slot, int] = {}
-    for prog in schedule.programs.values():
-        nf = nb = 0
-        for op in prog:
-            slot = (op.stage, op.mb, op.replica)
-            if op.kind is Kind.F:
-                frank[slot], nf = nf, nf + 1
-            elif op.kind in (Kind.B, Kind.BW):
-                brank[slot], nb = nb, nb + 1
-    return frank, brank
-
-
-def priorities(
-    schedule: Schedule, placement: Placement, order: str = "interleave"
-) -> tuple[Callable[[Slot], tuple], Callable[[Slot], tuple]]:
-    """Sort keys for choosing among ready F (first) and ready B (second) on a worker.
-
-    Ranks come from the input schedule's programs; `order` says where
-    re-routed slots go among a peer's own: by rank ("interleave"), after
-    ("last") or before ("first") them.
-    """
-    if order not in ORDERS:
-        raise ScheduleError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
-    frank, brank = _ranks(schedule)
-
-    def keyed(rank: dict[Slot, int]) -> Callable[[Slot], tuple]:
-        def key(slot: Slot) -> tuple:
-            moved = int(placement[slot].replica != slot[2])
-            group = {"interleave": 0, "last": moved, "first": 1 - moved}[order]
-            return (group, rank[slot], moved, slot[2], slot[0])
-
-        return key
-
-    return keyed(frank), keyed(brank)
-
-
-@dataclass
-class _State:
-    """A worker's progress through its current iteration."""
-
-    iteration: int = 0
-    fdone: set = field(default_factory=set)
-    bdone: set = field(default_factory=set)
-    wqueue: deque = field(default_factory=deque)
-    mem: int = 0
-    reserved: int = 0
-    opts: list = field(default_factory=list)
-    computed: int = 0
-
-
-class _ListScheduler:
-    """Greedy event-driven construction of per-worker programs (see the module docstring)."""
-
-    def __init__(
-        self,
-        base: Schedule,
-        pattern: FailurePattern,
-        placement: Placement,
-        fkey: Callable[[Slot], tuple],
-        bkey: Callable[[Slot], tuple],
-        costs: Costs,
-        caps: dict[Worker, float | None],
-        split: bool,
-        staggered: bool,
-        reserve: bool,
-    ):
-        self.base, self.placement, self.split, self.staggered = base, placement, split, staggered
-        self.reserve = reserve
-        self.live = [w for w in base.workers if w not in pattern.failed]
-        self.last = base.num_virtual_stages - 1
-        v = base.chunks
-        table = costs.per_stage(base.stages)
-        self.c, self.opt_cost = costs.c, costs.opt
-        self.dur = {
-            (kind, s): x / v
-            for s in range(base.num_virtual_stages)
-            for kind, x in zip((Kind.F, Kind.B, Kind.W), table[base.layout[s]], strict=True)
-        }
-        for s in range(base.num_virtual_stages):
-            self.dur[(Kind.BW, s)] = self.dur[(Kind.B, s)] + self.dur[(Kind.W, s)]
-        mine: dict[Worker, list[Slot]] = {w: [] for w in self.live}
-        for slot, w in placement.items():
-            mine[w].append(slot)
-        self.forder = {w: sorted(sl, key=fkey) for w, sl in mine.items()}
-        self.border = {w: sorted(sl, key=bkey) for w, sl in mine.items()}
-        self.held = {w: base.held_stages(w.stage) for w in self.live}
-        self.holders = {
-            s: [w for w in self.live if w.stage == base.layout[s]] for s in range(self.last + 1)
-        }
-        self.need_w = base.replicas * base.microbatches
-        self.num_opt = sum(len(h) for h in self.held.values())
-        self.cap = {}
-        for w in self.live:
-            limit = caps.get(w)
-            units = limit_units(limit, v)
-            if units < units_per_microbatch(v):
-                raise ScheduleError(
-                    f"mem_limit {limit:g} on worker {w} is below one microbatch's activations (1), "
-                    "which a worker holds until the microbatch has passed all its chunks"
-                )
-            self.cap[w] = units
-        # Chunks a microbatch still visits on the same worker after virtual stage s.
-        self.ahead = [
-            sum(t > s for t in base.held_stages(base.layout[s])) for s in range(self.last + 1)
-        ]
-        self.first = {min(base.held_stages(p)) for p in range(base.stages)}
-
-    def run(self, iterations: int) -> list[dict[Worker, list[Op]]]:
-        """Programs of each of `iterations` back-to-back iterations."""
-        self.arrival: dict[tuple, float] = {}
-        self.wcount: dict[tuple, list] = {}
-        self.optcount: dict[int, list] = {}
-        self.events: list[float] = []
-        self.checked = dict.fromkeys(self.live, False)
-        logs = [{w: [] for w in self.live} for _ in range(iterations)]
-        state = {w: _State(opts=list(self.held[w])) for w in self.live}
-        t = dict.fromkeys(self.live, 0.0)
-        active = set(self.live)
-        while active:
-            w = min(active, key=lambda u: (t[u], self.checked[u], u))
-            if self.checked[w]:  # every worker at the earliest time is stuck: advance the clock
-                t0 = t[w]
-                while self.events and self.events[0] <= t0:
-                    heapq.heappop(self.events)
-                later = [t[u] for u in active if t[u] > t0] + self.events[:1]
-                if not later:
-                    raise ScheduleError(
-                        "no worker can make progress: the memory limit is too small for this "
-                        f"placement (stuck at {sorted(active)[0]})"
-                    )
-                nxt = min(later)
-                for u in active:
-                    if t[u] == t0:
-                        t[u], self.checked[u] = nxt, False
-                continue
-            st = state[w]
-            op = self._choose(w, st, t[w])
-            if op is None:
-                self.checked[w] = True
-                continue
-            end = t[w] + (self.opt_cost if op.kind is Kind.OPT else self.dur[(op.kind, op.stage)])
-            logs[st.iteration][w].append(op)
-            self._apply(w, st, op, end)
-            t[w] = end
-            heapq.heappush(self.events, end)
-            if st.iteration == iterations:
-                active.discard(w)
-        return logs
-
-    def _ready(self, key: tuple, now: float) -> bool:
-        return self.arrival.get(key, math.inf) <= now
-
-    def _choose(self, w: Worker, st: _State, now: float) -> Op | None:
-        it = st.iteration
-        if not self.staggered and it > 0 and st.computed == 0 and not st.fdone:
-            got = self.optcount.get(it - 1, (0, 0.0))
-            if got[0] < self.num_opt or got[1] > now:
-                return None
-        if st.computed < len(self.forder[w]):
-            for s, j, r in self.border[w]:
-                started = (s, j, r) in st.fdone and (s, j, r) not in st.bdone
-                if started and (s == self.last or self._ready((it, "grad", s + 1, j, r), now)):
-                    return (B if self.split else BW)(s, j, r)
-            for s, j, r in self.forder[w]:
-                if (
-                    (s, j, r) not in st.fdone
-                    and self._fits(w, st, s)
-                    and (s == 0 or self._ready((it, "act", s - 1, j, r), now))
-                ):
-                    return F(s, j, r)
-            if st.wqueue:
-                return W(*st.wqueue[0])
-            return None
-        for s in st.opts:
-            count, at = self.wcount.get((it, s), (0, 0.0))
-            if count == self.need_w and at <= now:
-                return OPT(s, w.replica)
-        return None
-
-    def _fits(self, w: Worker, st: _State, s: int) -> bool:
-        """Whether F of chunk s fits in memory: a microbatch entering the worker
-        reserves room for all its chunks there, so it can never get stuck halfway
-        (without `reserve`, chunks > 1 may deadlock at a tight limit: ScheduleError)."""
-        if not self.reserve:
-            return st.mem + MEMORY_DELTA[Kind.F] <= self.cap[w]
-        if s not in self.first:
-            return True  # its room was reserved when it entered
-        return st.mem + st.reserved + MEMORY_DELTA[Kind.F] * (1 + self.ahead[s]) <= self.cap[w]
-
-    def _send(self, key: tuple, src: Worker, dst: Worker, end: float) -> None:
-        at = end + (self.c if src != dst else 0.0)
-        self.arrival[key] = at
-        heapq.heappush(self.events, at)
-        self.checked[dst] = False
-
-    def _apply(self, w: Worker, st: _State, op: Op, end: float) -> None:
-        it, s, j, r = st.iteration, op.stage, op.mb, op.replica
-        if op.kind is Kind.OPT:
-            st.opts.remove(s)
-            if not st.opts:
-                count, at = self.optcount.get(it, (0, 0.0))
-                self.optcount[it] = (count + len(self.held[w]), max(at, end))
-                st.iteration, st.fdone, st.bdone, st.computed = it + 1, set(), set(), 0
-                st.opts = list(self.held[w])
-                if self.optcount[it][0] == self.num_opt:
-                    self.checked.update(dict.fromkeys(self.live, False))
-            return
-        if op.kind is Kind.F:
-            st.fdone.add((s, j, r))
-            st.mem += MEMORY_DELTA[Kind.F]
-            st.reserved += (
-                MEMORY_DELTA[Kind.F] * self.ahead[s] if s in self.first else -MEMORY_DELTA[Kind.F]
-            )
-            if s < self.last:
-                self._send((it, "act", s, j, r), w, self.placement[(s + 1, j, r)], end)
-            return
-        if op.kind in (Kind.B, Kind.BW):
-            st.bdone.add((s, j, r))
-            if s > 0:
-                self._send((it, "grad", s, j, r), w, self.placement[(s - 1, j, r)], end)
-            st.mem += MEMORY_DELTA[op.kind]
-            if op.kind is Kind.B:
-                st.wqueue.append((s, j, r))
-                return
-        else:  # W
-            st.wqueue.popleft()
-            st.mem += MEMORY_DELTA[Kind.W]
-        st.computed += 1
-        count, at = self.wcount.get((it, s), (0, 0.0))
-        self.wcount[(it, s)] = (count + 1, max(at, end))
-        if count + 1 == self.need_w:
-            self.checked.update(dict.fromkeys(self.holders[s], False))
-
-
-def list_schedule(
-    base: Schedule,
-    pattern: FailurePattern,
-    placement: Placement,
-    costs: Costs,
-    caps: dict[Worker, float | None],
-    order: str = "interleave",
-    split: bool = True,
-    staggered: bool = True,
-    iterations: int = 3,
-    kind: str = "reroute",
-    reserve: bool = True,
-) -> list[Schedule]:
-    """One schedule per simulated iteration of the list scheduler (later = steadier)."""
-    fkey, bkey = priorities(base, placement, order)
-    sched = _ListScheduler(
-        base, pattern, placement, fkey, bkey, costs, caps, split, staggered, reserve
-    )
-    return [
-        base.replace(programs=progs, failed=pattern.failed, staggered=staggered, kind=kind)
-        for progs in sched.run(iterations)
-    ]
 
 
 def default_limit(schedule: Schedule, mem_limit: float | None) -> float:
