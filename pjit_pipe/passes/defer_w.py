@@ -63,6 +63,7 @@ def replay(
     state = {w: _Worker(schedule.program(w)) for w in schedule.alive_workers}
     resolved: dict[Key, tuple[float, Worker]] = {}
     counts: dict[Key, int] = defaultdict(int)
+    latest: dict[Key, float] = defaultdict(float)
     waiting: dict[Key, list[Worker]] = defaultdict(list)
     queue = deque(state)
 
@@ -78,8 +79,9 @@ def replay(
             st.pending.append(op._replace(kind=Kind.W))
         for key in flow.produces(w, op):
             counts[key] += 1
+            latest[key] = max(latest[key], st.time)  # an aggregate is there when its last part is
             if counts[key] == flow.aggregate_size(key):
-                resolved[key] = (st.time, w)
+                resolved[key] = (latest[key], w)
                 queue.extend(waiting.pop(key, ()))
 
     def ready_time(w: Worker, op: Op) -> float | None:
