@@ -28,7 +28,7 @@ from pjit_pipe.runtime.variants import Variant, Variants
 
 
 @dataclass(frozen=True)
-class Event:
+class TrainerEvent:
     """Something the runtime did: 'failure' (an attempt lost), 'switch' (another program)."""
 
     step: int
@@ -62,7 +62,7 @@ class ResilientTrainer:
         detector: FailureDetector | None = None,
         max_failures: int = 1,
         cache_dir: str | None = None,
-        on_event: Callable[[Event], None] | None = None,
+        on_event: Callable[[TrainerEvent], None] | None = None,
     ):
         self.pipelined = pipelined
         self.loss_fn = loss_fn
@@ -70,7 +70,7 @@ class ResilientTrainer:
         self.max_failures = max_failures
         self.cache_dir = cache_dir
         self.on_event = on_event
-        self.events: list[Event] = []
+        self.events: list[TrainerEvent] = []
         self.variants: Variants | None = None
         self._current: frozenset[Worker] = frozenset()
 
@@ -109,7 +109,7 @@ class ResilientTrainer:
                     new_state, loss = variant(state, batch)
                     jax.block_until_ready(loss)
             except WorkerFailure as failure:
-                self._record(Event(failure.step, "failure", failure.workers))
+                self._record(TrainerEvent(failure.step, "failure", failure.workers))
                 continue
             return new_state, loss
 
@@ -126,10 +126,10 @@ class ResilientTrainer:
         if down != self._current:
             self._current = down
             seconds = time.perf_counter() - start
-            self._record(Event(state.step, "switch", down, seconds, moved))
+            self._record(TrainerEvent(state.step, "switch", down, seconds, moved))
         return variant, state
 
-    def _record(self, event: Event) -> None:
+    def _record(self, event: TrainerEvent) -> None:
         self.events.append(event)
         if self.on_event is not None:
             self.on_event(event)

@@ -25,14 +25,14 @@ from pjit_pipe.frontend.pipeline import Pipelined, TrainState, TrainStep
 from pjit_pipe.ir.failures import FailurePattern, enumerate_patterns
 from pjit_pipe.ir.ops import Worker
 
-Failed = frozenset[Worker]
+DownWorkers = frozenset[Worker]  # the failed workers a variant is compiled for
 
 
 @dataclass(frozen=True)
 class Variant:
     """The training step for one set of failed workers."""
 
-    failed: Failed
+    failed: DownWorkers
     pipelined: Pipelined
     step: TrainStep
     compile_seconds: float
@@ -69,7 +69,7 @@ class Variants:
         self.loss_fn = loss_fn
         self.example = (example_state, example_batch)
         self._lock = threading.Lock()
-        self._futures: dict[Failed, Future] = {}
+        self._futures: dict[DownWorkers, Future] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -134,13 +134,13 @@ class Variants:
         self.wait()
 
     @property
-    def compiled(self) -> dict[Failed, Variant]:
+    def compiled(self) -> dict[DownWorkers, Variant]:
         """The variants compiled so far."""
         with self._lock:
             done = dict(self._futures)
         return {k: f.result() for k, f in done.items() if f.done() and f.exception() is None}
 
-    def _claim(self, failed: Failed) -> tuple[Future, bool]:
+    def _claim(self, failed: DownWorkers) -> tuple[Future, bool]:
         with self._lock:
             if failed in self._futures:
                 return self._futures[failed], False
@@ -148,7 +148,7 @@ class Variants:
             self._futures[failed] = future
             return future, True
 
-    def _build(self, failed: Failed, future: Future) -> None:
+    def _build(self, failed: DownWorkers, future: Future) -> None:
         try:
             pv = self.base.with_failures(sorted(failed)) if failed else self.base
             # Not donated: a failed attempt is retried from the state it was given.
