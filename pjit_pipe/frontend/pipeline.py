@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, Literal
 
 import flax.linen as nn
+import optax
 from flax import nnx
+from jax.sharding import Mesh
 
+from pjit_pipe.frontend.options import Balance, PipelineOptions
 from pjit_pipe.frontend.pipelined import Pipelined
+from pjit_pipe.ir.costs import Costs
+
+ModuleLike = nn.Module | nnx.Module | Sequence[Any]
 
 
 class PipelinedClass:
@@ -18,42 +24,68 @@ class PipelinedClass:
     `module_class` is the undecorated class, for plain unpipelined use.
     """
 
-    def __init__(self, module_class: type[nn.Module | nnx.Module], options: dict[str, Any]):
+    def __init__(self, module_class: type[nn.Module | nnx.Module], options: PipelineOptions):
         self.module_class = module_class
         self.options = options
         functools.update_wrapper(self, module_class, updated=())
 
     def __call__(self, *args: Any, **kwargs: Any) -> Pipelined:
-        return Pipelined(self.module_class(*args, **kwargs), **self.options)
+        return Pipelined(self.module_class(*args, **kwargs), self.options)
 
 
 def pipeline(
-    module: nn.Module | nnx.Module | type | Sequence[Any] | None = None,
+    module: ModuleLike | type | None = None,
     /,
-    **options: Any,
-) -> Any:
+    *,
+    stages: int,
+    microbatches: int,
+    schedule: str = "1f1b",
+    mesh: Mesh | None = None,
+    chunks: int | None = None,
+    mem_limit: float | None = None,
+    costs: Costs | Literal["measure"] | None = None,
+    optimizer: optax.GradientTransformation | None = None,
+    remat: bool = False,
+    balance: Balance = "flops",
+    failed: Sequence[tuple[int, int]] = (),
+    search_time: float = 2.0,
+    max_programs: int = 8,
+) -> Pipelined | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
     `module` is a linen or NNX Module instance, a Module class (or use
     `@pipeline(stages=..., ...)` as a class decorator: instances are then
     pipelined), or a list of layers (run as nn.Sequential, or nnx.Sequential
-    when they are NNX modules).
-
-    Options: stages (P), microbatches (m per replica), schedule (one of
-    pjit_pipe.schedules.KINDS), mesh (from make_mesh; default one replica on
-    the first P devices), chunks (v, virtual stages per device), mem_limit,
-    costs (Costs for the schedule generators, or 'measure': time each stage's
-    F, B, W on the devices at first use; the default for schedule='auto'),
-    optimizer (optax, for train_step), remat (recompute forwards in the
-    backward), balance ('flops', 'params' or 'time': how stages are balanced), failed ((replica, stage) workers
-    that are down; see `Pipelined.with_failures`), search_time (seconds for
-    the re-routed schedule search).
+    when they are NNX modules). The options are those of `PipelineOptions`,
+    which documents and checks them (an OptionError names a bad one).
     """
+    options = PipelineOptions(
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        mesh=mesh,
+        chunks=chunks,
+        mem_limit=mem_limit,
+        costs=costs,
+        optimizer=optimizer,
+        remat=remat,
+        balance=balance,
+        failed=failed,  # type: ignore[arg-type]  # PipelineOptions makes it a tuple
+        search_time=search_time,
+        max_programs=max_programs,
+    )
+    return pipeline_with(module, options)
+
+
+def pipeline_with(
+    module: ModuleLike | type | None, options: PipelineOptions
+) -> Pipelined | PipelinedClass | Callable[[Any], Any]:
+    """`pipeline` for options already gathered in a `PipelineOptions`."""
     if module is None:
-        return lambda m: pipeline(m, **options)
+        return lambda m: pipeline_with(m, options)
     if isinstance(module, type) and issubclass(module, nn.Module | nnx.Module):
         return PipelinedClass(module, options)
     if isinstance(module, list | tuple):
         nnx_layers = any(isinstance(m, nnx.Module) for m in module)
         module = nnx.Sequential(*module) if nnx_layers else nn.Sequential(list(module))
-    return Pipelined(module, **options)
+    return Pipelined(module, options)

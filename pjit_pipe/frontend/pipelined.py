@@ -10,21 +10,26 @@ sees or checkpoints has the module's own tree structure.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import weakref
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from pjit_pipe.errors import BatchError, OptimizerError, RngError
 from pjit_pipe.frontend.adapters import as_model
-from pjit_pipe.frontend.cut import BALANCE, StageCut, cut_module
-from pjit_pipe.frontend.mesh import AXES, make_mesh
+from pjit_pipe.frontend.cut import StageCut, cut_module
+from pjit_pipe.frontend.mesh import make_mesh
+from pjit_pipe.frontend.opt_state import check_opt_layout
+from pjit_pipe.frontend.options import PipelineOptions
+from pjit_pipe.frontend.program_cache import ProgramCache, ProgramKey
 from pjit_pipe.frontend.rngs import step_rngs, with_step_rngs
 from pjit_pipe.frontend.state import StateView
 from pjit_pipe.frontend.train_step import TrainStep
@@ -35,115 +40,88 @@ from pjit_pipe.lowering.topology import Topology
 from pjit_pipe.passes.reroute import schedule_with_failures
 from pjit_pipe.schedules import make_schedule
 
+if TYPE_CHECKING:
+    from pjit_pipe.lowering.program import PipelineStep
+
 LossFn = Callable[[Any, Any], jax.Array]
-
-
-def _positive(name: str, value: Any) -> int:
-    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{name} must be a positive integer, got {value!r}")
-    return int(value)
 
 
 def _leading(name: str, tree: Any) -> int:
     dims = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(tree)}
     if len(dims) != 1 or None in dims:
-        raise ValueError(f"{name}: every leaf needs the same leading batch dimension, got {dims}")
+        raise BatchError(
+            f"{name}: every leaf needs the same leading (global batch) dimension, got {dims}"
+        )
     return dims.pop()
 
 
 class Pipelined:
-    """A Flax module run as a pipeline (see `pipeline` for the options)."""
+    """A Flax module run as a pipeline under `options` (see `PipelineOptions`).
+
+    `cuts` shares the stage-cut cache of another pipeline of the same module
+    with the same stage count and balance (its failure variants): cutting
+    traces the model, so a variant need not do it again.
+    """
 
     def __init__(
         self,
         module: nn.Module | nnx.Module,
+        options: PipelineOptions,
         *,
-        stages: int,
-        microbatches: int,
-        schedule: str = "1f1b",
-        mesh: Mesh | None = None,
-        chunks: int = 1,
-        mem_limit: float | None = None,
-        costs: Costs | str | None = None,
-        optimizer: optax.GradientTransformation | None = None,
-        remat: bool = False,
-        balance: str = "flops",
-        failed: Sequence[tuple[int, int]] = (),
-        search_time: float = 2.0,
+        cuts: dict[Any, StageCut] | None = None,
     ):
         self.module = module
+        self.options = options
         self.model = with_step_rngs(as_model(module))
-        self.stages = _positive("stages", stages)
-        self.microbatches = _positive("microbatches", microbatches)
-        self.chunks = _positive("chunks", chunks)
-        if balance not in BALANCE:
-            raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
-        self.mesh = make_mesh(data=1, stage=self.stages) if mesh is None else mesh
-        if tuple(self.mesh.axis_names) != AXES:
-            raise ValueError(f"mesh: axes must be {AXES}, got {tuple(self.mesh.axis_names)}")
-        if self.mesh.shape["stage"] != self.stages:
-            raise ValueError(
-                f"mesh: its 'stage' axis has {self.mesh.shape['stage']} devices, "
-                f"but stages={self.stages}"
-            )
-        self.replicas = self.mesh.shape["data"]
-        self.failed = FailurePattern.of(self.replicas, self.stages, failed)
+        self.stages = options.stages
+        self.microbatches = options.microbatches
+        self.mesh: Mesh = (
+            make_mesh(data=1, stage=self.stages) if options.mesh is None else options.mesh
+        )
+        self.replicas = options.replicas
+        self.failed = FailurePattern.of(self.replicas, self.stages, options.failed)
         # costs="measure" (the default for schedule="auto"): the schedule is made
         # again on first use, with the stage costs measured from the model.
-        if costs is None and schedule == "auto":
+        costs = options.costs
+        if costs is None and options.schedule == "auto":
             costs = "measure"
-        if isinstance(costs, str) and costs != "measure":
-            raise ValueError(f"costs: expected a Costs, None or 'measure', got {costs!r}")
         self.measure = costs == "measure"
         self.measured_costs: Costs | None = None
         self.stage_times = None  # measure.StageTimes, once measured
-        self._schedule_args = (schedule, mem_limit, search_time)
         self._make_schedule(None if self.measure else costs)
+        self.chunks = self.schedule.chunks
         # The mesh the compiled program runs on: `mesh`, or the survivors' devices.
         self.device_mesh: Mesh = Topology.of(self.mesh, self.failed.failed).mesh
-        self.optimizer = optimizer
-        self.remat = remat
-        self.balance = balance
-        self._options = dict(
-            stages=stages,
-            microbatches=microbatches,
-            schedule=schedule,
-            mesh=mesh,
-            chunks=chunks,
-            mem_limit=mem_limit,
-            costs=costs,
-            optimizer=optimizer,
-            remat=remat,
-            balance=balance,
-            failed=tuple(sorted(self.failed.failed)),
-            search_time=search_time,
-        )
-        self._cuts: dict[Any, StageCut] = {}
-        self._steps: dict[Any, Any] = {}
-        self._views: dict[int, StateView] = {}  # per compiled step: its state view
+        self.optimizer = options.optimizer
+        self.remat = options.remat
+        self.balance = options.balance
+        self.cuts: dict[Any, StageCut] = {} if cuts is None else cuts  # per (x, params) shapes
+        self._programs: ProgramCache[Any] = ProgramCache(options.max_programs)
+        # Per compiled program: its state view (module layout <-> device layout).
+        self._views: weakref.WeakKeyDictionary[Any, StateView] = weakref.WeakKeyDictionary()
 
     def _make_schedule(self, costs: Costs | None) -> None:
-        schedule, mem_limit, search_time = self._schedule_args
+        o = self.options
         if self.failed.failed:
             self.schedule: Schedule = schedule_with_failures(
-                schedule,
+                o.schedule,
                 self.stages,
                 self.microbatches,
                 self.replicas,
                 self.failed,
                 costs,
-                mem_limit,
-                self.chunks,
-                time_limit=search_time,
+                o.mem_limit,
+                o.chunks,
+                time_limit=o.search_time,
             )
         else:
             self.schedule = make_schedule(
-                schedule,
+                o.schedule,
                 self.stages,
                 self.microbatches,
-                self.chunks,
+                o.chunks,
                 costs,
-                mem_limit,
+                o.mem_limit,
                 self.replicas,
             )
 
@@ -170,8 +148,9 @@ class Pipelined:
         return times.costs(self.stages)
 
     def with_options(self, **changes: Any) -> Pipelined:
-        """A copy with some options changed (e.g. another mesh or optimizer)."""
-        return Pipelined(self.module, **{**self._options, **changes})
+        """A copy with some options changed (e.g. another mesh or optimizer), as
+        `dataclasses.replace` on `options`: the changes are checked the same way."""
+        return Pipelined(self.module, dataclasses.replace(self.options, **changes))
 
     def with_failures(self, failed: Sequence[tuple[int, int]]) -> Pipelined:
         """The same model and API on the surviving devices: `failed` lists the
@@ -179,11 +158,11 @@ class Pipelined:
         pipeline). Their microbatches run on peers of the same stage, so the
         loss and gradients are those of the fault-free step on the same batch.
 
-        Raises ScheduleError naming the stage when a stage has no survivor.
+        Raises FailurePlanError for anything but a list of (replica, stage)
+        pairs, and naming the stage when a stage has no survivor.
         """
-        variant = self.with_options(failed=tuple(failed))
-        variant._cuts = self._cuts  # same module and stage count: share the cuts
-        return variant
+        options = dataclasses.replace(self.options, failed=failed)
+        return Pipelined(self.module, options, cuts=self.cuts)  # same module and stages
 
     # ---- the plain module API ----
 
@@ -203,11 +182,11 @@ class Pipelined:
         n = self.replicas * self.microbatches
         batch = _leading("x", x)
         if _leading("y", y) != batch:
-            raise ValueError(f"y: batch size {_leading('y', y)} differs from x's {batch}")
+            raise BatchError(f"y: batch size {_leading('y', y)} differs from x's {batch}")
         if batch % n:
-            raise ValueError(
+            raise BatchError(
                 f"x: global batch {batch} is not divisible by data*microbatches = "
-                f"{self.replicas}*{self.microbatches} = {n}"
+                f"{self.replicas}*{self.microbatches} = {n}; use a multiple of {n}"
             )
         return batch // n
 
@@ -218,11 +197,11 @@ class Pipelined:
         leaves, treedef = jax.tree.flatten(self.model.params(params))
         key = (jax.tree.structure(x_mb), tuple(jax.tree.leaves(x_mb)), treedef)
         key += tuple((np.shape(a), jnp.result_type(a)) for a in leaves)
-        if key not in self._cuts:
-            self._cuts[key] = cut_module(
+        if key not in self.cuts:
+            self.cuts[key] = cut_module(
                 self.model, params, x_mb, self.schedule.num_virtual_stages, self.balance
             )
-        return self._cuts[key]
+        return self.cuts[key]
 
     def describe(self, params: Any, x: Any) -> str:
         """The stage cut for this parameter tree and global batch, as text: each
@@ -230,7 +209,7 @@ class Pipelined:
         (tied) parameters, and the imbalance (cutting warns above 1.5x)."""
         return self.cut(params, x).describe()
 
-    def _step(
+    def program(
         self,
         params: Any,
         x: Any,
@@ -238,9 +217,17 @@ class Pipelined:
         loss_fn: LossFn,
         has_aux: bool = False,
         rngs: dict[str, jax.Array] | None = None,
-    ) -> tuple[StageCut, Any]:
+    ) -> tuple[StageCut, PipelineStep]:
+        """The stage cut and the compiled pipeline program (`lowering.PipelineStep`) for
+        `loss_fn` and these shapes, from the cache of the last `max_programs` ones."""
         with _explain_rng_errors():
-            return self._lowered_step(params, x, y, loss_fn, has_aux, rngs)
+            return self._program(params, x, y, loss_fn, has_aux, rngs)
+
+    def state_view(self, cut: StageCut, program: PipelineStep) -> StateView:
+        """The state view of `program` (module layout <-> its device layout), one per program."""
+        if program not in self._views:
+            self._views[program] = StateView(cut, program.layout, self.optimizer)
+        return self._views[program]
 
     def _keyed_cut(self, params: Any, x: Any, rngs: dict[str, jax.Array] | None) -> StageCut:
         """`cut`; the cut traces the model, so a model with rngs gets stand-in keys."""
@@ -252,7 +239,7 @@ class Pipelined:
         with microbatch_rngs(example, impls_of(check_rngs(rngs))):
             return self.cut(params, x)
 
-    def _lowered_step(self, params, x, y, loss_fn, has_aux, rngs):
+    def _program(self, params, x, y, loss_fn, has_aux, rngs) -> tuple[StageCut, PipelineStep]:
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
 
         self._batch(x, y)
@@ -261,9 +248,12 @@ class Pipelined:
             self._make_schedule(self.measured_costs)
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
-        key = (id(cut), loss_fn, has_aux, tuple(sorted(rngs or ())), str(avals))
-        if key not in self._steps:
-            self._steps[key] = lower(
+        key = ProgramKey(loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals)))
+
+        def build() -> PipelineStep:
+            if self.optimizer is not None:
+                check_opt_layout(cut, self.optimizer, params)  # before optax meets a stage
+            return lower(
                 self.schedule,
                 cut.stage_fns(),
                 loss_fn,
@@ -277,7 +267,8 @@ class Pipelined:
                 rngs=rngs,
                 shared=cut.shared,
             )
-        return cut, self._steps[key]
+
+        return cut, self._programs.get(key, build)
 
     # ---- training ----
 
@@ -299,7 +290,7 @@ class Pipelined:
 
         def value_and_grad(params: Any, x: Any, y: Any, rngs: Any = None) -> tuple[Any, Any]:
             rngs = step_rngs(rngs)
-            cut, step = self._step(params, x, y, loss_fn, has_aux, rngs)
+            cut, step = self.program(params, x, y, loss_fn, has_aux, rngs)
             params = self.place(params)
             loss, grads = step.value_and_grad(cut.split(params), x, y, rngs)
             return loss, cut.merge(grads)
@@ -318,12 +309,14 @@ class Pipelined:
         with _explain_rng_errors():
             cut = self._keyed_cut(params, x, rngs)
             avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), x)
-            key = (id(cut), "forward", tuple(sorted(rngs or ())), str(avals))
-            if key not in self._steps:
-                self._steps[key] = lower_forward(
+            key = ProgramKey("forward", (id(cut), tuple(sorted(rngs or ())), str(avals)))
+            program = self._programs.get(
+                key,
+                lambda: lower_forward(
                     self.schedule, cut.stage_fns(), self.mesh, cut.split(params), x, rngs
-                )
-        return self._steps[key].forward(cut.split(self.place(params)), x, rngs)
+                ),
+            )
+        return program.forward(cut.split(self.place(params)), x, rngs)
 
     def place(self, tree: Any) -> Any:
         """`tree` replicated on the devices this pipeline runs on (a no-op when it is):
@@ -334,7 +327,10 @@ class Pipelined:
         """A training step for `loss_fn` with the pipeline's optax optimizer; with
         `donate` each step consumes the state it is given (its memory is reused)."""
         if self.optimizer is None:
-            raise ValueError("train_step: pipeline(..., optimizer=...) needs an optax optimizer")
+            raise OptimizerError(
+                "train_step needs an optax optimizer: pass pipeline(..., "
+                "optimizer=optax.adam(1e-3)) (any optax transformation)"
+            )
         return TrainStep(self, loss_fn, donate)
 
 
@@ -345,7 +341,7 @@ def _explain_rng_errors() -> Iterator[None]:
     try:
         yield
     except flax.errors.InvalidRngError as e:
-        raise ValueError(
+        raise RngError(
             f"rngs: the model draws random numbers ({e}); pass rngs=jax.random.key(...) "
             "(the 'dropout' stream) or a dict {stream: key} to the step, or make the "
             "model deterministic"

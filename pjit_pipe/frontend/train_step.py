@@ -10,7 +10,6 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.rngs import step_rngs
 from pjit_pipe.frontend.state import StateView, TrainState
 
@@ -36,11 +35,8 @@ class TrainStep:
         self, params: Any, batch: tuple[Any, Any], rngs: Any = None
     ) -> tuple[Any, StateView]:
         """The compiled pipeline for these shapes (and rng streams) and its state view."""
-        cut, step = self.pipelined._step(params, *batch, self.loss_fn, rngs=rngs)
-        views = self.pipelined._views
-        if id(step) not in views:
-            views[id(step)] = StateView(cut, step.layout, self.pipelined.optimizer)
-        return step, views[id(step)]
+        cut, step = self.pipelined.program(params, *batch, self.loss_fn, rngs=rngs)
+        return step, self.pipelined.state_view(cut, step)
 
     def view(self, params: Any, batch: tuple[Any, Any]) -> StateView:
         """The state view (module layout <-> this step's device layout) for parameters
@@ -62,8 +58,7 @@ class TrainStep:
         draws random numbers. Each stage's rows are built on its devices."""
         model = self.pipelined.model
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
-        _, view = self._program(params, batch, step_rngs(rngs))
-        check_opt_layout(view.cut, self.pipelined.optimizer, params)
+        _, view = self._program(params, batch, step_rngs(rngs))  # checks the optimizer too
         device_params, device_opt = view.to_device(params, opt_state)
         return TrainState(device_params, device_opt, step, view)
 

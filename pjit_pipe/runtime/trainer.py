@@ -130,6 +130,11 @@ class ResilientTrainer:
             self._record(Event(state.step, "switch", down, seconds, moved))
         return variant, state
 
+    @property
+    def down(self) -> frozenset[Worker]:
+        """The workers that were down during the last committed step."""
+        return self._current
+
     def _record(self, event: Event) -> None:
         self.events.append(event)
         if self.on_event is not None:
