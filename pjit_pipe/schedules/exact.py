@@ -11,7 +11,7 @@ minimise the makespan:
   disjunctive big-M constraints (the big-M of each pair comes from the windows);
 - the precedences of `pjit_pipe.ir.engine.needs` with the durations of
   `Costs.duration_fn` and the transfer time C between workers;
-- the activation memory after each F (DESIGN.md section 3), which is linear in
+- the activation memory after each F (docs/design.md section 3), which is linear in
   the binaries, bounded by the limit.
 
 The returned schedule is validated, and its event simulation is checked
