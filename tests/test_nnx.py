@@ -150,3 +150,32 @@ def test_non_param_state_is_refused():
         pp.pipeline(WithStats(nnx.Rngs(0)), stages=2, microbatches=2, mesh=pp.make_mesh(1, 2))
     with pytest.raises(TypeError, match=r"flax\.linen\.Module or flax\.nnx\.Module"):
         pp.pipeline(object(), stages=2, microbatches=2)
+
+
+class NNXScanStack(nnx.Module):
+    """Four blocks made by nnx.vmap (one stacked module), run by nnx.scan."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(3, 8, rngs=rngs)
+
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs: nnx.Rngs) -> nnx.Linear:
+            return nnx.Linear(8, 8, rngs=rngs)
+
+        self.layers = create(rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h, layer):
+            return h + jnp.tanh(layer(h))
+
+        return self.out(body(self.inp(x), self.layers))
+
+
+def test_nnx_scan_stack_is_refused_by_name():
+    model = NNXScanStack(nnx.Rngs(0))
+    pm = pp.pipeline(model, stages=2, microbatches=2, mesh=pp.make_mesh(1, 2))
+    with pytest.raises(ValueError, match=r"nnx.scan stack cannot be cut: keep the layers in"):
+        pm.cut(pm.init(None, None), jnp.ones((4, 3)))

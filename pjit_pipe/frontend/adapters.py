@@ -124,7 +124,19 @@ class NNXModel:
         for path, child in _children(model):
             _replace(model, path, _Routed(run, "/".join(map(str, path)), child))
         args, kwargs = call_args(x)
-        return drive(run, lambda: model(*args, **kwargs))
+        try:
+            return drive(run, lambda: model(*args, **kwargs))
+        except (TypeError, ValueError) as e:
+            if "_Routed" not in str(e):
+                raise
+            raise ValueError(
+                f"pipeline: {self.name}.__call__ hands a child module to an NNX transform "
+                "(nnx.scan, nnx.vmap, ... over a stacked layer module) instead of calling "
+                "it; the stage cutter only sees calls of the root's children, so an "
+                "nnx.scan stack cannot be cut: keep the layers in an nnx.List and call "
+                "them in a Python loop (each may be nnx.remat'd), or write the model in "
+                "linen, whose nn.scan stacks are cut between iterations"
+            ) from e
 
     def init(self, rng: jax.Array, x: Any) -> Any:
         """The module's own parameters (`rng` and `x` are unused: NNX modules are
