@@ -87,7 +87,7 @@ def measure(name: str, config: GPTConfig, D: int, P: int, M: int, steps: int) ->
     layout = box["state"].view.layout
 
     # before: the whole module-layout state replicated on every device
-    cut, program = pm._step(params, *batch, lm_loss)
+    cut, program = pm.program(params, *batch, lm_loss)
     replicated = NamedSharding(pm.mesh, PartitionSpec())
     old = jax.device_put((params, optimizer.init(params)), replicated)
     x_r, y_r = jax.device_put(batch, replicated)

@@ -1,34 +1,105 @@
-"""pjit_pipe: a pipeline-parallel training compiler for JAX."""
+"""pjit_pipe: a pipeline-parallel training compiler for JAX.
+
+The public API is the names below. Importing the package imports no JAX: the
+`pjit-pipe` command must set XLA_FLAGS (how many CPU devices) before JAX
+starts, so each name is loaded from its module on first use (PEP 562), while
+type checkers and IDEs see the same names through the `TYPE_CHECKING` imports.
+The errors import nothing heavy and are loaded at once.
+"""
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-# Public names are loaded on first use: importing the package (e.g. for the CLI)
-# must not import JAX, so the CLI can still set XLA_FLAGS first.
-_EXPORTS = {
-    "Pipelined": "pjit_pipe.frontend",
-    "StageCut": "pjit_pipe.frontend",
-    "TrainState": "pjit_pipe.frontend",
-    "TrainStep": "pjit_pipe.frontend",
-    "boundary": "pjit_pipe.frontend",
-    "make_mesh": "pjit_pipe.frontend",
-    "pipeline": "pjit_pipe.frontend",
+from pjit_pipe.errors import (
+    BatchError,
+    CutError,
+    FailurePlanError,
+    LossFnError,
+    MeshError,
+    OptimizerError,
+    OptionError,
+    PjitPipeError,
+    PlotError,
+    RngError,
+    ScheduleError,
+    StateError,
+)
+
+if TYPE_CHECKING:
+    from pjit_pipe.frontend.cut import StageCut
+    from pjit_pipe.frontend.mesh import make_mesh
+    from pjit_pipe.frontend.options import PipelineOptions
+    from pjit_pipe.frontend.pipeline import pipeline
+    from pjit_pipe.frontend.pipelined import Pipelined
+    from pjit_pipe.frontend.state import TrainState
+    from pjit_pipe.frontend.trace import boundary
+    from pjit_pipe.frontend.train_step import TrainStep
+    from pjit_pipe.ir.costs import Costs
+    from pjit_pipe.ir.schedule import Schedule
+    from pjit_pipe.runtime.checkpoint import Checkpoints
+    from pjit_pipe.runtime.detector import InjectedFailures, LiveDevices
+    from pjit_pipe.runtime.trainer import ResilientTrainer
+    from pjit_pipe.schedules import make_schedule
+
+# Lazily loaded names -> the module that defines them (keep in step with the imports above).
+_LAZY: dict[str, str] = {
     "Checkpoints": "pjit_pipe.runtime.checkpoint",
-    "InjectedFailures": "pjit_pipe.runtime",
-    "LiveDevices": "pjit_pipe.runtime",
-    "ResilientTrainer": "pjit_pipe.runtime",
+    "Costs": "pjit_pipe.ir.costs",
+    "InjectedFailures": "pjit_pipe.runtime.detector",
+    "LiveDevices": "pjit_pipe.runtime.detector",
+    "PipelineOptions": "pjit_pipe.frontend.options",
+    "Pipelined": "pjit_pipe.frontend.pipelined",
+    "ResilientTrainer": "pjit_pipe.runtime.trainer",
+    "Schedule": "pjit_pipe.ir.schedule",
+    "StageCut": "pjit_pipe.frontend.cut",
+    "TrainState": "pjit_pipe.frontend.state",
+    "TrainStep": "pjit_pipe.frontend.train_step",
+    "boundary": "pjit_pipe.frontend.trace",
+    "make_mesh": "pjit_pipe.frontend.mesh",
+    "make_schedule": "pjit_pipe.schedules",
+    "pipeline": "pjit_pipe.frontend.pipeline",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "BatchError",
+    "Checkpoints",
+    "Costs",
+    "CutError",
+    "FailurePlanError",
+    "InjectedFailures",
+    "LiveDevices",
+    "LossFnError",
+    "MeshError",
+    "OptimizerError",
+    "OptionError",
+    "PipelineOptions",
+    "Pipelined",
+    "PjitPipeError",
+    "PlotError",
+    "ResilientTrainer",
+    "RngError",
+    "Schedule",
+    "ScheduleError",
+    "StageCut",
+    "StateError",
+    "TrainState",
+    "TrainStep",
+    "boundary",
+    "make_mesh",
+    "make_schedule",
+    "pipeline",
+]
 
 
 def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
+    if name not in _LAZY:
         raise AttributeError(f"module 'pjit_pipe' has no attribute {name!r}")
-    return getattr(importlib.import_module(_EXPORTS[name]), name)
+    value = getattr(importlib.import_module(_LAZY[name]), name)
+    globals()[name] = value  # later look-ups skip __getattr__
+    return value
 
 
 def __dir__() -> list[str]:
-    return sorted([*globals(), *__all__])
+    return sorted({*globals(), *__all__})

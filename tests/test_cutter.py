@@ -420,7 +420,7 @@ def test_tied_clipped_adam_steps_match_optax_and_copies_stay_equal():
     assert rel_err(state.params, ref_p) < 1e-5
     # Both holders' copies of the embedding, as the program returns them, agree to
     # rounding: the same update, fused differently in each stage's branch.
-    cut, program = pm._step(state.params, x, y, lm_loss)
+    cut, program = pm.program(state.params, x, y, lm_loss)
     assert cut.shared == {"wte": (0, 3)}
     opt_stages = split_opt_state(cut, state.opt_state, state.params)
     stage_params, opt_stages, x, y = pm.place((cut.split(state.params), opt_stages, x, y))

@@ -191,7 +191,7 @@ MLP_X = np.ones((8, 12), np.float32)
     [
         (dict(schedule="zigzag"), "unknown schedule kind 'zigzag'"),
         (dict(schedule="interleaved-1f1b", chunks=2, microbatches=3), "multiple of stages"),
-        (dict(schedule="zb-v"), "zb-v needs chunks=2"),
+        (dict(schedule="zb-v", chunks=1), "zb-v needs chunks=2"),
         (dict(stages=3), "'stage' axis has 4 devices, but stages=3"),
         (dict(balance="even"), "balance: expected one of flops, params"),
         (dict(microbatches=0), "microbatches must be a positive integer"),

@@ -149,7 +149,7 @@ def test_defer_w_reaches_the_lower_bound_on_1f1b() -> None:
 def test_defer_w_on_1f1b_matches_the_published_zb_h1_figures(
     P: int, m: int, costs: Costs, published: float
 ) -> None:
-    """DESIGN.md section 6: the zero-bubble heuristic under memory limit P."""
+    """docs/design.md section 6: the zero-bubble heuristic under memory limit P."""
     s = split_backward(make_schedule("1f1b", P, m))
     out = validate(defer_w(s, costs, mem_limit=P), mem_limit=P)
     assert simulate(out, costs).makespan <= published

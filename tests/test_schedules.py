@@ -30,7 +30,7 @@ def peak(result) -> float:
     return max(result.peak_memory.values())
 
 
-# --- published figures (DESIGN.md section 6) -------------------------------------------
+# --- published figures (docs/design.md section 6) -------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["gpipe", "1f1b"])

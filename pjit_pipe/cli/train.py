@@ -41,16 +41,50 @@ def step_workers_arg(text: str) -> dict[int, list[tuple[int, int]]]:
     return out
 
 
-def check_workers(option: str, events: dict[int, list[tuple[int, int]]], data: int, stages: int):
-    """Every (R, S) of `events` must be a worker of the DxP mesh."""
+def check_failure_plan(
+    fail: dict[int, list[tuple[int, int]]],
+    rejoin: dict[int, list[tuple[int, int]]],
+    data: int,
+    stages: int,
+    steps: int,
+) -> None:
+    """Refuse, before anything compiles, a plan of failures and rejoins that cannot
+    run: a worker outside the DxP mesh, a failure after the last step, a rejoin
+    of a worker that is not down then, or every replica of a stage down at once.
+
+    Plays the plan step by step as `InjectedFailures` does: the rejoins of step
+    k happen before it starts, its failures during it.
+    """
     from pjit_pipe.cli import UsageError
 
-    for step, workers in events.items():
-        for r, s in workers:
-            if r >= data or s >= stages:
+    for option, events in (("--fail", fail), ("--rejoin", rejoin)):
+        for step, workers in sorted(events.items()):
+            for r, s in workers:
+                if r >= data or s >= stages:
+                    raise UsageError(
+                        f"{option}: worker {r}:{s} at step {step} is outside the mesh "
+                        f"{data}x{stages} (R < {data}, S < {stages})"
+                    )
+            if step >= steps:
                 raise UsageError(
-                    f"{option}: worker {r}:{s} at step {step} is outside the mesh "
-                    f"{data}x{stages} (R < {data}, S < {stages})"
+                    f"{option}: step {step} is past the last step ({steps} steps run steps "
+                    f"0-{steps - 1}); use a step below {steps} or raise --steps"
+                )
+    down: set[tuple[int, int]] = set()
+    for step in sorted({*fail, *rejoin}):
+        for r, s in rejoin.get(step, []):
+            if (r, s) not in down:
+                raise UsageError(
+                    f"--rejoin: worker {r}:{s} is not down before step {step} (it never failed, "
+                    "or already rejoined); rejoin only a worker that --fail took down earlier"
+                )
+            down.discard((r, s))
+        down |= set(fail.get(step, []))
+        for s in range(stages):
+            if all((r, s) in down for r in range(data)):
+                raise UsageError(
+                    f"--fail: at step {step} every replica of stage {s} is down, so its "
+                    f"parameters are lost; keep one of the {data} workers R:{s} alive"
                 )
 
 
@@ -71,17 +105,61 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     from pjit_pipe.cli.schedule import positive_float, positive_int
     from pjit_pipe.schedules import KINDS
 
-    parser.add_argument("--model", choices=MODELS, default="gpt-tiny")
-    parser.add_argument("--mesh", type=mesh_arg, default=(1, 4), metavar="DxP")
-    parser.add_argument("--schedule", choices=KINDS, default="1f1b", metavar="KIND")
-    parser.add_argument("--microbatches", type=positive_int, default=4, metavar="M")
-    parser.add_argument("--chunks", type=positive_int, default=1, metavar="V")
     parser.add_argument(
-        "--batch", type=positive_int, default=None, help="global batch (default 2*D*M)"
+        "--model",
+        choices=MODELS,
+        default="gpt-tiny",
+        help="the example model: a tiny character-level GPT on a bundled text, or a "
+        "residual MLP regressing a random teacher (default gpt-tiny)",
     )
-    parser.add_argument("--steps", type=positive_int, default=100, metavar="N")
-    parser.add_argument("--lr", type=positive_float, default=3e-3)
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--mesh",
+        type=mesh_arg,
+        default=(1, 4),
+        metavar="DxP",
+        help="D data-parallel replicas x P pipeline stages (default 1x4); needs D*P devices",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=KINDS,
+        default="1f1b",
+        metavar="KIND",
+        help=f"pipeline schedule, one of {', '.join(KINDS)} (default 1f1b)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=4,
+        metavar="M",
+        help="microbatches per replica per step (default 4)",
+    )
+    parser.add_argument(
+        "--chunks",
+        type=positive_int,
+        default=None,
+        metavar="V",
+        help="chunks (virtual stages) per device; default: the kind's own (2 for zb-v "
+        "and interleaved-1f1b, else 1)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        default=None,
+        metavar="B",
+        help="global batch, a multiple of D*M (default 2*D*M)",
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=100, metavar="N", help="steps to run (default 100)"
+    )
+    parser.add_argument(
+        "--lr", type=positive_float, default=3e-3, help="Adam learning rate (default 3e-3)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the parameters and the data: a run is repeatable (default 0)",
+    )
 
 
 def add_failure_args(parser: argparse.ArgumentParser) -> None:
@@ -110,7 +188,12 @@ def add_failure_args(parser: argparse.ArgumentParser) -> None:
         help="compile variants for up to K failed workers in the background "
         "(default 1 with --fail, else 0)",
     )
-    parser.add_argument("--cache-dir", default=None, help="on-disk cache of compiled programs")
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep compiled programs here, so a later run loads them instead of compiling",
+    )
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -134,7 +217,11 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
 
 def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
-        "train", help="train an example model on a pipeline", description=__doc__
+        "train",
+        help="train an example model on a pipeline",
+        description="Train an example model on a DxP mesh of devices under a pipeline "
+        "schedule and print the loss of each step, through injected worker failures "
+        "and rejoins. On a CPU-only machine the D*P devices are simulated.",
     )
     add_training_args(parser)
     add_failure_args(parser)
@@ -275,7 +362,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         for step in range(state.step, args.steps):
             start = time.perf_counter()
             state, loss = trainer.step(state, (x, y))
-            down = sorted(trainer.detector.down)
+            down = sorted(trainer.down)
             record = StepRecord(
                 step,
                 float(loss),
@@ -315,8 +402,7 @@ def show_costs(pm: Any, as_json: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
-    check_workers("--fail", args.fail, *args.mesh)
-    check_workers("--rejoin", args.rejoin, *args.mesh)
+    check_failure_plan(args.fail, args.rejoin, *args.mesh, args.steps)
     bars: list[Any] = []  # the progress bar, made at the first step (errors come first)
 
     def on_step(rec: StepRecord) -> None:

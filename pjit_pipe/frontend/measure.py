@@ -1,6 +1,6 @@
 """Stage costs measured from the model: the F, B, W of each stage and the activation transfer.
 
-The schedule search prices candidates with per-stage F/B/W times (DESIGN.md
+The schedule search prices candidates with per-stage F/B/W times (docs/design.md
 sec. 3). Unit costs ignore the model; FLOP counts ignore what the hardware
 does with them. So `costs="measure"` compiles each virtual stage's F, B and W
 exactly as the lowering runs them (the split backward of

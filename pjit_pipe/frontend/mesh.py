@@ -14,7 +14,7 @@ AXES = ("data", "stage")
 def make_mesh(data: int = 1, stage: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
     """A (data, stage) mesh over the first data*stage of `devices` (default: jax.devices()).
 
-    Axis types are Auto so that inputs need no explicit sharding (DESIGN.md section 5).
+    Axis types are Auto so that inputs need no explicit sharding (docs/design.md section 5).
     """
     for name, value in (("data", data), ("stage", stage)):
         if not isinstance(value, int | np.integer) or value < 1:

@@ -17,6 +17,7 @@ from typing import Any
 import jax
 import optax
 
+from pjit_pipe.errors import OptimizerError
 from pjit_pipe.frontend.cut import StageCut
 
 
@@ -61,14 +62,14 @@ def check_opt_layout(cut: StageCut, optimizer: optax.GradientTransformation, par
     try:
         want = [jax.tree.structure(jax.eval_shape(optimizer.init, p)) for p in cut.split(params)]
     except (ValueError, TypeError) as e:
-        raise ValueError(
+        raise OptimizerError(
             "optimizer: it cannot run stage by stage on a part of the parameters (a mask "
             "or label tree for the whole model? give optax.masked / multi_transform a "
-            f"function of the parameters instead): {e}"
+            f"function of the parameters instead): {str(e).splitlines()[0]}"
         ) from e
     got = [jax.tree.structure(s) for s in split_opt_state(cut, whole, params)]
     if got != want:
-        raise ValueError(
+        raise OptimizerError(
             "optimizer: its state cannot be split by pipeline stage (its per-parameter "
             "parts are not trees shaped like the parameters); use a plain optax chain"
         )

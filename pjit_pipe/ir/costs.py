@@ -20,7 +20,7 @@ def _per_position(name: str, value: float | Sequence[float], stages: int) -> tup
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-stage op times (DESIGN.md section 3): F, B, W of one microbatch on one
+    """Per-stage op times (docs/design.md section 3): F, B, W of one microbatch on one
     pipeline position (all the chunks it holds), C per activation transfer, and
     OPT per chunk. Scalars apply to every stage; sequences give one per stage.
     """

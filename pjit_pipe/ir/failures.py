@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from itertools import combinations
 
+from pjit_pipe.errors import FailurePlanError
 from pjit_pipe.ir.ops import Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 
@@ -20,7 +21,7 @@ from pjit_pipe.ir.schedule import Schedule, ScheduleError
 class FailurePattern:
     """A set of failed workers (replica, stage) in a `replicas` x `stages` mesh.
 
-    Construction raises ScheduleError for a worker outside the mesh or a stage
+    Construction raises FailurePlanError (a ScheduleError) for a worker outside the mesh or a stage
     whose every replica failed (its parameters and work cannot be recovered).
     """
 
@@ -37,13 +38,14 @@ class FailurePattern:
         failed = frozenset(Worker(*w) for w in self.failed)
         for w in sorted(failed):
             if not (0 <= w.replica < self.replicas and 0 <= w.stage < self.stages):
-                raise ScheduleError(
+                raise FailurePlanError(
                     f"failed worker {w} is outside the {self.replicas}x{self.stages} mesh"
                 )
         for stage in range(self.stages):
             if not self.survivors(stage, failed):
-                raise ScheduleError(
-                    f"stage {stage} is unrecoverable: all {self.replicas} of its replicas failed"
+                raise FailurePlanError(
+                    f"stage {stage} is unrecoverable: all {self.replicas} of its replicas failed; "
+                    "keep at least one replica of every stage alive"
                 )
         object.__setattr__(self, "failed", failed)
 
@@ -54,7 +56,7 @@ class FailurePattern:
         """Accept a FailurePattern (checked against the mesh) or any iterable of (r, s)."""
         if isinstance(failed, FailurePattern):
             if (failed.replicas, failed.stages) != (replicas, stages):
-                raise ScheduleError(
+                raise FailurePlanError(
                     f"failure pattern is for a {failed.replicas}x{failed.stages} mesh, "
                     f"not {replicas}x{stages}"
                 )

@@ -6,11 +6,8 @@ import dataclasses
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
+from pjit_pipe.errors import ScheduleError  # noqa: F401  (ir modules import it from here)
 from pjit_pipe.ir.ops import COMM_KINDS, Op, Worker
-
-
-class ScheduleError(ValueError):
-    """A schedule (or a request for one) is invalid; the message names the offending op."""
 
 
 def interleaved_layout(stages: int, chunks: int) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ an update, `optax.tree.norm` is answered by a `StageNorms`, which gives the
 k-th call the global value found by the earlier passes, and records the local
 reduction of the first call not known yet (sum of squares, sum of absolute
 values, or max). The lowering combines those outside the switch (every
-device takes part in the collective; DESIGN.md sec. 5) and traces again
+device takes part in the collective; docs/design.md section 5) and traces again
 with one more call known, until every call is global.
 
 The hook is installed on `optax.tree.norm` once and answers through a

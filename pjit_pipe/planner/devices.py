@@ -1,6 +1,6 @@
 """The devices a plan runs on: link bandwidths, memory and relative speed.
 
-JSON form (DESIGN.md section 4)::
+JSON form (docs/design.md section 4)::
 
     {"bandwidth": N x N bytes/s, "memory": bytes | [bytes] * N, "speed"?: [relative] * N}
 

@@ -1,6 +1,6 @@
 """Layer profiles: per-layer times and sizes, in a stable topological order.
 
-Two input forms (DESIGN.md section 4):
+Two input forms (docs/design.md section 4):
 
 - the DAPPLE/PipeDream text format, one line per node, then edge lines::
 

@@ -24,8 +24,8 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pjit_pipe.frontend.pipeline import TrainStep
 from pjit_pipe.frontend.state import TrainState
+from pjit_pipe.frontend.train_step import TrainStep
 
 STATE, META = "state", "meta"  # the two items of a checkpoint
 

@@ -81,7 +81,7 @@ class LiveDevices:
     every one raises. A restarted process is live again, so its worker
     rejoins at the next attempt. Needs `jax.distributed.initialize` and, on
     GPU, `jax_enable_recoverability`; on CPU a dead process hangs the others
-    (DESIGN.md section 5), so tests use InjectedFailures.
+    (docs/design.md section 5), so tests use InjectedFailures.
     """
 
     def __init__(self, mesh: Mesh):

@@ -21,7 +21,8 @@ from typing import Any
 
 import jax
 
-from pjit_pipe.frontend.pipeline import Pipelined, TrainState
+from pjit_pipe.frontend.pipelined import Pipelined
+from pjit_pipe.frontend.state import TrainState
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
 from pjit_pipe.runtime.variants import Variant, Variants
@@ -128,6 +129,11 @@ class ResilientTrainer:
             seconds = time.perf_counter() - start
             self._record(Event(state.step, "switch", down, seconds, moved))
         return variant, state
+
+    @property
+    def down(self) -> frozenset[Worker]:
+        """The workers that were down during the last committed step."""
+        return self._current
 
     def _record(self, event: Event) -> None:
         self.events.append(event)

@@ -10,7 +10,7 @@ program and lets HiGHS minimise the makespan:
   disjunctive big-M constraints (the big-M of each pair comes from the windows);
 - the precedences of `pjit_pipe.ir.dataflow` with the durations of
   `Costs.duration_fn` and the transfer time C between workers;
-- the activation memory after each F (DESIGN.md section 3), which is linear in
+- the activation memory after each F (docs/design.md section 3), which is linear in
   the binaries, bounded by the limit.
 
 The returned schedule is validated, and its event simulation is checked

@@ -54,7 +54,8 @@ class Plan:
 def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
     """Run the list scheduler; None if the policy deadlocks (only without `reserve`).
 
-    `limit` bounds each worker's activation memory (DESIGN.md units; None: unbounded).
+    `limit` bounds each worker's activation memory (units: docs/design.md section 3;
+    None: unbounded).
     """
     P, v, m = shape.stages, shape.chunks, shape.microbatches
     S = shape.num_virtual

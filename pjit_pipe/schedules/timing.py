@@ -76,7 +76,7 @@ class Shape:
 
 
 class Timing(NamedTuple):
-    """Makespan and span of one iteration (DESIGN.md section 3)."""
+    """Makespan and span of one iteration (docs/design.md section 3)."""
 
     makespan: float
     span: float

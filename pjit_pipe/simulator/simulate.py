@@ -17,7 +17,7 @@ Mode = Literal["event", "lockstep"]
 
 @dataclass
 class SimResult:
-    """Figures of one simulated schedule (units of DESIGN.md section 3)."""
+    """Figures of one simulated schedule (units of docs/design.md section 3)."""
 
     makespan: float
     span: float

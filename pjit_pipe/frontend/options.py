@@ -1,0 +1,184 @@
+"""`PipelineOptions`: every option of `pipeline()`, typed, documented and checked once.
+
+The options are checked when they are made, so a bad value fails at
+`pipeline(...)` with an `OptionError` naming the option, the values it takes
+and the fix, before any model is traced or compiled. `Pipelined.with_options`
+is `dataclasses.replace` on them, so a changed copy is checked the same way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import numpy as np
+import optax
+from jax.sharding import Mesh
+
+from pjit_pipe.errors import FailurePlanError, MeshError, OptionError
+from pjit_pipe.frontend.cut import BALANCE
+from pjit_pipe.frontend.mesh import AXES
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern
+from pjit_pipe.schedules import KINDS
+
+Balance = Literal["flops", "params", "time"]
+
+
+@dataclass(frozen=True)
+class PipelineOptions:
+    """How a model is pipelined (see `pjit_pipe.pipeline`).
+
+    stages: P, pipeline stages (the mesh's 'stage' axis).
+    microbatches: m, microbatches per data replica per step.
+    schedule: the schedule kind, one of `pjit_pipe.schedules.KINDS`.
+    mesh: a (data, stage) mesh from `make_mesh`; None: one replica on the
+        first P devices.
+    chunks: v, virtual stages per device; None takes the kind's own
+        (`schedules.DEFAULT_CHUNKS`: 2 for zb-v and interleaved-1f1b, else 1).
+    mem_limit: bound on each worker's in-flight activations, in units of one
+        microbatch's activations on one stage (docs/design.md section 3); None:
+        the kind's own.
+    costs: per-stage F/B/W times that steer zb-v and auto, or "measure": time
+        each stage on the devices at first use (the default for "auto").
+    optimizer: an optax transformation, for `train_step`.
+    remat: recompute each stage's forward in its backward (less memory).
+    balance: what the stage cut evens out: "flops", "params" or measured "time".
+    failed: the (replica, stage) workers that are down; see `with_failures`.
+    search_time: seconds for the search of a re-routed schedule when workers
+        are down.
+    max_programs: compiled programs kept per pipeline (least recently used
+        go first); each is one (loss function, shapes) combination.
+    """
+
+    stages: int
+    microbatches: int
+    schedule: str = "1f1b"
+    mesh: Mesh | None = None
+    chunks: int | None = None
+    mem_limit: float | None = None
+    costs: Costs | Literal["measure"] | None = None
+    optimizer: optax.GradientTransformation | None = None
+    remat: bool = False
+    balance: Balance = "flops"
+    failed: tuple[tuple[int, int], ...] = ()
+    search_time: float = 2.0
+    max_programs: int = 8
+
+    def __post_init__(self) -> None:
+        _positive_int("stages", self.stages)
+        _positive_int("microbatches", self.microbatches)
+        _positive_int("max_programs", self.max_programs)
+        if self.chunks is not None:
+            _positive_int("chunks", self.chunks, "or None for the schedule kind's own")
+        if self.schedule not in KINDS:
+            raise OptionError(
+                f"schedule: unknown schedule kind {self.schedule!r}; choose one of "
+                f"{', '.join(KINDS)}"
+            )
+        if self.balance not in BALANCE:
+            raise OptionError(
+                f"balance: expected one of {', '.join(BALANCE)}, got {self.balance!r}"
+            )
+        if self.costs is not None and self.costs != "measure" and not isinstance(self.costs, Costs):
+            raise OptionError(
+                f"costs: expected a pjit_pipe.Costs, None or 'measure', got {self.costs!r}"
+            )
+        for name in ("mem_limit", "search_time"):
+            value = getattr(self, name)
+            if value is None and name == "mem_limit":
+                continue
+            if not _is_number(value) or value <= 0:
+                raise OptionError(
+                    f"{name}: expected a positive number of {_UNITS[name]}, got {value!r}"
+                )
+        if not isinstance(self.remat, bool):
+            raise OptionError(f"remat: expected True or False, got {self.remat!r}")
+        if self.optimizer is not None and not (
+            callable(getattr(self.optimizer, "init", None))
+            and callable(getattr(self.optimizer, "update", None))
+        ):
+            raise OptionError(
+                f"optimizer: expected an optax GradientTransformation (e.g. optax.adam(1e-3)), "
+                f"got {type(self.optimizer).__name__}"
+            )
+        self._check_mesh()
+        object.__setattr__(self, "failed", failed_workers(self.failed, self.replicas, self.stages))
+
+    def _check_mesh(self) -> None:
+        if self.mesh is None:
+            return
+        if not isinstance(self.mesh, Mesh):
+            raise MeshError(
+                f"mesh: expected a jax Mesh from pjit_pipe.make_mesh(data=D, stage=P), "
+                f"got {type(self.mesh).__name__}"
+            )
+        if tuple(self.mesh.axis_names) != AXES:
+            raise MeshError(
+                f"mesh: axes must be {AXES}, got {tuple(self.mesh.axis_names)}; "
+                "build it with pjit_pipe.make_mesh(data=D, stage=P)"
+            )
+        if self.mesh.shape["stage"] != self.stages:
+            raise MeshError(
+                f"mesh: its 'stage' axis has {self.mesh.shape['stage']} devices, "
+                f"but stages={self.stages}; make them equal"
+            )
+
+    @property
+    def replicas(self) -> int:
+        """D, the data-parallel replicas: the mesh's 'data' axis (1 without a mesh)."""
+        return 1 if self.mesh is None else int(self.mesh.shape["data"])
+
+
+_UNITS = {"mem_limit": "microbatch activations", "search_time": "seconds"}
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float | np.integer | np.floating) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: object, alternative: str = "") -> None:
+    if not isinstance(value, int | np.integer) or isinstance(value, bool) or value < 1:
+        extra = f" {alternative}" if alternative else ""
+        raise OptionError(f"{name} must be a positive integer{extra}, got {value!r}")
+
+
+def failed_workers(
+    failed: FailurePattern | Sequence[tuple[int, int]], replicas: int, stages: int
+) -> tuple[tuple[int, int], ...]:
+    """`failed` as sorted (replica, stage) pairs of a replicas x stages mesh.
+
+    Raises FailurePlanError for anything but a collection of pairs (a bare
+    pair `(0, 1)` is the common slip: it means `[(0, 1)]`), a worker outside
+    the mesh, or a stage whose every replica is down.
+    """
+    if isinstance(failed, FailurePattern):
+        return tuple(
+            sorted((w.replica, w.stage) for w in FailurePattern.of(replicas, stages, failed).failed)
+        )
+    pairs = list(failed) if isinstance(failed, Sequence | set | frozenset) else None
+    if pairs is None or not all(_is_pair(w) for w in pairs):
+        hint = ""
+        if (
+            isinstance(failed, tuple | list)
+            and len(failed) == 2
+            and all(_is_int(v) for v in failed)
+        ):
+            hint = f"; for the one worker {tuple(failed)} write [{tuple(failed)}]"
+        raise FailurePlanError(
+            f"failed: expected a list of (replica, stage) pairs, got {failed!r}{hint}"
+        )
+    pattern = FailurePattern.of(replicas, stages, [tuple(map(int, w)) for w in pairs])
+    return tuple(sorted((w.replica, w.stage) for w in pattern.failed))
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int | np.integer) and not isinstance(value, bool)
+
+
+def _is_pair(value: object) -> bool:
+    return isinstance(value, tuple | list) and len(value) == 2 and all(map(_is_int, value))
+
+
+__all__ = ["Balance", "PipelineOptions", "failed_workers"]

@@ -1,0 +1,114 @@
+"""`TrainStep`: one optimizer step of a pipelined model, its state kept in device layout."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from pjit_pipe.frontend.rngs import step_rngs
+from pjit_pipe.frontend.state import StateView, TrainState
+
+if TYPE_CHECKING:
+    from pjit_pipe.frontend.pipelined import LossFn, Pipelined
+
+
+class TrainStep:
+    """step(state, (x, y)) -> (new state, loss before the update); step.init(params, batch).
+
+    The state stays in this pipeline's device layout between steps (see
+    frontend/state.py): the compiled step takes and returns each device's own
+    rows, donated unless `donate` is False. A state from another pipeline
+    (another mesh, a failure variant) is moved into this layout first.
+    """
+
+    def __init__(self, pipelined: Pipelined, loss_fn: LossFn, donate: bool = True):
+        self.pipelined = pipelined
+        self.loss_fn = loss_fn
+        self.donate = donate
+
+    def _program(
+        self, params: Any, batch: tuple[Any, Any], rngs: Any = None
+    ) -> tuple[Any, StateView]:
+        """The compiled pipeline for these shapes (and rng streams) and its state view."""
+        cut, step = self.pipelined.program(params, *batch, self.loss_fn, rngs=rngs)
+        return step, self.pipelined.state_view(cut, step)
+
+    def view(self, params: Any, batch: tuple[Any, Any]) -> StateView:
+        """The state view (module layout <-> this step's device layout) for parameters
+        shaped like `params` (arrays or ShapeDtypeStructs) and batches like `batch`."""
+        model = self.pipelined.model
+        return self._program(model.variables(model.params(params)), batch)[1]
+
+    def init(
+        self,
+        params: Any,
+        batch: tuple[Any, Any],
+        opt_state: Any = None,
+        step: int = 0,
+        rngs: Any = None,
+    ) -> TrainState:
+        """A TrainState from module-layout `params` (and `opt_state`, default a fresh
+        `optimizer.init`; `step`, e.g. from a checkpoint); `batch` is an example
+        (x, y) that fixes the stage cut, and `rngs` an example key for a model that
+        draws random numbers. Each stage's rows are built on its devices."""
+        model = self.pipelined.model
+        params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
+        _, view = self._program(params, batch, step_rngs(rngs))  # checks the optimizer too
+        device_params, device_opt = view.to_device(params, opt_state)
+        return TrainState(device_params, device_opt, step, view)
+
+    def adopt(
+        self, state: TrainState, batch: tuple[Any, Any], unavailable: Collection[Any] = ()
+    ) -> tuple[TrainState, int]:
+        """`state` in this step's device layout, and the bytes that moved to get it
+        there. Devices that run the same stages keep their rows; a device new to
+        its stages copies them from a live peer; `unavailable` devices (failed
+        ones) are never read."""
+        _, view = self._program(state.view.variables, batch)
+        return self._into(view, state, unavailable)
+
+    @staticmethod
+    def _into(
+        view: StateView, state: TrainState, unavailable: Collection[Any] = ()
+    ) -> tuple[TrainState, int]:
+        if state.view is view:
+            return state, 0
+        try:
+            params, opt, moved = view.layout.relayout(
+                state.view.layout, state.device_params, state.device_opt, unavailable
+            )
+        except ValueError:  # another stage cut or chunk layout: via the module layout
+            params, opt = state.view.to_module(state, unavailable)
+            params, opt = view.to_device(params, opt)
+            moved = sum(b.nbytes for b in jax.tree.leaves((params, opt)))  # at most this
+        return TrainState(params, opt, state.step, view), moved
+
+    def __call__(
+        self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
+    ) -> tuple[TrainState, jax.Array]:
+        """One step; `rngs` (a key or {stream: key}) for a model that draws random
+        numbers, as in `Pipelined.value_and_grad`."""
+        rngs = step_rngs(rngs)
+        step, view = self._program(state.view.variables, batch, rngs)
+        state, _ = self._into(view, state)
+        x, y = self.pipelined.place(batch)
+        params, opt, loss = step.device_train_step(
+            state.device_params, state.device_opt, x, y, self.donate, rngs
+        )
+        return TrainState(params, opt, state.step + 1, view), loss
+
+    def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
+        """Compile ahead of time for states like this one and batches shaped like
+        `batch` (arrays or ShapeDtypeStructs); returns the seconds it took."""
+        step, _ = self._program(state.view.variables, batch)
+        sharding = NamedSharding(self.pipelined.device_mesh, PartitionSpec())
+        x, y = jax.tree.map(
+            lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=sharding),
+            batch,
+        )
+        return step.compile_device_train_step(x, y, self.donate)
