@@ -150,3 +150,96 @@ def test_non_param_state_is_refused():
         pp.pipeline(WithStats(nnx.Rngs(0)), stages=2, microbatches=2, mesh=pp.make_mesh(1, 2))
     with pytest.raises(TypeError, match=r"flax\.linen\.Module or flax\.nnx\.Module"):
         pp.pipeline(object(), stages=2, microbatches=2)
+
+
+class NNXScanStack(nnx.Module):
+    """Four blocks made by nnx.vmap (one stacked module), run by nnx.scan."""
+
+    def __init__(self, rngs: nnx.Rngs):
+        self.inp = nnx.Linear(3, 8, rngs=rngs)
+
+        @nnx.split_rngs(splits=4)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def create(rngs: nnx.Rngs) -> nnx.Linear:
+            return nnx.Linear(8, 8, rngs=rngs)
+
+        self.layers = create(rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=nnx.Carry)
+        def body(h, layer):
+            return h + jnp.tanh(layer(h))
+
+        return self.out(body(self.inp(x), self.layers))
+
+
+def test_nnx_scan_stack_is_refused_by_name():
+    model = NNXScanStack(nnx.Rngs(0))
+    pm = pp.pipeline(model, stages=2, microbatches=2, mesh=pp.make_mesh(1, 2))
+    with pytest.raises(ValueError, match=r"nnx.scan stack cannot be cut: keep the layers in"):
+        pm.cut(pm.init(None, None), jnp.ones((4, 3)))
+
+
+class DropBlock(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, shared: bool = False):
+        self.lin = nnx.Linear(8, 8, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.rngs = rngs if shared else None  # shared: draws from the caller's own Rngs
+
+    def __call__(self, h):
+        h = h + self.drop(jnp.tanh(self.lin(h)))
+        if self.rngs is not None:
+            h = h * jax.random.bernoulli(self.rngs.dropout(), 0.9, h.shape)
+        return h
+
+
+class DropoutTower(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, shared: bool = False):
+        self.inp = nnx.Linear(3, 8, rngs=rngs)
+        self.blocks = nnx.List([DropBlock(rngs, shared) for _ in range(3)])
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        h = self.inp(x)
+        for block in self.blocks:
+            h = block(h)
+        return self.out(h)
+
+
+def test_nnx_dropout_uses_reseeded_streams_per_microbatch():
+    """Microbatch i runs like the module after nnx.reseed(dropout=fold_in(key, i))."""
+    model = DropoutTower(nnx.Rngs(params=0, dropout=1))
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    y = jax.random.normal(jax.random.key(2), (8, 2))
+    pm = pp.pipeline(model, stages=2, microbatches=2, schedule="1f1b", mesh=pp.make_mesh(2, 2))
+    params = pm.init(None, None)
+    mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
+    with pytest.raises(ValueError, match=r"streams \['dropout'\].*rngs=\{'dropout': key\}"):
+        pm.value_and_grad(mse)(params, x, y)
+    key = jax.random.key(7)
+    loss, grads = pm.value_and_grad(mse)(params, x, y, rngs=key)
+
+    graphdef, _, streams = nnx.split(model, nnx.Param, ...)
+
+    def reference(p):
+        losses = []
+        for i in range(4):  # replica r's microbatch j is microbatch 2r + j: rows 2i, 2i+1
+            state = jax.tree.map(lambda a: a, nnx.state(model, nnx.Param))
+            nnx.replace_by_pure_dict(state, p)
+            m = nnx.merge(graphdef, state, jax.tree.map(lambda a: a, streams))
+            nnx.reseed(m, dropout=jax.random.fold_in(key, i))
+            losses.append(mse(m(x[2 * i : 2 * i + 2]), y[2 * i : 2 * i + 2]))
+        return jnp.mean(jnp.stack(losses))
+
+    ref_loss, ref_grads = jax.value_and_grad(reference)(params)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    for got, want in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
+        assert float(jnp.max(jnp.abs(got - want))) <= 1e-5 * float(jnp.max(jnp.abs(want)))
+    other, _ = pm.value_and_grad(mse)(params, x, y, rngs=jax.random.key(8))
+    assert abs(float(other) - float(loss)) > 1e-4  # the masks depend on the key
+
+
+def test_nnx_stream_shared_by_two_layers_is_refused():
+    with pytest.raises(ValueError, match=r"blocks/0 and blocks/1 draw from the same nnx.Rngs"):
+        pp.pipeline(DropoutTower(nnx.Rngs(0), shared=True), stages=2, microbatches=2)

@@ -15,6 +15,15 @@ attribute (`nnx.List`, the layers of `nnx.Sequential`); its parameters are the
 subtree at its path, so an NNX stage owns whole children just as a linen stage
 owns whole top-level names.
 
+An NNX module may hold random streams (`nnx.Rngs`, e.g. each
+`nnx.Dropout`'s own stream). They are not trained state: every traced
+microbatch first runs `nnx.reseed(model, **keys)` with that microbatch's keys
+(see `rngs.py`), so microbatch i of a step draws what the unpipelined model
+draws after `nnx.reseed(model, dropout=fold_in(key, i))`, whichever stage runs
+which layer: reseeding walks the whole model in the same order in every stage
+and restarts each stream's count. A stream held by two children (or by a child
+and the root's glue) would count differently per stage, so it is refused.
+
 The model input `x` is passed as the call's arguments (`trace.call_args`): a
 dict as keyword arguments (`model(**x)`, e.g. input_ids, attention_mask,
 position_ids), anything else as the one argument.
@@ -30,6 +39,7 @@ import jax
 from flax import nnx
 
 from pjit_pipe.frontend.trace import Run, call_args, drive, run_module
+from pjit_pipe.lowering.rng import current_rngs
 
 Path = tuple[Any, ...]
 
@@ -89,18 +99,19 @@ class NNXModel:
     """An `nnx.Module` instance (already initialized: NNX modules own their state)."""
 
     def __init__(self, module: nnx.Module):
-        graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+        graphdef, params, streams, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
         if jax.tree.leaves(rest):
             kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
             raise ValueError(
-                f"pipeline: only nnx.Param state can be pipelined, {type(module).__name__} "
-                f"also has {kinds} (mutable state such as batch statistics or stored "
-                "rngs is not supported)"
+                f"pipeline: only nnx.Param state (and nnx.Rngs streams) can be pipelined, "
+                f"{type(module).__name__} also has {kinds} (mutable state such as batch "
+                "statistics is not supported)"
             )
         self.name = type(module).__name__
-        self._graphdef, self._template = graphdef, params
+        self._graphdef, self._template, self._streams = graphdef, params, streams
         self._pure = nnx.to_pure_dict(params)
         self.children = tuple(path for path, _ in _children(module))
+        _check_streams_unshared(module)
 
     def params(self, variables: Any) -> dict:
         pure = nnx.to_pure_dict(variables) if isinstance(variables, nnx.State) else variables
@@ -117,14 +128,43 @@ class NNXModel:
     def _module(self, params: dict) -> nnx.Module:
         state = jax.tree.map(lambda a: a, self._template)  # a fresh State to fill in
         nnx.replace_by_pure_dict(state, params)
-        return nnx.merge(self._graphdef, state)
+        streams = jax.tree.map(lambda a: a, self._streams)  # fresh, in the current trace
+        return nnx.merge(self._graphdef, state, streams)
 
     def run(self, params: dict, x: Any, run: Run) -> Any:
         model = self._module(params)
+        keys = current_rngs() or {}
+        streams = _streams(model)
+        tags = {s.key.tag for s in streams} & set(keys)
+        if tags:
+            nnx.reseed(model, **{t: keys[t] for t in tags})
+        counts = [(s, s.count.get_value()) for s in streams if s.key.tag not in tags]
         for path, child in _children(model):
             _replace(model, path, _Routed(run, "/".join(map(str, path)), child))
         args, kwargs = call_args(x)
-        return drive(run, lambda: model(*args, **kwargs))
+        try:
+            out = drive(run, lambda: model(*args, **kwargs))
+        except (TypeError, ValueError) as e:
+            if "_Routed" not in str(e):
+                raise
+            raise ValueError(
+                f"pipeline: {self.name}.__call__ hands a child module to an NNX transform "
+                "(nnx.scan, nnx.vmap, ... over a stacked layer module) instead of calling "
+                "it; the stage cutter only sees calls of the root's children, so an "
+                "nnx.scan stack cannot be cut: keep the layers in an nnx.List and call "
+                "them in a Python loop (each may be nnx.remat'd), or write the model in "
+                "linen, whose nn.scan stacks are cut between iterations"
+            ) from e
+        drawn = sorted({s.key.tag for s, count in counts if s.count.get_value() is not count})
+        if drawn:
+            raise ValueError(
+                f"rngs: {self.name} draws random numbers from its nnx.Rngs streams {drawn} "
+                "but the step got no keys for them; pass rngs={"
+                + ", ".join(f"{t!r}: key" for t in drawn)
+                + "} to the step (a single key is the 'dropout' stream), or make the "
+                "model deterministic"
+            )
+        return out
 
     def init(self, rng: jax.Array, x: Any) -> Any:
         """The module's own parameters (`rng` and `x` are unused: NNX modules are
@@ -166,6 +206,32 @@ def _children(model: nnx.Module) -> list[tuple[Path, nnx.Module]]:
         elif isinstance(value, nnx.Module):
             out.append(((name,), value))
     return out
+
+
+def _streams(model: nnx.Module) -> list[nnx.RngStream]:
+    return [s for _, s in nnx.iter_graph(model) if isinstance(s, nnx.RngStream)]
+
+
+def _check_streams_unshared(model: nnx.Module) -> None:
+    """Refuse a random stream that two children (or a child and the root's own
+    attributes) hold: its count would differ between the stages that draw from it."""
+    owner: dict[int, str] = {}
+    holders = [("/".join(map(str, path)), child) for path, child in _children(model)]
+    holders += [
+        (f"{type(model).__name__}.{name}", value)
+        for name, value in vars(model).items()
+        if isinstance(value, nnx.Rngs | nnx.RngStream)
+    ]
+    for name, node in holders:
+        for stream in {id(s): s for s in _streams(node)}.values():
+            first = owner.setdefault(id(stream), name)
+            if first != name:
+                raise ValueError(
+                    f"pipeline: {first} and {name} draw from the same nnx.Rngs stream "
+                    f"'{stream.key.tag}', whose count would differ between pipeline stages; "
+                    "give each layer its own stream (nnx.Dropout(rate, rngs=rngs) forks "
+                    "one; or pass rngs.fork())"
+                )
 
 
 def _replace(model: nnx.Module, path: Path, value: Any) -> None:

@@ -21,12 +21,18 @@ module's top-level names (`params['params'][name]`), an NNX module's children
 (see `adapters.py`). A stage's parameters are a dict of its units, named by
 their paths ('blocks_0' in linen, 'blocks/0' in NNX), and split/merge
 round-trip exactly: checkpoints never depend on the pipeline layout.
+
+An `nn.scan` stack may be cut between iterations (see `trace.py`): a stage
+running iterations [a, b) of scan `layers` owns the unit `layers[a:b]`, rows
+[a, b) of every stacked parameter, and `merge` concatenates the stages'
+rows back into the one stacked tree (parameters, gradients, optax state).
 With balance="time" the segments are weighed by their measured forward and
 backward time (`measure.py`) instead of FLOPs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import warnings
 from collections.abc import Callable, Mapping, Sequence
@@ -39,7 +45,7 @@ import jax.numpy as jnp
 from pjit_pipe.frontend.adapters import Model, Path, as_model
 from pjit_pipe.frontend.analysis import liveness
 from pjit_pipe.frontend.balance import balance as balance_costs
-from pjit_pipe.frontend.trace import Event, Run
+from pjit_pipe.frontend.trace import Event, Run, with_iterations
 
 BALANCE = ("flops", "params", "time")
 
@@ -85,6 +91,41 @@ def _get(tree: Any, path: Path) -> Any:
     return tree
 
 
+Rows = tuple[int, int]  # [first, stop) rows of a stacked (nn.scan) parameter
+
+
+def _rows(tree: Any, rows: Rows | None, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+    """Rows [first, stop) of every leaf of `tree` (shapes too; other `is_leaf` nodes as is)."""
+    if rows is None:
+        return tree
+    first, stop = rows
+
+    def cut(a: Any) -> Any:
+        if _is_aval(a):
+            return jax.ShapeDtypeStruct((stop - first, *a.shape[1:]), a.dtype)
+        return a[first:stop] if hasattr(a, "shape") else a
+
+    return jax.tree.map(cut, tree, is_leaf=is_leaf)
+
+
+def _stack(parts: Sequence[Any]) -> Any:
+    """Concatenate row blocks of one stacked subtree (in row order) along axis 0."""
+
+    def cat(*blocks: Any) -> Any:
+        if _is_aval(blocks[0]):
+            rows = sum(b.shape[0] for b in blocks)
+            sharding = getattr(blocks[0], "sharding", None)
+            return jax.ShapeDtypeStruct(
+                (rows, *blocks[0].shape[1:]), blocks[0].dtype, sharding=sharding
+            )
+        sharding = getattr(blocks[0], "sharding", None)
+        if sharding is not None and not isinstance(blocks[0], jax.core.Tracer):
+            blocks = [jax.device_put(b, sharding) for b in blocks]  # one stage's devices
+        return jnp.concatenate(blocks)
+
+    return jax.tree.map(cat, *parts)
+
+
 def _assemble(parts: Mapping[Path, Any]) -> dict:
     """Nested dicts from (path -> subtree) parts."""
     out: dict = {}
@@ -113,6 +154,8 @@ class StageCut:
     keys[s]: names of the parameter units stage s owns (units: name -> path).
     flops[s]: estimated FLOPs of one microbatch's forward through stage s.
     A unit may be owned by several stages (see `shared`).
+    rows[k]: for a unit that holds some iterations of an nn.scan stack, the rows
+    [first, stop) of its stacked parameters (its path is the whole stack's).
     """
 
     model: Model
@@ -123,6 +166,11 @@ class StageCut:
     x_aval: Any
     param_avals: dict
     units: dict[str, Path]
+    rows: Mapping[str, Rows] = dataclasses.field(default_factory=dict)
+
+    def _unit(self, tree: Any, k: str, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+        """Unit k's subtree of a whole-model tree (its rows, for part of a scan stack)."""
+        return _rows(_get(tree, self.units[k]), self.rows.get(k), is_leaf)
 
     @property
     def stages(self) -> int:
@@ -137,18 +185,18 @@ class StageCut:
         """stage_fn(params_s, act) -> act: the model's code from cut s to cut s+1."""
         start = self.bounds[s]
         stop = self.bounds[s + 1] if s + 1 < self.stages else None
+        held = {self.units[k] for k in self.keys[s]}
         others = {
-            k: _get(self.param_avals, path)
-            for k, path in self.units.items()
-            if k not in self.keys[s]
+            path: _get(self.param_avals, path)
+            for path in set(self.units.values()) - held  # whole stacks, even if split
         }
         calls_before = [i for i in range(start or 0) if self.events[i].kind == "call"]
 
         def stage(params_s: Any, act: Any) -> Any:
             # Other stages' parameters and skipped calls are zero stand-ins that
             # only dead code reads (checked when the cut was made).
-            units = {**_zeros(others), **params_s}
-            params = _assemble({self.units[k]: v for k, v in units.items()})
+            own = {self.units[k]: v for k, v in params_s.items()}
+            params = _assemble({**_zeros(others), **own})
             if start is None:
                 return self.model.run(params, act, Run(stop=stop, expected=self.events))
             skips = {i: _zeros(self.events[i].out) for i in calls_before}
@@ -172,7 +220,7 @@ class StageCut:
         return sum(
             math.prod(a.shape) * a.dtype.itemsize
             for k in self.keys[s]
-            for a in jax.tree.leaves(_get(self.param_avals, self.units[k]))
+            for a in jax.tree.leaves(self._unit(self.param_avals, k))
         )
 
     def describe(self) -> str:
@@ -203,19 +251,26 @@ class StageCut:
                 f"params: their tree {jax.tree.structure(params)} differs from the one the "
                 f"model was cut with {jax.tree.structure(self.param_avals)}"
             )
-        return [{k: _get(params, self.units[k]) for k in keys} for keys in self.keys]
+        return [{k: self._unit(params, k, is_leaf) for k in keys} for keys in self.keys]
 
     def merge(self, stage_trees: Sequence[Any]) -> Any:
         """Inverse of `split`: per-stage dicts (parameters or gradients) -> the model's form.
 
         A shared unit is taken from its first holder (the lowering keeps the
-        holders' copies equal, and gives each the summed gradient)."""
+        holders' copies equal, and gives each the summed gradient); the row
+        blocks of a split scan stack are concatenated."""
         if len(stage_trees) != self.stages:
             raise ValueError(f"merge: expected {self.stages} stage trees, got {len(stage_trees)}")
         parts: dict[Path, Any] = {}
+        blocks: dict[Path, list[tuple[int, Any]]] = {}
         for tree in stage_trees:
             for k, v in tree.items():
-                parts.setdefault(self.units[k], v)
+                if k in self.rows:
+                    blocks.setdefault(self.units[k], []).append((self.rows[k][0], v))
+                else:
+                    parts.setdefault(self.units[k], v)
+        for path, row_blocks in blocks.items():
+            parts[path] = _stack([v for _, v in sorted(row_blocks, key=lambda b: b[0])])
         return self.model.variables(_assemble(parts))
 
 
@@ -257,12 +312,13 @@ def _probe(model: Model, events, x_aval, param_avals, start, stop) -> _Segment:
 
 def _candidates(events: Sequence[Event]) -> list[int]:
     """Event indices where a stage may begin: markers if the model has any, else every
-    top-level call after the first; the event must receive at least one array."""
+    top-level call after the first; and the iterations of nn.scan stacks. The event
+    must receive at least one array."""
     markers = any(e.kind == "boundary" for e in events)
     return [
         i
         for i, e in enumerate(events)
-        if e.act is not None and (e.kind == "boundary" if markers else i > 0)
+        if e.act is not None and (e.kind != "call" if markers else i > 0)
     ]
 
 
@@ -293,7 +349,7 @@ def cut_module(
     x_aval = _avals(x)
     recorder = Run()
     jax.eval_shape(lambda p, xs: model.run(p, xs, recorder), param_avals, x_aval)
-    events = tuple(recorder.events)
+    events = with_iterations(tuple(recorder.events))
     if recorder.wrapped_root is not None:
         raise ValueError(
             f"pipeline: {model.name}.__call__ runs inside a Flax transform (nn.jit, "
@@ -304,10 +360,16 @@ def cut_module(
     segments = _clean_segments(model, events, x_aval, param_avals)
     if len(segments) < stages:
         names = [events[s.start].name for s in segments[1:]]
-        scans = [f"{e.name} (nn.scan)" for e in events if e.transform == "Scan"]
+        scans = [
+            f"{e.name} (nn.scan)"
+            for e in events
+            if e.transform == "Scan" and e.kind == "call" and not e.iterations
+        ]
         hint = (
-            f"; {', '.join(scans)} runs its layers inside one scan, which is not cut "
-            "between iterations: use a Python loop over the layers (each may be nn.remat'd)"
+            f"; {', '.join(scans)} runs its layers inside one scan that is not cut "
+            "between iterations, because its per-iteration outputs (ys) are used or it "
+            "runs in reverse: return None as the scan's per-iteration output and run it "
+            "forwards, or use a Python loop over the layers (each may be nn.remat'd)"
             if scans
             else ""
         )
@@ -321,6 +383,7 @@ def cut_module(
         k: sum(math.prod(a.shape) for a in jax.tree.leaves(_get(param_avals, path)))
         for k, path in units.items()
     }
+    scan_share = _scan_share(events, segments)  # a scan iteration weighs 1/L of its stack
     if balance == "flops":
         costs = [s.flops for s in segments]
     elif balance == "time":  # measured forward + backward of each segment
@@ -339,7 +402,10 @@ def cut_module(
         stage_params = one_each.split(model.variables(param_avals), _is_aval)
         costs = segment_times(one_each.stage_fns(), stage_params, x_aval)
     else:
-        costs = [float(sum(sizes[k] for k in s.keys)) for s in segments]
+        costs = [
+            float(sum(sizes[k] * scan_share[j].get(k, 1.0) for k in s.keys))
+            for j, s in enumerate(segments)
+        ]
     starts = balance_costs(costs, stages)
     ends = [*starts[1:], len(segments)]
     groups = [segments[a:b] for a, b in zip(starts, ends, strict=True)]
@@ -356,13 +422,70 @@ def cut_module(
             "to give the cutter finer cut points",
             stacklevel=2,
         )
+    bounds = tuple(g[0].start for g in groups)
+    keys, units, rows = _split_stacks(model, events, bounds, keys, units)
     return StageCut(
         model=model,
         events=events,
-        bounds=tuple(g[0].start for g in groups),
+        bounds=bounds,
         keys=tuple(tuple(k) for k in keys),
         flops=tuple(sum(s.flops for s in g) for g in groups),
         x_aval=x_aval,
         param_avals=param_avals,
         units=units,
+        rows=rows,
     )
+
+
+def _scan_spans(events: Sequence[Event]) -> list[tuple[str, int, int]]:
+    """(unit name, event index, length) of every nn.scan that can be cut inside."""
+    return [(e.name, i, e.iterations) for i, e in enumerate(events) if e.iterations]
+
+
+def _scan_share(events: Sequence[Event], segments: Sequence[_Segment]) -> list[dict[str, float]]:
+    """Per segment: the fraction of each scan stack's iterations it runs."""
+    shares: list[dict[str, float]] = []
+    for seg in segments:
+        lo = seg.start or 0
+        hi = len(events) if seg.stop is None else seg.stop
+        shares.append(
+            {
+                name: (min(hi, i + n) - max(lo, i)) / n
+                for name, i, n in _scan_spans(events)
+                if max(lo, i) < min(hi, i + n)
+            }
+        )
+    return shares
+
+
+def _split_stacks(
+    model: Model,
+    events: Sequence[Event],
+    bounds: Sequence[int | None],
+    keys: list[list[str]],
+    units: dict[str, Path],
+) -> tuple[list[list[str]], dict[str, Path], dict[str, Rows]]:
+    """Give each stage that runs some iterations of an nn.scan stack the unit
+    `name[first:stop]` (those rows of its stacked parameters) instead of the whole."""
+    units, rows = dict(units), {}
+    ends = [*bounds[1:], len(events)]
+    for name, i, n in _scan_spans(events):
+        if name not in units:  # a parameter-free scan
+            continue
+        spans = [(max(b or 0, i) - i, min(e, i + n) - i) for b, e in zip(bounds, ends, strict=True)]
+        if all(stop - first in (0, n) for first, stop in spans):
+            continue  # one stage runs the whole stack
+        for s, (first, stop) in enumerate(spans):
+            if name not in keys[s]:
+                continue
+            if first >= stop:
+                raise ValueError(
+                    f"pipeline: the stacked parameters of {name} (nn.scan) are split between "
+                    f"stages, but stage {s} reads them outside the scan; read them only "
+                    "inside the scan, or cut at pjit_pipe.boundary() markers outside it"
+                )
+            part = f"{name}[{first}:{stop}]"
+            keys[s] = sorted([part if k == name else k for k in keys[s]])
+            units[part], rows[part] = units[name], (first, stop)
+        del units[name]
+    return keys, units, rows

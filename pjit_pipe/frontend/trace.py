@@ -17,16 +17,30 @@ the stage returns, so XLA removes it; the stage cutter checks that (see
 A child wrapped in a linen transform (nn.remat, nn.jit, nn.vmap) is entered
 where the transform is applied, outside its trace: its activation is taken
 and replaced there, and only the skipping happens inside.
+
+A child wrapped in `nn.scan` (a stack of L layers with stacked parameters)
+can also be cut between iterations. Its event is followed by L-1
+*iteration* events (`layers[k]`: the stage begins before iteration k), whose
+activation is the scan call's: the carry (its first argument) and the
+broadcast arguments. A stage that runs iterations [a, b) of it enters the
+scan call (with the stage input as its arguments when a > 0), and flax's
+`lax.scan` runs only those iterations: every scanned input with L rows (the
+parameters while cutting, the split rngs, scanned arguments) is cut to rows
+[a, b), the stage's own parameters already hold just those rows. When b < L
+the stage ends there, handing on (carry, broadcast arguments). A scan whose
+per-iteration outputs (ys) are used, or that runs in reverse, is one event.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
+import flax.core.axes_scan as axes_scan
 import flax.linen as nn
 import flax.linen.transforms as linen_transforms
 import jax
@@ -43,11 +57,27 @@ class Event:
         stand-ins of these shapes).
     """
 
-    kind: str  # "call" or "boundary"
+    kind: str  # "call", "boundary" or "iteration" (a cut inside an nn.scan)
     name: str
     act: tuple[jax.ShapeDtypeStruct, ...] | None
     out: Any
     transform: str | None = None  # the linen transform around the child ("Scan", "Checkpoint")
+    # An nn.scan call that can be cut between iterations: its length L. An
+    # "iteration" event: the iteration k at which it begins a stage.
+    iterations: int | None = None
+    iteration: int = 0
+
+
+def with_iterations(events: tuple[Event, ...]) -> tuple[Event, ...]:
+    """The recorded events with the L-1 iteration events after each cuttable nn.scan."""
+    out: list[Event] = []
+    for e in events:
+        out.append(e)
+        out += [
+            Event("iteration", f"{e.name}[{k}]", e.act, None, "Scan", iteration=k)
+            for k in range(1, e.iterations or 1)
+        ]
+    return tuple(out)
 
 
 class _StageEnd(Exception):
@@ -93,6 +123,11 @@ class Run:
         self.start, self.stop, self.act = start, stop, act
         self.skips = skips or {}
         self.expected = expected
+        # The event where the stage's input is swapped in: `start`, or the nn.scan
+        # call when the stage begins between two of its iterations.
+        self._first = start
+        if expected is not None and start is not None and expected[start].kind == "iteration":
+            self._first = start - expected[start].iteration
         self.events: list[Event] = []
         self._index = 0
         self._depth = 0
@@ -101,8 +136,12 @@ class Run:
         # The transform (or class) name when the root's own __call__ is transformed.
         self.wrapped_root: str | None = None
         # A transformed child entered outside its transform:
-        # (index, name, act avals, transform name).
+        # (index, name, act avals, transform name). An nn.scan keeps it until its
+        # lax.scan returns (flax traces the scan body twice).
         self._pending: tuple[int, str, Any, str] | None = None
+        self._body_seen = False  # the pending scan's body was traced once already
+        self._scan_args: tuple[tuple, dict] = ((), {})  # the pending scan call's arguments
+        self._scanning = False  # inside the pending scan's lax.scan (nested ones run as is)
 
     def intercept(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
         """A linen method interceptor: top-level submodule calls become events."""
@@ -141,23 +180,63 @@ class Run:
         take its activation here; `intercept` finishes the event inside."""
         i, act, args, kwargs = self._enter("call", name, args, kwargs)
         self._pending = (i, name, act, transform)
+        self._body_seen, self._scan_args = False, (args, kwargs)
         return args, kwargs
 
     def _inner(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
         i, expected_name, act, transform = self._pending
-        self._pending = None
+        if transform != "Scan":
+            self._pending = None
         if name != expected_name:
             raise RuntimeError(
                 f"the transformed call {expected_name} ran module {name} inside its "
                 "transform; pipelining needs one child module per transform"
             )
         run = lambda: fn(*args, **kwargs)  # noqa: E731
-        return self._finish(i, "call", expected_name, act, run, transform)
+        record = not self._body_seen
+        self._body_seen = True
+        return self._finish(i, "call", expected_name, act, run, transform, record)
+
+    def scan(self, lax_scan: Callable, body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
+        """flax's `lax.scan` of the pending nn.scan call: records its length, or runs
+        only the stage's iterations of it (see the module doc)."""
+        pending = self._pending
+        if pending is None or pending[3] != "Scan" or self._scanning:
+            return lax_scan(body, init, xs, **kwargs)
+        i = pending[0]
+        length = kwargs.get("length") or jax.tree.leaves(xs)[0].shape[0]
+        first, stop = 0, length
+        if self.expected is not None and self.expected[i].iterations:
+            first = self.start - i if self._first == i and self.start != i else 0
+            if self.stop is not None and i < self.stop < i + length:
+                stop = self.stop - i
+        if (first, stop) != (0, length):
+            xs = jax.tree.map(lambda v: v[first:stop] if v.shape[0] == length else v, xs)
+            kwargs = {**kwargs, "length": stop - first}
+        self._scanning = True
+        try:
+            out = lax_scan(body, init, xs, **kwargs)
+        finally:
+            self._scanning, self._pending = False, None
+        carry = out[0][1]  # flax's scan carry: (carried variables, the call's carry)
+        if self.expected is None:
+            ys = jax.tree.leaves(self.events[-1].out[1])
+            cuttable = not ys and not kwargs.get("reverse")
+            self.events[-1] = dataclasses.replace(
+                self.events[-1], iterations=length if cuttable else None
+            )
+        elif stop < length:  # the stage ends between two iterations
+            args, kwargs = self._scan_args
+            leaves = jax.tree.leaves(((carry, *args[1:]), kwargs))
+            raise _StageEnd(tuple(leaf for leaf in leaves if _is_array(leaf)))
+        return out
 
     def _enter(self, kind: str, name: str, args: tuple, kwargs: dict):
         """Number the event; swap in the stage input at `start`, end the run at `stop`."""
         i = self._index
         self._index += 1
+        if self.expected is not None and i < len(self.expected):
+            self._index += (self.expected[i].iterations or 1) - 1  # its iteration events
         leaves, treedef = jax.tree.flatten((args, kwargs))
         arrays = [k for k, leaf in enumerate(leaves) if _is_array(leaf)]
         act = tuple(_aval(leaves[k]) for k in arrays) or None
@@ -174,7 +253,7 @@ class Run:
                 leaves[k] = old[1]
         if i == self.stop:
             raise _StageEnd(tuple(leaves[k] for k in arrays))
-        if i == self.start:
+        if i == self._first:
             for k, new in zip(arrays, self.act, strict=True):
                 self._swapped[id(leaves[k])] = (leaves[k], new)
                 leaves[k] = new
@@ -189,9 +268,10 @@ class Run:
         act: Any,
         run: Callable[[], Any],
         transform: str | None = None,
+        record: bool = True,
     ) -> Any:
         """Skip a call before `start` (stand-ins), or run it; record it when recording."""
-        skipped = self.expected is not None and self.start is not None and i < self.start
+        skipped = self.expected is not None and self._first is not None and i < self._first
         if skipped and kind == "call":
             return self.skips[i]
         self._depth += 1
@@ -199,7 +279,7 @@ class Run:
             out = run()
         finally:
             self._depth -= 1
-        if self.expected is None:
+        if self.expected is None and record:
             self.events.append(Event(kind, name, act, jax.tree.map(_aval, out), transform))
         return out
 
@@ -271,10 +351,26 @@ def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
         return original(module, args, kwargs)
 
     linen_transforms.get_module_scopes = hooked
+    axes_scan.lax = _LaxSeenBy(run)
     try:
         yield
     finally:
         linen_transforms.get_module_scopes = original
+        axes_scan.lax = jax.lax
+
+
+class _LaxSeenBy:
+    """`jax.lax` for flax's nn.scan while a run is active: its `scan` goes through the
+    run (which may cut it to the stage's iterations)."""
+
+    def __init__(self, run: Run):
+        self._run = run
+
+    def scan(self, body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
+        return self._run.scan(jax.lax.scan, body, init, xs, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax.lax, name)
 
 
 def run_module(module: nn.Module, variables: Any, x: Any, run: Run) -> Any:
