@@ -113,6 +113,18 @@ def needs(kind: Kind, stage: int, last: int) -> tuple[tuple[Payload, int], ...]:
     raise ScheduleError(f"needs: {kind} is not a compute op")
 
 
+def consumers(payload: Payload, stage: int, last: int) -> tuple[tuple[Kind, int], ...]:
+    """The compute ops (kind, virtual stage) of the same microbatch that consume a tensor
+    of `payload` made at `stage`: `needs`, inverted."""
+    return tuple(
+        (kind, s)
+        for s in (stage - 1, stage, stage + 1)
+        if 0 <= s <= last
+        for kind in (Kind.F, Kind.B, Kind.W, Kind.BW)
+        if (payload, stage) in needs(kind, s, last)
+    )
+
+
 def makes(kind: Kind) -> Payload | None:
     """The tensor of its own stage a compute op outputs (None: W, whose output is local)."""
     if kind is Kind.F:
