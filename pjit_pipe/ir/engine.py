@@ -4,8 +4,9 @@ Every evaluator and list scheduler of the package reads its dependency rules
 from here, so none can disagree about what a schedule means: the validator and
 the event simulator run `Engine.run`; `defer_w` replays with `Engine.deps`;
 the fast per-replica evaluator (`schedules.timing`), the list schedulers
-(`schedules.heuristic`, `passes.reroute`) and the exact MILP's precedence
-edges (`schedules.exact`) are built from `needs` and `makes`. Memory is
+(`schedules.heuristic`, `passes.list_scheduler`) and the exact MILP's
+precedence edges (`schedules.milp`) are built from `needs`, `consumers` and
+`makes`; tests/test_engine.py checks that each times every op as `run` does. Memory is
 stated once too, in `pjit_pipe.ir.memory` (`MEMORY_DELTA`).
 
 Dependencies, for virtual stage s of microbatch (j, home replica r):

@@ -247,7 +247,11 @@ class ListScheduler:
         return st.mem + st.reserved + MEMORY_DELTA[Kind.F] * (1 + self.ahead[s]) <= self.cap[w]
 
     def _send(self, it: int, tensor: Tensor, src: Worker, end: float) -> None:
-        """Deliver `tensor` to the workers of the other stages that consume it."""
+        """Deliver `tensor` to the worker of the other stage that consumes it.
+
+        (One other stage consumes each tensor: F(s+1) or the backward of s-1, so the
+        arrival is keyed by the tensor alone.)
+        """
         for stage in self.remote_consumers[(tensor.payload, tensor.stage)]:
             dst = self.placement[(stage, tensor.mb, tensor.replica)]
             at = end + (self.c if src != dst else 0.0)
