@@ -4,8 +4,9 @@ Every evaluator and list scheduler of the package reads its dependency rules
 from here, so none can disagree about what a schedule means: the validator and
 the event simulator run `Engine.run`; `defer_w` replays with `Engine.deps`;
 the fast per-replica evaluator (`schedules.timing`), the list schedulers
-(`schedules.heuristic`, `passes.reroute`) and the exact MILP's precedence
-edges (`schedules.exact`) are built from `needs` and `makes`. Memory is
+(`schedules.heuristic`, `passes.list_scheduler`) and the exact MILP's
+precedence edges (`schedules.milp`) are built from `needs`, `consumers` and
+`makes`; tests/test_engine.py checks that each times every op as `run` does. Memory is
 stated once too, in `pjit_pipe.ir.memory` (`MEMORY_DELTA`).
 
 Dependencies, for virtual stage s of microbatch (j, home replica r):
@@ -111,6 +112,18 @@ def needs(kind: Kind, stage: int, last: int) -> tuple[tuple[Payload, int], ...]:
     if kind is Kind.W:
         return ((Payload.GRAD, stage),)
     raise ScheduleError(f"needs: {kind} is not a compute op")
+
+
+def consumers(payload: Payload, stage: int, last: int) -> tuple[tuple[Kind, int], ...]:
+    """The compute ops (kind, virtual stage) of the same microbatch that consume a tensor
+    of `payload` made at `stage`: `needs`, inverted."""
+    return tuple(
+        (kind, s)
+        for s in (stage - 1, stage, stage + 1)
+        if 0 <= s <= last
+        for kind in (Kind.F, Kind.B, Kind.W, Kind.BW)
+        if (payload, stage) in needs(kind, s, last)
+    )
 
 
 def makes(kind: Kind) -> Payload | None:

@@ -64,6 +64,7 @@ def replay(
     resolved: dict[Key, tuple[float, Worker]] = {}
     counts: dict[Key, int] = defaultdict(int)
     latest: dict[Key, float] = defaultdict(float)
+    deps: dict[tuple[Worker, Op], list[tuple[Key, bool]]] = {}
     waiting: dict[Key, list[Worker]] = defaultdict(list)
     queue = deque(state)
 
@@ -87,7 +88,9 @@ def replay(
     def ready_time(w: Worker, op: Op) -> float | None:
         """When `op`'s inputs are all on `w`, or None while one is not produced yet."""
         t = 0.0
-        for key, cross in flow.deps(w, op):
+        if (w, op) not in deps:  # asked again each time the worker retries: build keys once
+            deps[(w, op)] = flow.deps(w, op)
+        for key, cross in deps[(w, op)]:
             if key not in resolved:
                 waiting[key].append(w)
                 return None

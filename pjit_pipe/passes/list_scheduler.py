@@ -23,9 +23,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.engine import Tensor, consumers, needs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units, units_per_microbatch
-from pjit_pipe.ir.ops import BW, OPT, B, F, Kind, Op, W, Worker
+from pjit_pipe.ir.ops import BW, OPT, B, F, Kind, Op, Payload, W, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 
 Slot = tuple[int, int, int]  # (virtual stage, microbatch, home replica)
@@ -143,10 +144,25 @@ class ListScheduler:
             sum(t > s for t in base.held_stages(base.layout[s])) for s in range(self.last + 1)
         ]
         self.first = {min(base.held_stages(p)) for p in range(base.stages)}
+        # The engine's dependency rule, as this scheduler asks it: which inputs of an op
+        # come from other stages, and which other stages consume what an op makes.
+        # (The split or fused backward has the same inputs: B stands for both.)
+        self.remote_inputs = {
+            (kind, s, j, r): tuple(
+                Tensor(pay, src, j, r) for pay, src in needs(kind, s, self.last) if src != s
+            )
+            for kind in (Kind.F, Kind.B)
+            for s, j, r in placement
+        }
+        self.remote_consumers = {
+            (pay, s): sorted({c for _, c in consumers(pay, s, self.last) if c != s})
+            for pay in Payload
+            for s in range(self.last + 1)
+        }
 
     def run(self, iterations: int) -> list[dict[Worker, list[Op]]]:
         """Programs of each of `iterations` back-to-back iterations."""
-        self.arrival: dict[tuple, float] = {}
+        self.arrival: dict[tuple[int, Tensor], float] = {}  # (iteration, tensor) -> on its consumer
         self.wcount: dict[tuple, list] = {}
         self.optcount: dict[int, list] = {}
         self.events: list[float] = []
@@ -189,8 +205,9 @@ class ListScheduler:
                 active.discard(w)
         return logs
 
-    def _ready(self, key: tuple, now: float) -> bool:
-        return self.arrival.get(key, math.inf) <= now
+    def _arrived(self, it: int, inputs: tuple[Tensor, ...], now: float) -> bool:
+        """Whether the `inputs` an op needs from other stages are on its worker by `now`."""
+        return all(self.arrival.get((it, tensor), math.inf) <= now for tensor in inputs)
 
     def _choose(self, w: Worker, st: _State, now: float) -> Op | None:
         it = st.iteration
@@ -201,13 +218,13 @@ class ListScheduler:
         if st.computed < len(self.forder[w]):
             for s, j, r in self.border[w]:
                 started = (s, j, r) in st.fdone and (s, j, r) not in st.bdone
-                if started and (s == self.last or self._ready((it, "grad", s + 1, j, r), now)):
+                if started and self._arrived(it, self.remote_inputs[(Kind.B, s, j, r)], now):
                     return (B if self.split else BW)(s, j, r)
             for s, j, r in self.forder[w]:
                 if (
                     (s, j, r) not in st.fdone
                     and self._fits(w, st, s)
-                    and (s == 0 or self._ready((it, "act", s - 1, j, r), now))
+                    and self._arrived(it, self.remote_inputs[(Kind.F, s, j, r)], now)
                 ):
                     return F(s, j, r)
             if st.wqueue:
@@ -229,11 +246,18 @@ class ListScheduler:
             return True  # its room was reserved when it entered
         return st.mem + st.reserved + MEMORY_DELTA[Kind.F] * (1 + self.ahead[s]) <= self.cap[w]
 
-    def _send(self, key: tuple, src: Worker, dst: Worker, end: float) -> None:
-        at = end + (self.c if src != dst else 0.0)
-        self.arrival[key] = at
-        heapq.heappush(self.events, at)
-        self.checked[dst] = False
+    def _send(self, it: int, tensor: Tensor, src: Worker, end: float) -> None:
+        """Deliver `tensor` to the worker of the other stage that consumes it.
+
+        (One other stage consumes each tensor: F(s+1) or the backward of s-1, so the
+        arrival is keyed by the tensor alone.)
+        """
+        for stage in self.remote_consumers[(tensor.payload, tensor.stage)]:
+            dst = self.placement[(stage, tensor.mb, tensor.replica)]
+            at = end + (self.c if src != dst else 0.0)
+            self.arrival[(it, tensor)] = at
+            heapq.heappush(self.events, at)
+            self.checked[dst] = False
 
     def _apply(self, w: Worker, st: _State, op: Op, end: float) -> None:
         it, s, j, r = st.iteration, op.stage, op.mb, op.replica
@@ -253,13 +277,11 @@ class ListScheduler:
             st.reserved += (
                 MEMORY_DELTA[Kind.F] * self.ahead[s] if s in self.first else -MEMORY_DELTA[Kind.F]
             )
-            if s < self.last:
-                self._send((it, "act", s, j, r), w, self.placement[(s + 1, j, r)], end)
+            self._send(it, Tensor(Payload.ACT, s, j, r), w, end)
             return
         if op.kind in (Kind.B, Kind.BW):
             st.bdone.add((s, j, r))
-            if s > 0:
-                self._send((it, "grad", s, j, r), w, self.placement[(s - 1, j, r)], end)
+            self._send(it, Tensor(Payload.GRAD, s, j, r), w, end)
             st.mem += MEMORY_DELTA[op.kind]
             if op.kind is Kind.B:
                 st.wqueue.append((s, j, r))

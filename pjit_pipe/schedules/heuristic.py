@@ -17,6 +17,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
+from pjit_pipe.ir.engine import consumers, makes, needs
 from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units, units_per_microbatch
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.schedules.timing import Shape, Step, Timing, finish
@@ -68,11 +69,28 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
     grow = MEMORY_DELTA[Kind.F]
     units = limit_units(limit, v)
     admit = units_per_microbatch(v) if policy.reserve else MEMORY_DELTA[Kind.F]
-    lat_f = [shape.latency(s - 1, s) if s else 0.0 for s in range(S)]
-    lat_b = [shape.latency(s + 1, s) if s < S - 1 else 0.0 for s in range(S)]
     inf = math.inf
-    act = [[0.0] * m] + [[inf] * m for _ in range(S - 1)]  # when F(s, j)'s input is there
-    grad = [[inf] * m for _ in range(S)]  # when B(s, j)'s input is there
+    # The engine's dependency rule, as this scheduler uses it: what each F/B waits for
+    # (`needs`) and which F/B an op's output feeds, with its transfer time (`consumers`;
+    # W waits in its worker's queue instead).
+    missing = {k: [[len(needs(k, s, S - 1))] * m for s in range(S)] for k in (Kind.F, Kind.B)}
+    arrived = {k: [[0.0] * m for _ in range(S)] for k in (Kind.F, Kind.B)}
+    act = [[0.0 if not missing[Kind.F][s][0] else inf] * m for s in range(S)]
+    grad = [[inf] * m for _ in range(S)]
+    ready = {Kind.F: act, Kind.B: grad}  # ready[k][s][j]: when op (k, s, j)'s inputs are there
+    # feeds[kind][s]: per consumer, its rows (by microbatch) of missing inputs, arrival
+    # and readiness, the transfer time, and its position.
+    feeds = {
+        k: [
+            [
+                (missing[ck][cs], arrived[ck][cs], ready[ck][cs], shape.latency(s, cs), layout[cs])
+                for ck, cs in consumers(makes(k), s, S - 1)
+                if ck in (Kind.F, Kind.B)
+            ]
+            for s in range(S)
+        ]
+        for k in (Kind.F, Kind.B)
+    }
     nf, nb = [0] * S, [0] * S
     pending_w: list[deque] = [deque() for _ in range(P)]
     mem, reserved, inflight = [0] * P, [0] * P, [0] * P
@@ -144,24 +162,23 @@ def greedy(shape: Shape, limit: float | None, policy: Policy) -> Plan | None:
                     reserved[p] += admit - grow
             elif policy.reserve:
                 reserved[p] -= grow
-            if s == S - 1:
-                grad[s][j] = end
-            else:
-                act[s + 1][j] = end + lat_f[s + 1]
-                if layout[s + 1] != p:
-                    wake(heap, (act[s + 1][j], layout[s + 1]))
         elif kind is Kind.B:
             nb[s] += 1
             mem[p] += MEMORY_DELTA[Kind.B]
             pending_w[p].append((s, j))
             if s == entry[p]:
                 inflight[p] -= 1
-            if s:
-                grad[s - 1][j] = end + lat_b[s - 1]
-                if layout[s - 1] != p:
-                    wake(heap, (grad[s - 1][j], layout[s - 1]))
         else:
             mem[p] += MEMORY_DELTA[Kind.W]
+            continue
+        for miss, at, rdy, lat, q in feeds[kind][s]:
+            if end + lat > at[j]:
+                at[j] = end + lat
+            miss[j] -= 1
+            if not miss[j]:
+                rdy[j] = at[j]
+                if q != p:
+                    wake(heap, (at[j], q))
     if left:
         return None
     return Plan(tuple(map(tuple, progs)), finish(shape, first, free), policy)
