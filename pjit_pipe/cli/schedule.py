@@ -7,6 +7,7 @@ import json
 import math
 from pathlib import Path
 
+from pjit_pipe.errors import OptionError
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import ScheduleError
@@ -187,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
         **kwargs,
     )
     if args.chunks is not None and schedule.chunks != args.chunks:
-        raise ValueError(
+        raise OptionError(
             f"--chunks {args.chunks} does not fit kind {args.kind}, which uses "
             f"{schedule.chunks} chunk(s) per device"
         )

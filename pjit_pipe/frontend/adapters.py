@@ -38,6 +38,7 @@ import flax.linen as nn
 import jax
 from flax import nnx
 
+from pjit_pipe.errors import CutError
 from pjit_pipe.frontend.trace import Run, call_args, drive, run_module
 from pjit_pipe.lowering.rng import current_rngs
 
@@ -69,12 +70,12 @@ class LinenModel:
     def params(self, variables: Any) -> dict:
         """The 'params' dict of a Flax variables tree; other collections are refused."""
         if not isinstance(variables, Mapping) or "params" not in variables:
-            raise ValueError(
+            raise CutError(
                 "params: expected the Flax variables dict {'params': ...} of module.init"
             )
         extra = sorted(set(variables) - {"params"})
         if extra:
-            raise ValueError(
+            raise CutError(
                 f"params: only the 'params' collection can be pipelined, got also {extra} "
                 "(mutable state such as batch statistics is not supported)"
             )
@@ -102,7 +103,7 @@ class NNXModel:
         graphdef, params, streams, rest = nnx.split(module, nnx.Param, nnx.RngState, ...)
         if jax.tree.leaves(rest):
             kinds = sorted({type(v).__name__ for _, v in nnx.to_flat_state(rest)})
-            raise ValueError(
+            raise CutError(
                 f"pipeline: only nnx.Param state (and nnx.Rngs streams) can be pipelined, "
                 f"{type(module).__name__} also has {kinds} (mutable state such as batch "
                 "statistics is not supported)"
@@ -116,7 +117,7 @@ class NNXModel:
     def params(self, variables: Any) -> dict:
         pure = nnx.to_pure_dict(variables) if isinstance(variables, nnx.State) else variables
         if jax.tree.structure(pure) != jax.tree.structure(self._pure):
-            raise ValueError(
+            raise CutError(
                 f"params: expected the nnx.Param state of {self.name} (a pure dict or an "
                 f"nnx.State), got a tree of structure {jax.tree.structure(pure)}"
             )

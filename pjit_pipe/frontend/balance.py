@@ -9,14 +9,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from pjit_pipe.errors import CutError
+
 
 def balance(costs: Sequence[float], stages: int) -> list[int]:
     """Start index of each of `stages` non-empty contiguous groups of `costs`."""
     n = len(costs)
     if stages < 1:
-        raise ValueError(f"stages must be >= 1, got {stages}")
+        raise CutError(f"stages must be >= 1, got {stages}")
     if n < stages:
-        raise ValueError(f"cannot cut {n} segments into {stages} stages")
+        raise CutError(f"cannot cut {n} segments into {stages} stages")
     prefix = [0.0]
     for c in costs:
         prefix.append(prefix[-1] + c)

@@ -42,6 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pjit_pipe.errors import CutError, OptionError
 from pjit_pipe.frontend.adapters import Model, Path, as_model
 from pjit_pipe.frontend.analysis import liveness
 from pjit_pipe.frontend.balance import balance as balance_costs
@@ -247,7 +248,7 @@ class StageCut:
         with `is_leaf` nodes for leaves, -> one dict of units per stage."""
         params = self.model.params(variables)
         if jax.tree.structure(params, is_leaf) != jax.tree.structure(self.param_avals):
-            raise ValueError(
+            raise CutError(
                 f"params: their tree {jax.tree.structure(params)} differs from the one the "
                 f"model was cut with {jax.tree.structure(self.param_avals)}"
             )
@@ -260,7 +261,7 @@ class StageCut:
         holders' copies equal, and gives each the summed gradient); the row
         blocks of a split scan stack are concatenated."""
         if len(stage_trees) != self.stages:
-            raise ValueError(f"merge: expected {self.stages} stage trees, got {len(stage_trees)}")
+            raise CutError(f"merge: expected {self.stages} stage trees, got {len(stage_trees)}")
         parts: dict[Path, Any] = {}
         blocks: dict[Path, list[tuple[int, Any]]] = {}
         for tree in stage_trees:
@@ -342,7 +343,7 @@ def cut_module(
     """Cut `module` (linen or NNX, or its `Model` view) into `stages` stages for
     inputs shaped like `x` (one microbatch); `variables` are its parameters."""
     if balance not in BALANCE:
-        raise ValueError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
+        raise OptionError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
     model = as_model(module)
     param_avals = _avals(model.params(variables))
     units = _units(param_avals, model.children)
@@ -351,7 +352,7 @@ def cut_module(
     jax.eval_shape(lambda p, xs: model.run(p, xs, recorder), param_avals, x_aval)
     events = with_iterations(tuple(recorder.events))
     if recorder.wrapped_root is not None:
-        raise ValueError(
+        raise CutError(
             f"pipeline: {model.name}.__call__ runs inside a Flax transform (nn.jit, "
             "nn.remat, ... applied to the root module), which hides its layer calls from "
             "the stage cutter; remove it from the root (the pipeline compiles the whole "
@@ -373,7 +374,7 @@ def cut_module(
             if scans
             else ""
         )
-        raise ValueError(
+        raise CutError(
             f"stages: the model {model.name} has {len(segments) - 1} clean cut "
             f"points ({', '.join(names) or 'none'}), too few for {stages} stages; use a "
             "model with more top-level layers, add pjit_pipe.boundary() markers, or "

@@ -8,6 +8,8 @@ import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
+from pjit_pipe.errors import MeshError
+
 AXES = ("data", "stage")
 
 
@@ -18,7 +20,7 @@ def make_mesh(data: int = 1, stage: int = 1, devices: Sequence[jax.Device] | Non
     """
     for name, value in (("data", data), ("stage", stage)):
         if not isinstance(value, int | np.integer) or value < 1:
-            raise ValueError(f"make_mesh: {name} must be a positive integer, got {value!r}")
+            raise MeshError(f"make_mesh: {name} must be a positive integer, got {value!r}")
     pool = list(jax.devices() if devices is None else devices)
     need = data * stage
     if need > len(pool):
@@ -28,7 +30,7 @@ def make_mesh(data: int = 1, stage: int = 1, devices: Sequence[jax.Device] | Non
                 f"; on CPU set XLA_FLAGS=--xla_force_host_platform_device_count={need} "
                 "before JAX is imported"
             )
-        raise ValueError(
+        raise MeshError(
             f"make_mesh: data*stage = {data}*{stage} = {need} devices needed, "
             f"only {len(pool)} available{hint}"
         )

@@ -45,6 +45,8 @@ import flax.linen as nn
 import flax.linen.transforms as linen_transforms
 import jax
 
+from pjit_pipe.errors import CutError
+
 
 @dataclass(frozen=True)
 class Event:
@@ -165,7 +167,7 @@ class Run:
 
     def boundary(self, x: Any) -> Any:
         if self._depth:
-            raise ValueError(
+            raise CutError(
                 "pjit_pipe.boundary() must be called in the top-level module's __call__, "
                 "not inside a submodule"
             )

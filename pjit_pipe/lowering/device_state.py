@@ -30,6 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from pjit_pipe.errors import StateError
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.topology import Topology
 
@@ -173,7 +174,7 @@ class DeviceLayout:
         for p in range(len(self.held)):
             devices = self.holders(p, skip)
             if not devices:
-                raise ValueError(f"position {p} has no live device to read its stages from")
+                raise StateError(f"position {p} has no live device to read its stages from")
             mesh = Mesh(np.array(devices), (HOLDER,))
             if not any(d.process_index == jax.process_index() for d in devices):
                 # Another process holds these stages: arrays with no local shards.
@@ -250,10 +251,10 @@ class DeviceLayout:
         `unavailable` (failed ones) are never read.
         """
         if [len(h) for h in source.held] != [len(h) for h in self.held]:
-            raise ValueError("relayout: the two programs hold different numbers of chunks")
+            raise StateError("relayout: the two programs hold different numbers of chunks")
         for p in range(len(self.held)):
             if not self.compatible(source, p):
-                raise ValueError(
+                raise StateError(
                     f"relayout: position {p} holds different stages or row formats in the "
                     "two programs; go through the module layout (state.params) instead"
                 )
@@ -273,7 +274,7 @@ class DeviceLayout:
                         continue
                     peers = [e for e in source.holders(p, unavailable) if e in shards]
                     if not peers:
-                        raise ValueError(
+                        raise StateError(
                             f"relayout: no live device of position {p} holds its rows here"
                         )
                     rows[k][d] = jax.device_put(shards[peers[0]].data, d)

@@ -30,6 +30,8 @@ import jax.numpy as jnp
 import optax
 import optax.tree
 
+from pjit_pipe.errors import OptimizerError
+
 SUM, MAX = "sum", "max"  # how the local reductions of a call combine across stages
 
 _ACTIVE: ContextVar[StageNorms | None] = ContextVar("pjit_pipe_stage_norms", default=None)
@@ -87,7 +89,7 @@ class StageNorms:
         elif ord == jnp.inf or ord in ("inf", "infinity"):
             combine, local = MAX, jnp.max(jnp.stack([jnp.max(jnp.abs(a)) for a in f32] or [0.0]))
         else:
-            raise ValueError(f"optax.tree.norm: unsupported ord {ord!r}")
+            raise OptimizerError(f"optax.tree.norm: unsupported ord {ord!r}")
         k, self.calls = self.calls, self.calls + 1
         if k == self.record:
             self.recorded, self.combine = local, combine

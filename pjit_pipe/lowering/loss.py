@@ -23,6 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjit_pipe.errors import LossFnError
+
 VALUE, WEIGHT = 0, 1  # positions in the loss vector; aux leaves follow
 
 
@@ -46,14 +48,14 @@ class LossLayout:
         """Check what loss_fn returned and record its form: (loss part, aux)."""
         if self.has_aux:
             if not (isinstance(got, tuple | list) and len(got) == 2):
-                raise ValueError(f"loss_fn with has_aux=True must return (loss, aux), got {got}")
+                raise LossFnError(f"loss_fn with has_aux=True must return (loss, aux), got {got}")
             got, aux = got
         else:
             aux = ()
         weighted = isinstance(got, tuple | list)
         pair_ok = weighted and len(got) == 2 and all(map(_floating_scalar, got))
         if not (pair_ok or (not weighted and _floating_scalar(got))):
-            raise ValueError(
+            raise LossFnError(
                 "loss_fn must return a floating scalar (the microbatch mean loss) or a pair "
                 f"(loss_sum, weight) of floating scalars, got {got}"
             )

@@ -25,6 +25,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from pjit_pipe.errors import RngError
+
 Rngs = Mapping[str, jax.Array]
 
 # (name -> raw key data of the microbatch being traced, name -> key impl)
@@ -41,15 +43,15 @@ def as_typed(key: Any) -> jax.Array:
 def check_rngs(rngs: Any) -> dict[str, jax.Array]:
     """{name: typed key} from a dict of keys; raises naming what is wrong."""
     if not isinstance(rngs, Mapping):
-        raise ValueError(f"rngs: expected a dict {{stream name: jax.random.key}}, got {rngs!r}")
+        raise RngError(f"rngs: expected a dict {{stream name: jax.random.key}}, got {rngs!r}")
     out = {}
     for name, key in rngs.items():
         try:
             typed = as_typed(jnp.asarray(key))
         except (TypeError, ValueError) as e:
-            raise ValueError(f"rngs[{name!r}]: expected a jax.random.key, got {key!r}") from e
+            raise RngError(f"rngs[{name!r}]: expected a jax.random.key, got {key!r}") from e
         if typed.shape != ():
-            raise ValueError(f"rngs[{name!r}]: expected one key, got shape {typed.shape}")
+            raise RngError(f"rngs[{name!r}]: expected one key, got shape {typed.shape}")
         out[str(name)] = typed
     return out
 

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pjit_pipe.errors import CutError
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 
 
@@ -112,11 +113,11 @@ def check_shared(shared: Mapping[str, Sequence[int]], stage_params: Sequence[Any
         trees = []
         for s in stages:
             if not isinstance(stage_params[s], Mapping) or unit not in stage_params[s]:
-                raise ValueError(f"shared: stage {s} holds no parameter unit {unit!r}")
+                raise CutError(f"shared: stage {s} holds no parameter unit {unit!r}")
             trees.append(
                 jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params[s][unit])
             )
         if any(t != trees[0] for t in trees):
-            raise ValueError(
+            raise CutError(
                 f"shared: the copies of {unit!r} differ in shape between stages {stages}"
             )

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pjit_pipe.errors import LossFnError
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.split_backward import SplitBackward
 
@@ -92,7 +93,7 @@ class StageVjp:
             out, leaves = jax.eval_shape(probe, self.param_avals[s], self.act_avals[s], y_mb)
             loss = out[0] if s in self.split else out
             if s == self.S - 1 and (loss.ndim != 1 or loss.dtype != jnp.float32):
-                raise ValueError(
+                raise LossFnError(
                     f"loss_fn must return a float32 vector (see loss.LossLayout), got {loss}"
                 )
             self.res_where.append(box["where"])

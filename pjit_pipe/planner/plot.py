@@ -16,6 +16,7 @@ import numpy as np
 from matplotlib import colormaps, rc_context
 from matplotlib.figure import Figure
 
+from pjit_pipe.errors import PlotError
 from pjit_pipe.planner.cost import CostModel, Plan
 from pjit_pipe.simulator.plot import SUFFIXES, draw_gantt
 
@@ -61,7 +62,7 @@ def draw_plan(model: CostModel, plan: Plan, path: str | Path) -> Path:
     """Write the device graph and the Gantt chart of `plan` to `path` (.png or .svg)."""
     path = Path(path)
     if path.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"--plot: write the plan as .png or .svg, got {str(path)!r}")
+        raise PlotError(f"--plot: write the plan as .png or .svg, got {str(path)!r}")
     result = model.simulate(plan, iterations=1)
     workers = plan.replicas * plan.num_stages
     gantt_width = 10.0

@@ -21,6 +21,7 @@ from typing import Any
 
 import jax
 
+from pjit_pipe.errors import StateError
 from pjit_pipe.frontend.pipelined import Pipelined
 from pjit_pipe.frontend.state import TrainState
 from pjit_pipe.ir.ops import Worker
@@ -102,7 +103,7 @@ class ResilientTrainer:
     def step(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
         """One committed optimizer step: retried until an attempt finishes with no failure."""
         if self.variants is None:
-            raise ValueError("ResilientTrainer.step: call init(params, batch) first")
+            raise StateError("ResilientTrainer.step: call init(params, batch) first")
         while True:
             try:
                 with self.detector.attempt(state.step) as down:

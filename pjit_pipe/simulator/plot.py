@@ -13,6 +13,7 @@ from matplotlib import rc_context
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
+from pjit_pipe.errors import PlotError
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind
 from pjit_pipe.ir.schedule import Schedule
@@ -102,7 +103,7 @@ def gantt(
     """
     path = Path(path)
     if path.suffix.lower() not in SUFFIXES:
-        raise ValueError(f"path: a Gantt chart is written as .png or .svg, got {str(path)!r}")
+        raise PlotError(f"path: a Gantt chart is written as .png or .svg, got {str(path)!r}")
     if isinstance(result_or_schedule, Schedule):
         result = simulate(result_or_schedule, costs)
         kind = result_or_schedule.kind
