@@ -33,6 +33,7 @@ if TYPE_CHECKING:
     from pjit_pipe.frontend.options import PipelineOptions
     from pjit_pipe.frontend.pipeline import pipeline
     from pjit_pipe.frontend.pipelined import Pipelined
+    from pjit_pipe.frontend.plan import plan_pipeline
     from pjit_pipe.frontend.state import TrainState
     from pjit_pipe.frontend.trace import boundary
     from pjit_pipe.frontend.train_step import TrainStep
@@ -60,6 +61,7 @@ _LAZY: dict[str, str] = {
     "make_mesh": "pjit_pipe.frontend.mesh",
     "make_schedule": "pjit_pipe.schedules",
     "pipeline": "pjit_pipe.frontend.pipeline",
+    "plan_pipeline": "pjit_pipe.frontend.plan",
 }
 
 __all__ = [
@@ -90,6 +92,7 @@ __all__ = [
     "make_mesh",
     "make_schedule",
     "pipeline",
+    "plan_pipeline",
 ]
 
 

@@ -207,6 +207,14 @@ class DropoutTower(nnx.Module):
         return self.out(h)
 
 
+def test_nnx_dropout_without_keys_is_refused_naming_the_stream():
+    model = DropoutTower(nnx.Rngs(params=0, dropout=1))
+    pm = pp.pipeline(model, stages=2, microbatches=2, mesh=pp.make_mesh(1, 2))
+    with pytest.raises(ValueError, match=r"streams \['dropout'\].*rngs=\{'dropout': key\}"):
+        pm.cut(pm.init(None, None), jnp.ones((4, 3)))
+
+
+@pytest.mark.slow
 def test_nnx_dropout_uses_reseeded_streams_per_microbatch():
     """Microbatch i runs like the module after nnx.reseed(dropout=fold_in(key, i))."""
     model = DropoutTower(nnx.Rngs(params=0, dropout=1))
@@ -215,8 +223,6 @@ def test_nnx_dropout_uses_reseeded_streams_per_microbatch():
     pm = pp.pipeline(model, stages=2, microbatches=2, schedule="1f1b", mesh=pp.make_mesh(2, 2))
     params = pm.init(None, None)
     mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
-    with pytest.raises(ValueError, match=r"streams \['dropout'\].*rngs=\{'dropout': key\}"):
-        pm.value_and_grad(mse)(params, x, y)
     key = jax.random.key(7)
     loss, grads = pm.value_and_grad(mse)(params, x, y, rngs=key)
 

@@ -46,6 +46,8 @@ from pjit_pipe.errors import CutError, OptionError
 from pjit_pipe.frontend.adapters import Model, Path, as_model
 from pjit_pipe.frontend.analysis import liveness
 from pjit_pipe.frontend.balance import balance as balance_costs
+from pjit_pipe.frontend.stacks import Rows, rows_of, split_stacks, stack
+from pjit_pipe.frontend.stacks import scan_share as scan_share_of
 from pjit_pipe.frontend.trace import Event, Run, with_iterations
 
 BALANCE = ("flops", "params", "time")
@@ -92,41 +94,6 @@ def _get(tree: Any, path: Path) -> Any:
     return tree
 
 
-Rows = tuple[int, int]  # [first, stop) rows of a stacked (nn.scan) parameter
-
-
-def _rows(tree: Any, rows: Rows | None, is_leaf: Callable[[Any], bool] | None = None) -> Any:
-    """Rows [first, stop) of every leaf of `tree` (shapes too; other `is_leaf` nodes as is)."""
-    if rows is None:
-        return tree
-    first, stop = rows
-
-    def cut(a: Any) -> Any:
-        if _is_aval(a):
-            return jax.ShapeDtypeStruct((stop - first, *a.shape[1:]), a.dtype)
-        return a[first:stop] if hasattr(a, "shape") else a
-
-    return jax.tree.map(cut, tree, is_leaf=is_leaf)
-
-
-def _stack(parts: Sequence[Any]) -> Any:
-    """Concatenate row blocks of one stacked subtree (in row order) along axis 0."""
-
-    def cat(*blocks: Any) -> Any:
-        if _is_aval(blocks[0]):
-            rows = sum(b.shape[0] for b in blocks)
-            sharding = getattr(blocks[0], "sharding", None)
-            return jax.ShapeDtypeStruct(
-                (rows, *blocks[0].shape[1:]), blocks[0].dtype, sharding=sharding
-            )
-        sharding = getattr(blocks[0], "sharding", None)
-        if sharding is not None and not isinstance(blocks[0], jax.core.Tracer):
-            blocks = [jax.device_put(b, sharding) for b in blocks]  # one stage's devices
-        return jnp.concatenate(blocks)
-
-    return jax.tree.map(cat, *parts)
-
-
 def _assemble(parts: Mapping[Path, Any]) -> dict:
     """Nested dicts from (path -> subtree) parts."""
     out: dict = {}
@@ -171,7 +138,7 @@ class StageCut:
 
     def _unit(self, tree: Any, k: str, is_leaf: Callable[[Any], bool] | None = None) -> Any:
         """Unit k's subtree of a whole-model tree (its rows, for part of a scan stack)."""
-        return _rows(_get(tree, self.units[k]), self.rows.get(k), is_leaf)
+        return rows_of(_get(tree, self.units[k]), self.rows.get(k), is_leaf)
 
     @property
     def stages(self) -> int:
@@ -271,7 +238,7 @@ class StageCut:
                 else:
                     parts.setdefault(self.units[k], v)
         for path, row_blocks in blocks.items():
-            parts[path] = _stack([v for _, v in sorted(row_blocks, key=lambda b: b[0])])
+            parts[path] = stack([v for _, v in sorted(row_blocks, key=lambda b: b[0])])
         return self.model.variables(_assemble(parts))
 
 
@@ -337,13 +304,32 @@ def _clean_segments(model: Model, events, x_aval, param_avals) -> list[_Segment]
     return segments
 
 
-def cut_module(
-    module: Any, variables: Any, x: Any, stages: int, balance: str = "flops"
-) -> StageCut:
-    """Cut `module` (linen or NNX, or its `Model` view) into `stages` stages for
-    inputs shaped like `x` (one microbatch); `variables` are its parameters."""
-    if balance not in BALANCE:
-        raise OptionError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
+@dataclass(frozen=True)
+class _Traced:
+    """A model recorded for inputs like x: its events and clean segments."""
+
+    model: Model
+    events: tuple[Event, ...]
+    segments: list[_Segment]
+    x_aval: Any
+    param_avals: dict
+    units: dict[str, Path]
+
+    def one_each(self) -> StageCut:
+        """The cut with one stage per clean segment (the planner's layers)."""
+        return StageCut(
+            model=self.model,
+            events=self.events,
+            bounds=tuple(s.start for s in self.segments),
+            keys=tuple(tuple(sorted(s.keys)) for s in self.segments),
+            flops=tuple(s.flops for s in self.segments),
+            x_aval=self.x_aval,
+            param_avals=self.param_avals,
+            units=self.units,
+        )
+
+
+def _trace(module: Any, variables: Any, x: Any) -> _Traced:
     model = as_model(module)
     param_avals = _avals(model.params(variables))
     units = _units(param_avals, model.children)
@@ -359,6 +345,53 @@ def cut_module(
             "step anyway) and put transforms on the layers instead"
         )
     segments = _clean_segments(model, events, x_aval, param_avals)
+    return _Traced(model, events, segments, x_aval, param_avals, units)
+
+
+def layer_cut(module: Any, variables: Any, x: Any) -> StageCut:
+    """`module` cut at every clean cut point: stage k is layer k of a plan
+    (`pjit_pipe.planner.Plan.stages` ranges index these)."""
+    return _trace(module, variables, x).one_each()
+
+
+def _check_layers(layers: Sequence[tuple[int, int]], count: int, stages: int) -> list[int]:
+    """The first layer of each stage, from inclusive (first, last) ranges that must
+    cover layers 0..count-1 in order."""
+    ranges = [tuple(r) for r in layers]
+    expected = 0
+    for first, last in ranges:
+        if first != expected or last < first:
+            raise OptionError(
+                f"layers: expected contiguous inclusive (first, last) ranges from layer 0, "
+                f"got {ranges}; range ({first}, {last}) should start at layer {expected}"
+            )
+        expected = last + 1
+    if expected != count or len(ranges) != stages:
+        raise OptionError(
+            f"layers: {len(ranges)} ranges covering layers 0..{expected - 1}, but the model "
+            f"has {count} layers (clean cut segments, see layer_cut) and stages={stages}; "
+            "plan the model for these inputs (pjit_pipe.plan_pipeline)"
+        )
+    return [first for first, _ in ranges]
+
+
+def cut_module(
+    module: Any,
+    variables: Any,
+    x: Any,
+    stages: int,
+    balance: str = "flops",
+    layers: Sequence[tuple[int, int]] | None = None,
+) -> StageCut:
+    """Cut `module` (linen or NNX, or its `Model` view) into `stages` stages for
+    inputs shaped like `x` (one microbatch); `variables` are its parameters.
+    `layers`: the stages as inclusive (first, last) ranges of the model's layers
+    (its clean segments; a planner's `Plan.stages`) instead of balancing."""
+    if balance not in BALANCE:
+        raise OptionError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
+    traced = _trace(module, variables, x)
+    model, events, segments = traced.model, traced.events, traced.segments
+    x_aval, param_avals, units = traced.x_aval, traced.param_avals, traced.units
     if len(segments) < stages:
         names = [events[s.start].name for s in segments[1:]]
         scans = [
@@ -384,22 +417,13 @@ def cut_module(
         k: sum(math.prod(a.shape) for a in jax.tree.leaves(_get(param_avals, path)))
         for k, path in units.items()
     }
-    scan_share = _scan_share(events, segments)  # a scan iteration weighs 1/L of its stack
-    if balance == "flops":
+    scan_share = scan_share_of(events, segments)  # a scan iteration weighs 1/L of its stack
+    if balance == "flops" or layers is not None:
         costs = [s.flops for s in segments]
     elif balance == "time":  # measured forward + backward of each segment
         from pjit_pipe.frontend.measure import segment_times  # compiles: load on use
 
-        one_each = StageCut(
-            model=model,
-            events=events,
-            bounds=tuple(s.start for s in segments),
-            keys=tuple(tuple(sorted(s.keys)) for s in segments),
-            flops=tuple(s.flops for s in segments),
-            x_aval=x_aval,
-            param_avals=param_avals,
-            units=units,
-        )
+        one_each = traced.one_each()
         stage_params = one_each.split(model.variables(param_avals), _is_aval)
         costs = segment_times(one_each.stage_fns(), stage_params, x_aval)
     else:
@@ -407,14 +431,17 @@ def cut_module(
             float(sum(sizes[k] * scan_share[j].get(k, 1.0) for k in s.keys))
             for j, s in enumerate(segments)
         ]
-    starts = balance_costs(costs, stages)
+    if layers is None:
+        starts = balance_costs(costs, stages)
+    else:
+        starts = _check_layers(layers, len(segments), stages)
     ends = [*starts[1:], len(segments)]
     groups = [segments[a:b] for a, b in zip(starts, ends, strict=True)]
     keys = [sorted(set().union(*(s.keys for s in g))) for g in groups]
     unused = sorted(set(units) - set().union(*map(set, keys)))
     keys[0] = sorted(keys[0] + unused)  # never read: they get zero gradients anywhere
     stage_costs = [sum(costs[a:b]) for a, b in zip(starts, ends, strict=True)]
-    if imbalance(stage_costs) > IMBALANCE_WARNING:
+    if layers is None and imbalance(stage_costs) > IMBALANCE_WARNING:
         warnings.warn(
             f"pipeline: the best cut of {model.name} into {stages} stages is imbalanced: "
             f"stage costs ({balance}) {[f'{c:.3g}' for c in stage_costs]}, the largest "
@@ -424,7 +451,7 @@ def cut_module(
             stacklevel=2,
         )
     bounds = tuple(g[0].start for g in groups)
-    keys, units, rows = _split_stacks(model, events, bounds, keys, units)
+    keys, units, rows = split_stacks(events, bounds, keys, units)
     return StageCut(
         model=model,
         events=events,
@@ -436,57 +463,3 @@ def cut_module(
         units=units,
         rows=rows,
     )
-
-
-def _scan_spans(events: Sequence[Event]) -> list[tuple[str, int, int]]:
-    """(unit name, event index, length) of every nn.scan that can be cut inside."""
-    return [(e.name, i, e.iterations) for i, e in enumerate(events) if e.iterations]
-
-
-def _scan_share(events: Sequence[Event], segments: Sequence[_Segment]) -> list[dict[str, float]]:
-    """Per segment: the fraction of each scan stack's iterations it runs."""
-    shares: list[dict[str, float]] = []
-    for seg in segments:
-        lo = seg.start or 0
-        hi = len(events) if seg.stop is None else seg.stop
-        shares.append(
-            {
-                name: (min(hi, i + n) - max(lo, i)) / n
-                for name, i, n in _scan_spans(events)
-                if max(lo, i) < min(hi, i + n)
-            }
-        )
-    return shares
-
-
-def _split_stacks(
-    model: Model,
-    events: Sequence[Event],
-    bounds: Sequence[int | None],
-    keys: list[list[str]],
-    units: dict[str, Path],
-) -> tuple[list[list[str]], dict[str, Path], dict[str, Rows]]:
-    """Give each stage that runs some iterations of an nn.scan stack the unit
-    `name[first:stop]` (those rows of its stacked parameters) instead of the whole."""
-    units, rows = dict(units), {}
-    ends = [*bounds[1:], len(events)]
-    for name, i, n in _scan_spans(events):
-        if name not in units:  # a parameter-free scan
-            continue
-        spans = [(max(b or 0, i) - i, min(e, i + n) - i) for b, e in zip(bounds, ends, strict=True)]
-        if all(stop - first in (0, n) for first, stop in spans):
-            continue  # one stage runs the whole stack
-        for s, (first, stop) in enumerate(spans):
-            if name not in keys[s]:
-                continue
-            if first >= stop:
-                raise ValueError(
-                    f"pipeline: the stacked parameters of {name} (nn.scan) are split between "
-                    f"stages, but stage {s} reads them outside the scan; read them only "
-                    "inside the scan, or cut at pjit_pipe.boundary() markers outside it"
-                )
-            part = f"{name}[{first}:{stop}]"
-            keys[s] = sorted([part if k == name else k for k in keys[s]])
-            units[part], rows[part] = units[name], (first, stop)
-        del units[name]
-    return keys, units, rows

@@ -50,6 +50,9 @@ class PipelineOptions:
         are down.
     max_programs: compiled programs kept per pipeline (least recently used
         go first); each is one (loss function, shapes) combination.
+    layers: the stage cut as inclusive (first, last) ranges of the model's
+        layers (its clean cut segments), e.g. a planner's `Plan.stages`; None:
+        the cutter balances by `balance`.
     """
 
     stages: int
@@ -65,6 +68,7 @@ class PipelineOptions:
     failed: tuple[tuple[int, int], ...] = ()
     search_time: float = 2.0
     max_programs: int = 8
+    layers: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -104,6 +108,14 @@ class PipelineOptions:
                 f"got {type(self.optimizer).__name__}"
             )
         self._check_mesh()
+        if self.layers is not None:
+            layers = tuple((int(a), int(b)) for a, b in self.layers)
+            if len(layers) != self.stages or (self.chunks or 1) != 1:
+                raise OptionError(
+                    f"layers: {len(layers)} layer ranges for stages={self.stages} "
+                    f"(chunks={self.chunks}); give one range per stage, with one chunk"
+                )
+            object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "failed", failed_workers(self.failed, self.replicas, self.stages))
 
     def _check_mesh(self) -> None:

@@ -11,9 +11,12 @@ import optax
 from flax import nnx
 from jax.sharding import Mesh
 
+from pjit_pipe.errors import OptionError
 from pjit_pipe.frontend.options import Balance, PipelineOptions
 from pjit_pipe.frontend.pipelined import Pipelined
+from pjit_pipe.frontend.plan import planned_options
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.planner import Plan
 
 ModuleLike = nn.Module | nnx.Module | Sequence[Any]
 
@@ -37,9 +40,9 @@ def pipeline(
     module: ModuleLike | type | None = None,
     /,
     *,
-    stages: int,
+    stages: int | None = None,
     microbatches: int,
-    schedule: str = "1f1b",
+    schedule: str | None = None,
     mesh: Mesh | None = None,
     chunks: int | None = None,
     mem_limit: float | None = None,
@@ -50,6 +53,7 @@ def pipeline(
     failed: Sequence[tuple[int, int]] = (),
     search_time: float = 2.0,
     max_programs: int = 8,
+    plan: Plan | None = None,
 ) -> Pipelined | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
@@ -58,11 +62,19 @@ def pipeline(
     pipelined), or a list of layers (run as nn.Sequential, or nnx.Sequential
     when they are NNX modules). The options are those of `PipelineOptions`,
     which documents and checks them (an OptionError names a bad one).
+    `plan`: a planner's `Plan` (see `pjit_pipe.plan_pipeline`): its layer ranges
+    are the stage cut, its mapping the mesh and its kind the schedule.
     """
+    layers = None
+    if plan is not None:
+        stages, schedule, mesh = planned_options(plan, stages, schedule, mesh)
+        layers = plan.stages
+    if stages is None:
+        raise OptionError("stages: required (the pipeline's stage count P), or give plan=")
     options = PipelineOptions(
         stages=stages,
         microbatches=microbatches,
-        schedule=schedule,
+        schedule="1f1b" if schedule is None else schedule,
         mesh=mesh,
         chunks=chunks,
         mem_limit=mem_limit,
@@ -73,6 +85,7 @@ def pipeline(
         failed=failed,  # type: ignore[arg-type]  # PipelineOptions makes it a tuple
         search_time=search_time,
         max_programs=max_programs,
+        layers=layers,
     )
     return pipeline_with(module, options)
 

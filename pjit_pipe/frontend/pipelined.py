@@ -187,7 +187,12 @@ class Pipelined:
         key += tuple((np.shape(a), jnp.result_type(a)) for a in leaves)
         if key not in self.cuts:
             self.cuts[key] = cut_module(
-                self.model, params, x_mb, self.schedule.num_virtual_stages, self.balance
+                self.model,
+                params,
+                x_mb,
+                self.schedule.num_virtual_stages,
+                self.balance,
+                self.options.layers,
             )
         return self.cuts[key]
 

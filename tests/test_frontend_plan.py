@@ -1,0 +1,96 @@
+"""The planner in the frontend: a Plan's layer ranges cut the model, its mapping
+makes the mesh, its kind is the schedule; plan_pipeline profiles a live model."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import pytest
+
+import pjit_pipe as pp
+from pjit_pipe.errors import MeshError, OptionError
+from pjit_pipe.frontend import cut_module
+from pjit_pipe.frontend.cut import layer_cut
+from pjit_pipe.frontend.plan import profile_model
+from pjit_pipe.planner import Plan
+from tests.test_frontend import compose, rel_err
+
+
+def tower():
+    return nn.Sequential([nn.Dense(8), nn.tanh, nn.Dense(8), nn.Dense(8), nn.Dense(2)])
+
+
+def test_make_mesh_from_a_mapping():
+    devices = jax.devices()
+    mesh = pp.make_mesh(mapping=[[3, 1], [0, 2]])
+    assert dict(mesh.shape) == {"data": 2, "stage": 2}
+    assert mesh.devices.tolist() == [[devices[3], devices[1]], [devices[0], devices[2]]]
+    assert pp.make_mesh(data=1, stage=2, mapping=[[5, 4]]).devices.tolist() == [devices[5:3:-1]]
+    with pytest.raises(ValueError, match="a device used twice"):
+        pp.make_mesh(mapping=[[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match=r"out of range: \[8\]"):
+        pp.make_mesh(mapping=[[0, 8]])
+    with pytest.raises(ValueError, match="D rows of P device indices"):
+        pp.make_mesh(mapping=[[0, 1], [2]])
+    with pytest.raises(ValueError, match="stage=3 but the mapping has 2"):
+        pp.make_mesh(stage=3, mapping=[[0, 1]])
+
+
+def test_cut_takes_layer_ranges():
+    model, x = tower(), jnp.ones((2, 3))
+    params = jax.eval_shape(model.init, jax.random.key(0), x)
+    assert layer_cut(model, params, x).stages == 4  # the tanh is glue: 4 clean layers
+    cut = cut_module(model, params, x, 2, layers=((0, 2), (3, 3)))
+    assert cut.keys == (("layers_0", "layers_2", "layers_3"), ("layers_4",))
+    with pytest.raises(ValueError, match=r"range \(2, 3\) should start at layer 1"):
+        cut_module(model, params, x, 2, layers=((0, 0), (2, 3)))
+    with pytest.raises(ValueError, match="the model has 4 layers"):
+        cut_module(model, params, x, 2, layers=((0, 0), (1, 2)))
+
+
+PLAN = Plan(stages=((0, 0), (1, 3)), mapping=((5, 2),), schedule="zb-h1")
+
+
+def test_a_plan_sets_cut_mesh_and_schedule():
+    model, plan, x = tower(), PLAN, jnp.ones((8, 3))
+    pm = pp.pipeline(model, microbatches=4, plan=plan)
+    assert pm.mesh.devices.tolist() == [[jax.devices()[5], jax.devices()[2]]]
+    assert pm.schedule.kind == "zb-h1"
+    params = jax.eval_shape(pm.init, jax.random.key(0), x)
+    assert pm.cut(params, x).keys == (("layers_0",), ("layers_2", "layers_3", "layers_4"))
+    with pytest.raises(OptionError, match="stages: 3 differs from the plan's 2"):
+        pp.pipeline(model, stages=3, microbatches=4, plan=plan)
+    with pytest.raises(MeshError, match="differs from the plan's 1 x 2"):
+        pp.pipeline(model, microbatches=4, plan=plan, mesh=pp.make_mesh(data=2, stage=2))
+    with pytest.raises(OptionError, match="stages: required"):
+        pp.pipeline(model, microbatches=4)
+
+
+@pytest.mark.slow
+def test_a_planned_pipeline_matches_jax():
+    model = tower()
+    x = jax.random.normal(jax.random.key(1), (8, 3))
+    y = jax.random.normal(jax.random.key(2), (8, 2))
+    pm = pp.pipeline(model, microbatches=4, plan=PLAN)
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
+    loss, grads = pm.value_and_grad(mse)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: mse(model.apply(p, x), y))(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+
+
+@pytest.mark.slow
+def test_plan_pipeline_profiles_the_layers_and_plans_them():
+    model, x = tower(), jax.random.normal(jax.random.key(1), (2, 3))
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    profile = profile_model(model, params, x)
+    assert len(profile) == 4 and profile.names[:2] == ("layers_0", "layers_2")
+    assert (profile.f > 0).all() and (profile.b >= 0).all()
+    assert profile.param_bytes.tolist() == [4.0 * (3 * 8 + 8), 4.0 * 72, 4.0 * 72, 4.0 * 18]
+    assert profile.cut_bytes().tolist() == [4.0 * 2 * 8] * 3  # one (2, 8) float32 per cut
+    plan = pp.plan_pipeline(model, params, x, microbatches=4, stages=2, replicas=2)
+    assert plan.num_stages == 2 and plan.replicas == 2
+    assert plan.stages[0][0] == 0 and plan.stages[-1][1] == 3
+    pm = pp.pipeline(model, microbatches=4, plan=plan)
+    cut = pm.cut(params, jnp.ones((16, 3)))
+    assert rel_err(compose(cut, params, x), model.apply(params, x)) < 1e-6
