@@ -264,6 +264,11 @@ class Pipelined:
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         key = (id(cut), loss_fn, has_aux, tuple(sorted(rngs or ())), str(avals))
         if key not in self._steps:
+            from pjit_pipe.passes.pack_ticks import pack_ticks
+
+            costs = self.measured_costs or self._options["costs"]
+            costs = costs if isinstance(costs, Costs) else Costs()
+            ticks = pack_ticks(self.schedule, costs, 1, self._schedule_args[1])
             self._steps[key] = lower(
                 self.schedule,
                 cut.stage_fns(),
@@ -277,6 +282,7 @@ class Pipelined:
                 has_aux=has_aux,
                 rngs=rngs,
                 shared=cut.shared,
+                ticks=ticks,
             )
         return cut, self._steps[key]
 

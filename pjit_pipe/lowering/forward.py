@@ -82,8 +82,8 @@ class ForwardStep(PipelineStep):
         # Global microbatch g = r*m + j -> (device, local row) of its last-stage F.
         m = schedule.microbatches
         where = {}
-        for d, t in zip(*np.nonzero(np.isin(plan.rows.branch, last)), strict=True):
-            row = int(plan.rows.mb[d, t])
+        for d, t in zip(*np.nonzero(np.isin(plan.rows.f.branch, last)), strict=True):
+            row = int(plan.rows.f.mb[d, t])
             _, r, j = plan.inputs[d, row]
             where[int(r) * m + int(j)] = (int(d), row)
         order = [where[g] for g in range(schedule.replicas * m)]
@@ -100,8 +100,8 @@ class ForwardStep(PipelineStep):
         def tick(carry, row):
             msgs, outs = carry
             msgs, _, _, vec = low.tick(low.plan, chunks, x, y, msgs, res, [], row)
-            mine = jnp.isin(row.branch, jnp.asarray(self._last_ids))
-            outs = outs.at[row.mb].set(jnp.where(mine, vec, outs[row.mb]))
+            mine = jnp.isin(row.f.branch, jnp.asarray(self._last_ids))
+            outs = outs.at[row.f.mb].set(jnp.where(mine, vec, outs[row.f.mb]))
             return (msgs, outs), None
 
         (_, outs), _ = lax.scan(tick, (msgs, outs), rows)

@@ -104,7 +104,7 @@ class StageOptimizer:
             msgs, res, grads, losses, params, opt, done = carry
             chunks = prog.chunk_params(params)
             msgs, res, grads, dloss = prog.tick(plan, chunks, x, y, msgs, res, grads, row)
-            losses = losses.at[row.iteration].add(dloss)
+            losses = losses.at[row.f.iteration].add(dloss)  # only F makes a loss
             grads, params, opt, done = lax.cond(
                 update,
                 functools.partial(step, row, losses),

@@ -25,6 +25,7 @@ from jax.sharding import Mesh
 
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.global_norm import count_norm_calls
 from pjit_pipe.lowering.loss import LossLayout
@@ -85,6 +86,7 @@ def lower(
     rngs: Any = None,
     shared: Mapping[str, Sequence[int]] | None = None,
     split_backward: bool = True,
+    ticks: PackedTicks | None = None,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -108,6 +110,9 @@ def lower(
     makes W re-run the whole stage pullback (the old split, kept for comparisons);
     the split backward is also off with remat (B and W recompute) and with rngs
     (its stage jaxpr is traced once, so it would fix one microbatch's keys).
+    `ticks` is the tick table to run, for `iterations` iterations (build it with
+    `pjit_pipe.passes.pack_ticks.pack_ticks`); None runs one op per device per
+    tick (`PackedTicks.one_op_per_tick`).
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
@@ -134,8 +139,22 @@ def lower(
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
     topology = Topology.of(mesh, schedule.failed)
+    if ticks is not None:
+        if not isinstance(ticks, PackedTicks):
+            raise ValueError(
+                f"ticks must be a PackedTicks (pack_ticks), got {type(ticks).__name__}"
+            )
+        ticks.check()
     program = TickProgram(
-        schedule, stages, topology, remat, iterations, shared, loss=loss, rng_impls=impls
+        schedule,
+        stages,
+        topology,
+        remat,
+        iterations,
+        shared,
+        loss=loss,
+        rng_impls=impls,
+        ticks=ticks,
     )
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):

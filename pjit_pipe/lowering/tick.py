@@ -1,10 +1,11 @@
 """The tick body and the tick loop: what every device runs, tick by tick.
 
 Every device scans over the rows of its own tick table (plan.py). In each
-tick it runs its op, if any (each group of ops of tick_ops.py is its own
-two-way `lax.cond`), then every ppermute of the plan runs unconditionally and
-the received messages are stored in the slots the row names. After the loop
-the parameter gradients are summed over the live replicas of each stage.
+tick it runs up to one op per lane, F then B then W/BW (each group of ops of
+tick_ops.py is its own two-way `lax.cond`), then every ppermute of the two
+message channels runs unconditionally and the received messages are stored
+in the slots the row names. After the loop the parameter gradients are summed
+over the live replicas of each stage.
 
 Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
 - message store: (K + 1, message size) per dtype, the activations and
@@ -25,11 +26,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
-from pjit_pipe.lowering.plan import TickPlan, TickRow, build_plan
+from pjit_pipe.lowering.plan import OpRow, TickPlan, TickRow, build_plan
 from pjit_pipe.lowering.shared import SharedGrads
 from pjit_pipe.lowering.stages import StageVjp
 from pjit_pipe.lowering.tick_ops import OpGroup, StageOps
@@ -51,6 +53,7 @@ class TickProgram:
         *,
         loss: LossLayout,
         rng_impls: dict[str, Any] | None = None,
+        ticks: PackedTicks | None = None,
     ):
         self.sched = schedule
         self.st = stages
@@ -60,15 +63,23 @@ class TickProgram:
         self.topo = topology
         self.iterations = iterations
         keyed = rng_impls is not None  # every op reads its microbatch's keys
-        self.plan: TickPlan = build_plan(schedule, remat, topology.workers, 1, keyed)
+        if ticks is None:
+            ticks = PackedTicks.one_op_per_tick(schedule, iterations)
+        elif ticks.schedule != schedule or ticks.iterations != iterations:
+            raise ScheduleError(
+                f"ticks: a table of {ticks.iterations} iteration(s) of schedule "
+                f"{ticks.schedule.kind!r} was given to lower {iterations} iteration(s) of "
+                f"{schedule.kind!r}; pack_ticks(schedule, costs, iterations={iterations})"
+            )
+        self.ticks = ticks  # the table this program runs (its iteration 0 for value_and_grad)
+        first = ticks if iterations == 1 else ticks.first_iteration()
+        self.plan: TickPlan = build_plan(first, remat, topology.workers, keyed)
         # Staggered or multi-iteration training runs the optimizer inside the loop.
         self.stepping = schedule.staggered or iterations > 1
         self.step_plan: TickPlan | None = None
         if self.stepping:
             self.step_plan = (
-                self.plan
-                if iterations == 1
-                else build_plan(schedule, remat, topology.workers, iterations, keyed)
+                self.plan if iterations == 1 else build_plan(ticks, remat, topology.workers, keyed)
             )
         self.remat = remat
         self.param_spec = FlatSpec(stages.param_avals)
@@ -136,62 +147,73 @@ class TickProgram:
 
     # ---- one tick ----
     #
-    # A tick runs at most one op, chosen in groups, each its own two-way
-    # `lax.cond` (an op of this group, or nothing). Each store is updated in
-    # place inside the one cond that writes it: XLA keeps two-way conds in
-    # place but copies every operand through an n-way switch, and a single
-    # switch would also have to return a zero gradient and zero residuals on
-    # the ticks that make none, one parameter-sized memory pass per tick.
+    # Each lane runs its op, if any, in groups, each its own two-way `lax.cond`
+    # (an op of this group, or nothing). Each store is updated in place inside
+    # the one cond that writes it: XLA keeps two-way conds in place but copies
+    # every operand through an n-way switch, and a single switch would also
+    # have to return a zero gradient and zero residuals on the ticks that make
+    # none, one parameter-sized memory pass per tick.
 
     def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow):
-        """One tick: this device's op (if any), then every ppermute of the plan."""
+        """One tick: this device's F, B and W lanes, then every ppermute of the plan."""
         ops = self.ops
-        msg = self.msg_spec.zeros()
+        act = self.msg_spec.zeros()  # the activation this tick sends (F)
+        grad = self.msg_spec.zeros()  # the input gradient this tick sends (B or BW)
         loss = ops.no_loss()
         args = (params, x, y, msgs)
 
-        def dispatch(group: OpGroup, *operands):
+        def dispatch(group: OpGroup, lane: OpRow, *operands):
             ids, fns = group
             if len(fns) == 1:
-                return fns[0](*operands)
-            which = jnp.searchsorted(jnp.asarray(ids, jnp.int32), row.branch)
-            return lax.switch(which, fns, *operands)
+                return fns[0](*operands, lane)
+            which = jnp.searchsorted(jnp.asarray(ids, jnp.int32), lane.branch)
+            return lax.switch(which, fns, *operands, lane)
 
-        def taken(group: OpGroup):
-            return jnp.isin(row.branch, jnp.asarray(group[0], jnp.int32))
+        def taken(group: OpGroup, lane: OpRow):
+            return jnp.isin(lane.branch, jnp.asarray(group[0], jnp.int32))
 
         if ops.forwards[0]:
 
-            def forward(msg, res, loss):
-                msg, res_out, loss = dispatch(ops.forwards, *args, res, row)
-                res = {k: b.at[row.res_w].set(res_out[k]) for k, b in res.items()}
-                return msg, res, loss
+            def forward(act, res, loss):
+                act, res_out, loss = dispatch(ops.forwards, row.f, *args, res)
+                res = {k: b.at[row.f.res_w].set(res_out[k]) for k, b in res.items()}
+                return act, res, loss
 
-            msg, res, loss = lax.cond(taken(ops.forwards), forward, lambda *a: a, msg, res, loss)
+            act, res, loss = lax.cond(
+                taken(ops.forwards, row.f), forward, lambda *a: a, act, res, loss
+            )
         if ops.input_grads[0]:
 
-            def input_grad(msg, res):
-                msg, put, _ = dispatch(ops.input_grads, *args, res, row)
+            def input_grad(grad, res):
+                grad, put, _ = dispatch(ops.input_grads, row.b, *args, res)
                 res = dict(res)
                 for k, (cots, off) in put.items():  # a split stage's site cotangents
-                    res[k] = lax.dynamic_update_slice(res[k], cots[None], (row.res_r, off))
-                return msg, res
+                    res[k] = lax.dynamic_update_slice(res[k], cots[None], (row.b.res_r, off))
+                return grad, res
 
-            msg, res = lax.cond(taken(ops.input_grads), input_grad, lambda *a: a, msg, res)
+            grad, res = lax.cond(taken(ops.input_grads, row.b), input_grad, lambda *a: a, grad, res)
         grads = list(grads)
         for c, group in enumerate(ops.weight_grads):
             if not group[0]:
                 continue
 
-            def weight_grad(msg, acc, group=group):
-                msg, dpar, _ = dispatch(group, *args, res, row)
-                return msg, jax.tree.map(jnp.add, acc, dpar)
+            def weight_grad(grad, acc, group=group):
+                # A W sends nothing (its message is zeros); a BW's tick has no B (the lane
+                # rule), so the gradient channel holds one of them: their sum.
+                msg, dpar, _ = dispatch(group, row.w, *args, res)
+                return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
 
-            msg, grads[c] = lax.cond(taken(group), weight_grad, lambda *a: a, msg, grads[c])
-        msgs = {k: b.at[row.self_slot].set(msg[k]) for k, b in msgs.items()}
-        for i, (_, pairs) in enumerate(plan.shifts):
-            got = lax.ppermute(msg, self.topo.axes, perm=pairs)
-            msgs = {k: b.at[row.recv[i]].set(got[k]) for k, b in msgs.items()}
+            grad, grads[c] = lax.cond(
+                taken(group, row.w), weight_grad, lambda *a: a, grad, grads[c]
+            )
+        for msg, self_slot, shifts, recv in (
+            (act, row.self_act, plan.act_shifts, row.recv_act),
+            (grad, row.self_grad, plan.grad_shifts, row.recv_grad),
+        ):
+            msgs = {k: b.at[self_slot].set(msg[k]) for k, b in msgs.items()}
+            for i, (_, pairs) in enumerate(shifts):
+                got = lax.ppermute(msg, self.topo.axes, perm=pairs)
+                msgs = {k: b.at[recv[i]].set(got[k]) for k, b in msgs.items()}
         return msgs, res, grads, loss
 
     def tick_loop(self, params: Buffers, x: Any, y: Any, rows: TickRow, with_aux: bool = False):

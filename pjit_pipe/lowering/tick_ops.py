@@ -1,7 +1,7 @@
 """The compute a tick can run: one function per (op kind, virtual stage) the plan uses.
 
 Each function takes (chunk params, batch, labels, message store, residual
-store, tick row) and returns (outgoing message, residual row or parameter
+store, its lane's row of the tick, plan.OpRow) and returns (outgoing message, residual row or parameter
 gradient, loss share). They are grouped by what they write, because the tick
 body (tick.py) runs each group as its own two-way `lax.cond`: all F (they
 write the residual store), all B (they write their cotangents there), and the
