@@ -57,8 +57,16 @@ class _Worker:
 class _Greedy:
     """Build ticks one at a time (see `pack_ticks`)."""
 
-    def __init__(self, sched: Schedule, costs: Costs, iterations: int, mem_limit: float | None):
+    def __init__(
+        self,
+        sched: Schedule,
+        costs: Costs,
+        iterations: int,
+        mem_limit: float | None,
+        overtaking_w: bool = True,
+    ):
         self.sched, self.costs, self.iterations = sched, costs, iterations
+        self.overtaking_w = overtaking_w  # whether a W may run ahead of an older op
         self.flow = Dataflow(sched)
         self.duration = costs.duration_fn(sched)
         self.crosses = set()
@@ -173,6 +181,8 @@ class _Greedy:
             it, op = st.entries[i]
             if op.kind is Kind.OPT:
                 break
+            if i > st.ptr and op.kind is Kind.W and not self.overtaking_w:
+                continue  # a W kept in program order fills a later bubble
             lanes = {lane for _, o in chosen for lane in LANES[o.kind]}
             if lanes & set(LANES[op.kind]):
                 continue
@@ -261,8 +271,8 @@ def pack_ticks(
     # The unpacked table is a candidate too: packing never makes a schedule slower.
     best = PackedTicks.one_op_per_tick(schedule, iterations)
     best_price = packed_time(best, costs)
-    for rule in RULES:
-        table = _Greedy(sched, costs, iterations, mem_limit).run(rule)
+    for rule, overtaking_w in ((r, o) for r in RULES for o in (True, False)):
+        table = _Greedy(sched, costs, iterations, mem_limit, overtaking_w).run(rule)
         table = PackedTicks(schedule, iterations, table.ticks)
         price = packed_time(table, costs)
         if price < best_price - 1e-9:
