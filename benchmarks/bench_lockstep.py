@@ -9,7 +9,11 @@
 3. Staggering in the compiled program: P=4 m=8, 4 iterations, costs 1,2,1,0,
    the packed lockstep_period of zb-h2 and of a re-routed 4x4 variant,
    synchronous and staggered.
-4. With --compile: the seconds to compile the tiny GPT's train step on 2x4
+4. Messages a device sends on a 4x4 mesh with one and with two failures
+   (zb-h1, m=8, costs 1,2,1,0), in units of one message buffer: every tick
+   runs each ppermute of the plan; before, one channel ran every shift,
+   after, activations and gradients run their own shifts only.
+5. With --compile: the seconds to compile the tiny GPT's train step on 2x4
    (zb-h1, m=8), one op per tick against the packed table.
 
 Run: python benchmarks/bench_lockstep.py [--quick] [--compile]
@@ -97,6 +101,29 @@ def staggering() -> None:
         print(f"| {label} | {sync:g} | {stag:g} | {1 - stag / sync:.1%} |", flush=True)
 
 
+def messages() -> None:
+    from pjit_pipe.lowering.plan import build_plan
+
+    costs = Costs.parse("1,2,1,0")
+    print(
+        "\n| zb-h1 4x4 m=8 | shifts per tick before | after (act + grad) | "
+        "ticks before | after | messages per device per iteration before | after |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for failed in ([(1, 2)], [(1, 2), (2, 0)]):
+        sched = schedule_with_failures("zb-h1", 4, 8, 4, failed, costs, time_limit=2.0)
+        devices = tuple(sched.alive_workers)
+        old = build_plan(PackedTicks.one_op_per_tick(sched), False, devices)
+        new = build_plan(pack_ticks(sched, costs), False, devices)
+        union = len({k for k, _ in old.act_shifts} | {k for k, _ in old.grad_shifts})
+        per_tick = len(new.act_shifts) + len(new.grad_shifts)
+        print(
+            f"| {len(failed)} failed | {union} | {len(new.act_shifts)} + {len(new.grad_shifts)} "
+            f"| {old.ticks} | {new.ticks} | {union * old.ticks} | {per_tick * new.ticks} |",
+            flush=True,
+        )
+
+
 def compile_times() -> None:
     import jax
     import numpy as np
@@ -109,7 +136,9 @@ def compile_times() -> None:
 
     corpus = CharCorpus.load()
     config = GPTConfig.tiny(vocab=corpus.vocab)
-    x, y = corpus.batch(np.random.default_rng(0), 32, config.seq_len)
+    x, y = (
+        jax.numpy.asarray(a) for a in corpus.batch(np.random.default_rng(0), 32, config.seq_len)
+    )
     pm = pp.pipeline(
         GPT(config),
         stages=4,
@@ -151,6 +180,7 @@ def main(argv: list[str] | None = None) -> None:
     met = sum(r <= 1.05 for r in ratios)
     print(f"\nlockstep_period <= 1.05 x steady_period in {met} of {len(ratios)} cases")
     staggering()
+    messages()
     if args.compile:
         compile_times()
 
