@@ -14,6 +14,7 @@ from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.text import to_json, to_text
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import KINDS, make_schedule
 from pjit_pipe.simulator.simulate import SimResult, simulate
 
@@ -214,8 +215,11 @@ def run(args: argparse.Namespace) -> int:
 
         args.trace.write_text(json.dumps(chrome_trace(result)))
     if args.json:
+        ticks = pack_ticks(schedule, args.costs, args.iterations, args.mem_limit)
+        lockstep = simulate(schedule, args.costs, args.iterations, mode="lockstep", ticks=ticks)
         out = {
             **result.summary(),
+            "lockstep_period": round(lockstep.steady_period, 9),
             "kind": schedule.kind,
             "valid": True,
             "schedule": to_json(schedule),

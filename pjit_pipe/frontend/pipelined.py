@@ -37,6 +37,7 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.topology import Topology
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
 
 if TYPE_CHECKING:
@@ -246,6 +247,10 @@ class Pipelined:
         def build() -> PipelineStep:
             if self.optimizer is not None:
                 check_opt_layout(cut, self.optimizer, params)  # before optax meets a stage
+            costs = self.measured_costs or self.options.costs
+            costs = costs if isinstance(costs, Costs) else Costs()
+            # The tick table the program runs: ops packed by their priced costs.
+            ticks = pack_ticks(self.schedule, costs, 1, self.options.mem_limit)
             return lower(
                 self.schedule,
                 cut.stage_fns(),
@@ -259,6 +264,7 @@ class Pipelined:
                 has_aux=has_aux,
                 rngs=rngs,
                 shared=cut.shared,
+                ticks=ticks,
             )
 
         return cut, self._programs.get(key, build)

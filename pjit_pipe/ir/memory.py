@@ -24,7 +24,7 @@ def units_per_microbatch(chunks: int) -> int:
 
 
 def limit_units(limit: float | None, chunks: int) -> float:
-    """A memory limit in DESIGN.md units as a whole number of half-chunk units (inf: none)."""
+    """A memory limit in docs/design.md units as a whole number of half-chunk units (inf: none)."""
     if limit is None:
         return math.inf
     return math.floor(limit * units_per_microbatch(chunks) + 1e-9)

@@ -1,16 +1,17 @@
-"""The tick plan: a schedule's lockstep table as per-device integer rows.
+"""The tick plan: a packed tick table (ir/ticks.py) as per-device integer rows.
 
 The SPMD program scans over ticks; on each tick every device reads one row of
-its own table: which branch to run (idle, or F/B/W/BW of one virtual stage),
-the microbatch, and the buffer slots it reads and writes. Slots are assigned
-here, on the host, by interval allocation over the tick timeline, so buffers
-are sized by the schedule's in-flight peak and not by the number of
-microbatches. Messages (activations going down, input gradients going up)
-leave a device in the tick that makes them and land in a slot of the
-receiver's message store at the end of that tick. Each ppermute carries one
-(replica, position) shift of the worker grid, so it is a permutation even when
-re-routed microbatches cross replicas; a device sends at most one message per
-tick, along every shift the schedule uses.
+its own table. A row has one `OpRow` per lane (F, B, W/BW: a tick runs at
+most one op of each, in that order): which branch to run (idle, or F/B/W/BW
+of one virtual stage), the microbatch, and the buffer slots it reads and
+writes. Slots are assigned here, on the host, by interval allocation over the
+tick timeline, so buffers are sized by the in-flight peak and not by the
+number of microbatches. Messages travel on two channels, activations (made by
+F) and input gradients (made by B or BW): each leaves its device in the tick
+that makes it and lands in a slot of the receiver's message store at the end
+of that tick. Each ppermute carries one channel along one (replica, position)
+shift of the worker grid, so it is a permutation even when re-routed
+microbatches cross replicas; a channel runs only the shifts its messages use.
 
 Devices are the live workers in a given order (`Topology.workers`): row i of
 every table belongs to worker i. Each device also gets its own list of the
@@ -22,50 +23,81 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
-from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
-from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.schedule import ScheduleError
+from pjit_pipe.ir.ticks import PackedTicks
 
 KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW)
 
-# Columns of a tick row. ITER: the op's iteration; UPDATE: bit c set when this
-# device's chunk c takes its optimizer step after this tick.
-BRANCH, MB, IN_SLOT, G_SLOT, RES_W, RES_R, SELF_SLOT, ITER, UPDATE = range(9)
-RECV0 = 9  # one column per shift, in `TickPlan.shifts` order
+
+class OpRow(NamedTuple):
+    """One lane's op in one tick, as int32 arrays (scalars inside the scan). Slot
+    fields index the device's message or residual store; the store's size is its
+    scratch slot (a write there is discarded, a read there is never used)."""
+
+    branch: Any  # 0 idles; i >= 1 runs `TickPlan.branches[i - 1]`
+    mb: Any  # row of the device's input list (`TickPlan.inputs`) the op reads
+    in_slot: Any  # message slot of the op's input activation
+    g_slot: Any  # message slot of the op's output gradient (B, W, BW)
+    res_w: Any  # residual slot F writes
+    res_r: Any  # residual slot B, W, BW read (B also writes its cotangents there)
+    iteration: Any  # the op's iteration (multi-iteration programs)
+
+
+class TickRow(NamedTuple):
+    """What one device does in one tick: a pytree of int32 arrays, with a leading
+    (devices, ticks) shape in a `TickPlan` (`lax.scan` walks the ticks)."""
+
+    f: OpRow  # the F lane
+    b: OpRow  # the B lane
+    w: OpRow  # the W lane (W or BW)
+    self_act: Any  # message slot where an activation this device sends itself lands
+    self_grad: Any  # the same for a gradient
+    recv_act: Any  # per activation shift (`TickPlan.act_shifts`), the slot its message lands in
+    recv_grad: Any  # per gradient shift (`TickPlan.grad_shifts`), the same
+    update: Any  # bit c set: chunk c takes its optimizer step after this tick
+
+
+LANE_OF = {Kind.F: "f", Kind.B: "b", Kind.W: "w", Kind.BW: "w"}
+Shifts = tuple[tuple[tuple[int, int], tuple[tuple[int, int], ...]], ...]
 
 
 @dataclass(frozen=True)
 class TickPlan:
     """Per-device tick rows plus the buffer sizes they index into.
 
-    rows: int32 (devices, ticks, columns). A message slot equal to the
+    rows: the tick rows, each field of shape (devices, ticks) (`recv_*`:
+        (devices, ticks, shifts of the channel)). A message slot equal to the
         store size is the scratch slot: writes there are discarded (every
         tick stores what it receives). Residual slots are read only by the
         ops that use them.
     inputs: int32 (devices, L, 3), the (iteration, replica, microbatch)
-        triples whose input or label each device reads; column MB of a row
-        indexes this list.
+        triples whose input or label each device reads; `rows.mb` indexes
+        this list.
     msg_slots / res_slots: message store size (scratch excluded), residual store size.
-    shifts: for each ppermute, the (replica, position) shift and its
-        (source, dest) pairs of device indices.
+    act_shifts / grad_shifts: for each ppermute of the activation / gradient
+        channel, the (replica, position) shift and its (source, dest) pairs of
+        device indices.
     branches: the (kind, virtual stage) of branch 1, 2, ...; branch 0 idles.
         Only pairs the schedule uses get a branch (each one is compiled).
     """
 
-    rows: np.ndarray
+    rows: TickRow
     inputs: np.ndarray
     msg_slots: int
     res_slots: int
-    shifts: tuple[tuple[tuple[int, int], tuple[tuple[int, int], ...]], ...]
+    act_shifts: Shifts
+    grad_shifts: Shifts
     branches: tuple[tuple[Kind, int], ...]
     updates: np.ndarray  # bool (ticks,): some stage steps its optimizer after this tick
 
     @property
     def ticks(self) -> int:
-        return self.rows.shape[1]
+        return self.rows.update.shape[1]
 
 
 class _Slots:
@@ -74,9 +106,11 @@ class _Slots:
     def __init__(self) -> None:
         self.free_from: list[int] = []
 
-    def take(self, write_tick: int, last_read: int) -> int:
+    def take(self, write_tick: int, last_read: int, strict: bool = False) -> int:
+        """A slot free at `write_tick`; `strict`: its last read must be in an earlier
+        tick (a residual written by F may be read by W later in the same tick)."""
         for i, t in enumerate(self.free_from):
-            if t <= write_tick:
+            if t < write_tick or (t == write_tick and not strict):
                 self.free_from[i] = last_read
                 return i
         self.free_from.append(last_read)
@@ -84,21 +118,22 @@ class _Slots:
 
 
 def build_plan(
-    schedule: Schedule,
+    table: PackedTicks,
     remat: bool,
     devices: Sequence[Worker],
-    iterations: int = 1,
     every_stage_reads: bool = False,
 ) -> TickPlan:
-    """Assign ticks, branches and buffer slots; `devices` are the live workers in row order.
+    """Assign branches and buffer slots to the ops of `table`; `devices` are the
+    live workers in row order.
 
     With `every_stage_reads`, every stage's ops index the device's input list
     (per-microbatch random keys), not only the first and last stage's.
 
     With several iterations, microbatch j of iteration k is planned as
-    microbatch k*m + j, and each stage's optimizer step is placed right after
-    the tick of its last W/BW of the iteration (its gradients are complete then).
+    microbatch k*m + j, and each stage's optimizer step runs after the tick
+    of its OPTs in the table (every holder's in one tick).
     """
+    schedule = table.schedule
     S, m = schedule.num_virtual_stages, schedule.microbatches
     D, P = schedule.replicas, schedule.stages
     index = {w: i for i, w in enumerate(devices)}
@@ -106,19 +141,16 @@ def build_plan(
         raise ScheduleError(
             f"devices {sorted(index)} are not the schedule's live workers {schedule.alive_workers}"
         )
-    ticks = [
-        {
-            w: op._replace(mb=it * m + op.mb)
-            for w, (it, op) in tick.items()
-            if op.kind in COMPUTE_KINDS
-        }
-        for tick in iteration_ticks(schedule, iterations)
-    ]
-    ticks = [t for t in ticks if t]
     when: dict[Op, tuple[Worker, int]] = {}
-    for t, tick in enumerate(ticks):
-        for w, op in tick.items():
-            when[op] = (w, t)
+    update_tick: dict[tuple[int, int], set[int]] = {}  # (stage, iteration) -> its OPT ticks
+    for t, tick in enumerate(table.ticks):
+        for w, entries in tick.items():
+            for it, op in entries:
+                if op.kind in COMPUTE_KINDS:
+                    when[op._replace(mb=it * m + op.mb)] = (w, t)
+                elif op.kind is Kind.OPT:
+                    update_tick.setdefault((op.stage, it), set()).add(t)
+    T = len(table.ticks)
 
     def last_use(op_kinds: tuple[Kind, ...], stage: int, mb: int, rep: int) -> tuple[Worker, int]:
         found = [when[Op(k, stage, mb, rep)] for k in op_kinds if Op(k, stage, mb, rep) in when]
@@ -138,87 +170,113 @@ def build_plan(
     def shift(src: Worker, dest: Worker) -> tuple[int, int]:
         return (dest.replica - src.replica) % D, (dest.stage - src.stage) % P
 
-    shift_pairs: dict[tuple[int, int], set[tuple[int, int]]] = {}
-    for _, src, _, dest, _ in messages:
-        if src != dest:
-            shift_pairs.setdefault(shift(src, dest), set()).add((index[src], index[dest]))
-    shifts = tuple((k, tuple(sorted(v))) for k, v in sorted(shift_pairs.items()))
-    shift_col = {k: RECV0 + i for i, (k, _) in enumerate(shifts)}
+    def channel_shifts(act: bool) -> Shifts:
+        pairs: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        for op, src, _, dest, _ in messages:
+            if src != dest and (op.kind is Kind.F) == act:
+                pairs.setdefault(shift(src, dest), set()).add((index[src], index[dest]))
+        return tuple((k, tuple(sorted(v))) for k, v in sorted(pairs.items()))
+
+    act_shifts, grad_shifts = channel_shifts(True), channel_shifts(False)
+    shift_index = {
+        True: {k: i for i, (k, _) in enumerate(act_shifts)},
+        False: {k: i for i, (k, _) in enumerate(grad_shifts)},
+    }
 
     msg_alloc = {w: _Slots() for w in devices}
     res_alloc = {w: _Slots() for w in devices}
-    msg_slot: dict[tuple[Kind, int, int, int], int] = {}
-    arrivals: list[tuple[Worker, int, int, int]] = []  # (dest, tick, column, slot)
+    msg_slot: dict[tuple[str, int, int, int], int] = {}
+    arrivals: list[tuple[Worker, int, bool, int | None, int]] = []  # dest, tick, act, shift, slot
     for op, src, t, dest, last in sorted(messages, key=lambda m: m[2]):
         slot = msg_alloc[dest].take(t, last)
-        key = ("act" if op.kind is Kind.F else "grad", op.stage, op.mb, op.replica)
-        msg_slot[key] = slot
-        col = SELF_SLOT if src == dest else shift_col[shift(src, dest)]
-        arrivals.append((dest, t, col, slot))
+        act = op.kind is Kind.F
+        msg_slot[("act" if act else "grad", op.stage, op.mb, op.replica)] = slot
+        via = None if src == dest else shift_index[act][shift(src, dest)]
+        arrivals.append((dest, t, act, via, slot))
 
     res_slot: dict[tuple[int, int, int], int] = {}
     if not remat:
         for op, (w, t) in sorted(when.items(), key=lambda kv: kv[1][1]):
             if op.kind is Kind.F:
                 _, last = last_use((Kind.W, Kind.BW), op.stage, op.mb, op.replica)
-                res_slot[(op.stage, op.mb, op.replica)] = res_alloc[w].take(t, last)
+                res_slot[(op.stage, op.mb, op.replica)] = res_alloc[w].take(t, last, strict=True)
 
     K = max((len(a.free_from) for a in msg_alloc.values()), default=0)
     R = max((len(a.free_from) for a in res_alloc.values()), default=0)
     # Each device's inputs: the (iteration, replica, microbatch) its first and
     # last virtual stages read, in order of first use.
     local: dict[Worker, dict[tuple[int, int], int]] = {w: {} for w in devices}
-    for tick in ticks:
-        for w, op in tick.items():
-            if every_stage_reads or op.stage in (0, S - 1):
-                local[w].setdefault((op.replica, op.mb), len(local[w]))
+    for op, (w, _) in sorted(when.items(), key=lambda kv: kv[1][1]):
+        if every_stage_reads or op.stage in (0, S - 1):
+            local[w].setdefault((op.replica, op.mb), len(local[w]))
     inputs = np.zeros((len(devices), max(1, *map(len, local.values())), 3), np.int32)
     for w, pairs in local.items():
         for (r, j), i in pairs.items():
             inputs[index[w], i] = (j // m, r, j % m)
 
-    last_grad: dict[tuple[int, int], int] = {}  # (stage, iteration) -> tick of its last W/BW
-    for op, (_, t) in when.items():
-        if op.kind in (Kind.W, Kind.BW):
-            key = (op.stage, op.mb // m)
-            last_grad[key] = max(t, last_grad.get(key, t))
-
     branches = sorted(
-        {(op.kind, op.stage) for tick in ticks for op in tick.values()},
+        {(op.kind, op.stage) for op in when},
         key=lambda ks: (ks[1], KIND_ORDER.index(ks[0])),
     )
     branch = {ks: 1 + i for i, ks in enumerate(branches)}
-    rows = np.zeros((len(devices), len(ticks), RECV0 + len(shifts)), np.int32)
-    rows[..., [IN_SLOT, G_SLOT, SELF_SLOT]] = K
-    rows[..., RECV0:] = K
-    rows[..., [RES_W, RES_R]] = R
-    for t, tick in enumerate(ticks):
-        for w, op in tick.items():
-            row = rows[index[w], t]
-            row[BRANCH] = branch[(op.kind, op.stage)]
-            row[MB] = local[w].get((op.replica, op.mb), 0)
-            key = (op.stage, op.mb, op.replica)
-            row[IN_SLOT] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
-            row[G_SLOT] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)
-            if op.kind is Kind.F:
-                row[RES_W] = res_slot.get(key, R)
-            else:
-                row[RES_R] = res_slot.get(key, R)
-            row[ITER] = op.mb // m
-    for dest, t, col, slot in arrivals:
-        rows[index[dest], t, col] = slot
-    updates = np.zeros(len(ticks), bool)
-    for (s, _), t in last_grad.items():
+    n = len(devices)
+    lanes = {}
+    for lane in ("f", "b", "w"):
+        col = {f: np.zeros((n, T), np.int32) for f in OpRow._fields}
+        col["in_slot"][:] = K
+        col["g_slot"][:] = K
+        col["res_w"][:] = R
+        col["res_r"][:] = R
+        lanes[lane] = col
+    for op, (w, t) in when.items():
+        d, col = index[w], lanes[LANE_OF[op.kind]]
+        col["branch"][d, t] = branch[(op.kind, op.stage)]
+        col["mb"][d, t] = local[w].get((op.replica, op.mb), 0)
+        col["in_slot"][d, t] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
+        col["g_slot"][d, t] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)
+        res = res_slot.get((op.stage, op.mb, op.replica), R)
+        col["res_w" if op.kind is Kind.F else "res_r"][d, t] = res
+        col["iteration"][d, t] = op.mb // m
+    self_slot = {act: np.full((n, T), K, np.int32) for act in (True, False)}
+    recv = {
+        True: np.full((n, T, len(act_shifts)), K, np.int32),
+        False: np.full((n, T, len(grad_shifts)), K, np.int32),
+    }
+    for dest, t, act, via, slot in arrivals:
+        if via is None:
+            self_slot[act][index[dest], t] = slot
+        else:
+            recv[act][index[dest], t, via] = slot
+    update = np.zeros((n, T), np.int32)
+    updates = np.zeros(T, bool)
+    for (s, it), ticks in update_tick.items():
+        if len(ticks) > 1:
+            raise ScheduleError(
+                f"the OPTs of stage {s} in iteration {it} run in ticks {sorted(ticks)}: "
+                "a stage's replicas must step in one tick (their gradients are reduced there)"
+            )
+        (t,) = ticks
         updates[t] = True
         for w in devices:
             if w.stage == schedule.layout[s]:
-                rows[index[w], t, UPDATE] |= 1 << schedule.chunk_of(s)
+                update[index[w], t] |= 1 << schedule.chunk_of(s)
+    rows = TickRow(
+        f=OpRow(**lanes["f"]),
+        b=OpRow(**lanes["b"]),
+        w=OpRow(**lanes["w"]),
+        self_act=self_slot[True],
+        self_grad=self_slot[False],
+        recv_act=recv[True],
+        recv_grad=recv[False],
+        update=update,
+    )
     return TickPlan(
         rows=rows,
         inputs=inputs,
         msg_slots=K,
         res_slots=R,
-        shifts=shifts,
+        act_shifts=act_shifts,
+        grad_shifts=grad_shifts,
         branches=tuple(branches),
         updates=updates,
     )

@@ -9,10 +9,10 @@ from typing import Literal
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import DurationFn, Engine, LatencyFn, TimedOp
-from pjit_pipe.ir.lockstep import tick_table
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.ticks import PackedTicks, compute_only
 
 Mode = Literal["event", "lockstep"]
 
@@ -51,29 +51,43 @@ class SimResult:
         }
 
 
-def _lockstep_events(schedule: Schedule, costs: Costs, iterations: int) -> list[TimedOp]:
-    """Events of the tick-synchronous execution: each tick lasts as long as its slowest op,
-    plus one transfer time when a tensor leaves its worker at the end of the tick."""
-    duration = costs.duration_fn(schedule)
-    index = {w: {op: i for i, op in enumerate(schedule.program(w))} for w in schedule.alive_workers}
-    flow = Engine(schedule)
-    consumers_elsewhere = set()
-    for w, _, op in schedule.ops():
+def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
+    """Events of the compiled tick loop running `table`.
+
+    In a tick each worker runs its ops one after another; a message to another
+    worker leaves when its op ends and takes C (it overlaps the worker's later
+    ops in the tick: the ppermute of a channel depends only on the op that
+    fills it). The tick ends when the slowest worker is done and every
+    message has arrived; the next tick starts then.
+    """
+    sched = compute_only(table.schedule)
+    duration = costs.duration_fn(sched)
+    index = {w: {op: i for i, op in enumerate(sched.program(w))} for w in sched.alive_workers}
+    flow = Engine(sched)
+    crosses = set()
+    for w, _, op in sched.ops():
         for key, cross in flow.deps(w, op):
             if cross:
-                consumers_elsewhere.add(key)
+                crosses.add(key)
     events, t = [], 0.0
-    table = tick_table(schedule)
-    for it in range(iterations):
-        for tick in table:
-            length = max(duration(w, op) for w, op in tick.items())
-            for w, op in tick.items():
-                events.append(TimedOp(w, index[w][op], it, op, t, t + duration(w, op)))
-            sends = any(
-                k in consumers_elsewhere for w, op in tick.items() for k in flow.produces(w, op)
-            )
-            t += length + (costs.c if sends else 0.0)
+    for tick in table.ticks:
+        length = 0.0
+        for w, entries in tick.items():
+            busy = 0.0
+            for it, op in entries:
+                d = duration(w, op)
+                events.append(TimedOp(w, index[w][op], it, op, t + busy, t + busy + d))
+                busy += d
+                if any(k in crosses for k in flow.produces(w, op)):
+                    length = max(length, busy + costs.c)
+            length = max(length, busy)
+        t += length
     return events
+
+
+def packed_time(table: PackedTicks, costs: Costs) -> float:
+    """The time the compiled tick loop takes to run the whole table."""
+    return max((e.end for e in packed_events(table, costs)), default=0.0)
 
 
 def simulate(
@@ -84,12 +98,15 @@ def simulate(
     *,
     duration: DurationFn | None = None,
     latency: LatencyFn | None = None,
+    ticks: PackedTicks | None = None,
 ) -> SimResult:
     """Execute `schedule` for `iterations` iterations and measure it.
 
     mode="event": every op starts as soon as its worker is free and its inputs
     have arrived (asynchronous execution, what a runtime with streams achieves).
-    mode="lockstep": the tick table of `pjit_pipe.ir.lockstep`, as an SPMD program runs it.
+    mode="lockstep": the tick table the lowering compiles, as its SPMD program runs
+    it (`packed_events`): `ticks` (built by passes/pack_ticks.py for `iterations`
+    iterations), else one op per worker per tick (ir/ticks.py).
     Makespan, span and busy time are of the first iteration; steady_period is
     (end of the last iteration - end of the first) / (iterations - 1).
     In event mode `duration(worker, op)` and `latency(src, dst)` replace the
@@ -107,7 +124,15 @@ def simulate(
     elif mode == "lockstep":
         if duration or latency:
             raise ScheduleError("duration and latency overrides apply to mode='event' only")
-        events = _lockstep_events(schedule, costs, iterations)
+        if ticks is None:
+            ticks = PackedTicks.one_op_per_tick(schedule, iterations)
+        elif ticks.iterations != iterations or ticks.schedule != schedule:
+            raise ScheduleError(
+                f"ticks: a table of {ticks.iterations} iteration(s) of another schedule was "
+                f"given for {iterations} of this one; pack this schedule with iterations="
+                f"{iterations}"
+            )
+        events = packed_events(ticks, costs)
     else:
         raise ScheduleError(f"mode must be 'event' or 'lockstep', got {mode!r}")
 

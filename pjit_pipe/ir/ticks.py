@@ -1,0 +1,200 @@
+"""The packed tick table: what the compiled SPMD program runs, tick by tick.
+
+The lowering compiles a loop of ticks. In one tick each worker runs a short
+ordered tuple of ops, then every message made in the tick travels, so a
+tensor produced in tick t is usable from tick t+1, on any worker (its own
+included). The simulator prices this same table (`mode="lockstep"`), and
+`passes/pack_ticks.py` builds it.
+
+The rule for one worker's ops in one tick (`fits`). An op occupies lanes:
+F the activation lane (it sends an activation down), B the gradient lane (it
+sends an input gradient up), W the accumulation lane (it adds into a
+parameter gradient) and BW both the gradient and the accumulation lanes. A
+tick holds ops in strictly increasing lane order, so at most one F, one B and
+one W (or one F and one BW), in the order F, B, W. Why this rule:
+- each lane is one conditional of the tick body writing one store, so a tick
+  costs at most three conditionals however it is packed;
+- a tick sends at most one activation and one gradient per worker, the two
+  message channels (nothing queues behind anything);
+- the order F, B, W is the order of the local dependencies of one stage and
+  microbatch (F's residuals feed B, B's feed W), so F(s,j), B(s,j), W(s,j)
+  may share a tick; a dependency on a message (another stage's output) needs
+  an earlier tick, even from the same worker.
+A table may run a worker's ops in another order than its program (a younger
+op ahead of one that waits for a message), never past one of its OPTs; its
+activation memory is then `peak_memory()`, not the schedule's.
+
+An OPT entry follows the tick's compute ops: the optimizer step runs at the
+end of the tick, once every W/BW of its stage and iteration ran in that tick
+or earlier, and the OPTs of one stage and iteration (one per replica) share
+the tick (their gradient reduction is one collective). The stage's ops of
+the next iteration run in later ticks. Without staggering no worker starts
+iteration k+1 before the tick after the last OPT of iteration k.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from pjit_pipe.ir.engine import Engine, Key, StageGrads, Tensor
+from pjit_pipe.ir.lockstep import iteration_ticks
+from pjit_pipe.ir.ops import COMM_KINDS, Kind, Op, Worker
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+
+Entry = tuple[int, Op]  # (iteration, op)
+Tick = Mapping[Worker, tuple[Entry, ...]]
+
+# The lanes each compute kind occupies (see the module docstring).
+LANES: dict[Kind, tuple[int, ...]] = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2)}
+
+
+def fits(ops: Sequence[Op]) -> bool:
+    """Whether one worker may run these ops, in this order, in one tick."""
+    lane = -1
+    compute_done = False
+    for op in ops:
+        if op.kind is Kind.OPT:
+            compute_done = True
+            continue
+        if compute_done or op.kind not in LANES or LANES[op.kind][0] <= lane:
+            return False
+        lane = LANES[op.kind][-1]
+    return True
+
+
+def compute_only(schedule: Schedule) -> Schedule:
+    """The schedule without SEND/RECV: in a tick table every message travels between ticks."""
+    if not schedule.has_comm():
+        return schedule
+    return schedule.replace(
+        programs={
+            w: [op for op in p if op.kind not in COMM_KINDS] for w, p in schedule.programs.items()
+        }
+    )
+
+
+def is_message(key: Key, op: Op) -> bool:
+    """Whether `op`'s dependency `key` is a message (another stage's output: it must
+    come from an earlier tick) rather than its own stage's residual (same tick allowed)."""
+    return isinstance(key, Tensor) and key.stage != op.stage
+
+
+@dataclass(frozen=True)
+class PackedTicks:
+    """A schedule run for `iterations` back-to-back iterations as a tick table.
+
+    ticks[t][w]: the (iteration, op) entries worker w runs in tick t, in order
+    (a worker missing from a tick idles). Compute ops and OPTs only.
+    """
+
+    schedule: Schedule
+    iterations: int
+    ticks: tuple[Tick, ...]
+
+    def __len__(self) -> int:
+        return len(self.ticks)
+
+    @classmethod
+    def one_op_per_tick(cls, schedule: Schedule, iterations: int = 1) -> PackedTicks:
+        """The unpacked table: each worker runs at most one compute op per tick, as
+        early as its dependencies allow (ir/lockstep.py); each OPT runs at the end of
+        the tick of its stage's last W/BW of the iteration."""
+        ticks: list[dict[Worker, tuple[Entry, ...]]] = []
+        last_grad: dict[tuple[int, int], int] = {}
+        opts: dict[tuple[int, int], list[tuple[Worker, Entry]]] = {}
+        for tick in iteration_ticks(compute_only(schedule), iterations):
+            kept = {}
+            for w, (it, op) in tick.items():
+                if op.kind is Kind.OPT:
+                    opts.setdefault((op.stage, it), []).append((w, (it, op)))
+                    continue
+                kept[w] = ((it, op),)
+                if op.kind in (Kind.W, Kind.BW):
+                    last_grad[(op.stage, it)] = len(ticks)
+            if kept:
+                ticks.append(kept)
+        for key, entries in opts.items():
+            tick = ticks[last_grad[key]]
+            for w, e in entries:
+                tick[w] = (*tick.get(w, ()), e)
+        return cls(schedule, iterations, tuple(ticks))
+
+    def first_iteration(self) -> PackedTicks:
+        """The table of iteration 0 alone (later iterations' entries dropped, empty ticks too)."""
+        ticks = []
+        for tick in self.ticks:
+            kept = {w: tuple(e for e in es if e[0] == 0) for w, es in tick.items()}
+            kept = {w: es for w, es in kept.items() if es}
+            if kept:
+                ticks.append(kept)
+        return PackedTicks(self.schedule, 1, tuple(ticks))
+
+    def placement(self) -> dict[tuple[Worker, int, Op], tuple[int, int]]:
+        """(worker, iteration, op) -> (tick, position within the worker's tuple)."""
+        return {
+            (w, it, op): (t, i)
+            for t, tick in enumerate(self.ticks)
+            for w, entries in tick.items()
+            for i, (it, op) in enumerate(entries)
+        }
+
+    def check(self) -> None:
+        """Raise ScheduleError unless the table runs the schedule by the module's rule."""
+        sched = compute_only(self.schedule)
+        flow = Engine(sched)
+        where = self.placement()
+        for t, tick in enumerate(self.ticks):
+            for w, entries in tick.items():
+                if not fits([op for _, op in entries]):
+                    raise ScheduleError(f"tick {t}, worker {w}: {entries} breaks the lane rule")
+        opt_end: dict[int, int] = {}
+        opt_ticks: dict[tuple[int, int], set[int]] = {}
+        producers: dict[tuple, list[tuple[int, int, Worker]]] = {}
+        for (w, it, op), (t, i) in where.items():
+            for key in flow.produces(w, op):
+                producers.setdefault((it, key), []).append((t, i, w))
+            if op.kind is Kind.OPT:
+                opt_end[it] = max(opt_end.get(it, -1), t)
+                opt_ticks.setdefault((op.stage, it), set()).add(t)
+        for (s, it), ticks in opt_ticks.items():
+            if len(ticks) > 1:
+                raise ScheduleError(f"the OPTs of stage {s}, iteration {it} are in ticks {ticks}")
+        for w in sched.alive_workers:
+            got = sorted(e for tick in self.ticks for e in tick.get(w, ()))
+            want = sorted((it, op) for it in range(self.iterations) for op in sched.program(w))
+            if got != want:
+                raise ScheduleError(f"worker {w}: the table does not run each op once")
+        for (w, it, op), (t, i) in where.items():
+            if op.kind is not Kind.OPT:
+                stepped = opt_ticks.get((op.stage, it - 1), {-1})
+                if it > 0 and t <= max(stepped):
+                    raise ScheduleError(f"{op} of iteration {it} on {w} runs before OPT{op.stage}")
+                if it > 0 and not sched.staggered and t <= opt_end.get(it - 1, -1):
+                    raise ScheduleError(f"{op} on {w} starts iteration {it} before its barrier")
+            for key, _ in flow.deps(w, op):
+                for pt, pi, pw in producers.get((it, key), ()):
+                    if isinstance(key, StageGrads):
+                        bad = pt > t
+                    elif is_message(key, op):
+                        bad = pt >= t
+                    else:  # its own stage's residual: same worker, earlier in the tick
+                        bad = pw != w or (pt, pi) >= (t, i)
+                    if bad:
+                        raise ScheduleError(
+                            f"tick {t}: {op} on {w} needs {key} from tick {pt} on {pw}"
+                        )
+
+    def peak_memory(self) -> dict[Worker, float]:
+        """Each worker's peak in-flight activation memory running the table, in the
+        units of ir/memory.py (a packed table may reorder a worker's ops)."""
+        sched, out = self.schedule, {}
+        delta = {Kind.F: 2, Kind.B: -1, Kind.W: -1, Kind.BW: -2}
+        for w in sched.workers:
+            total = peak = 0
+            for tick in self.ticks:
+                for _, op in tick.get(w, ()):
+                    total += delta.get(op.kind, 0)
+                    peak = max(peak, total)
+            out[w] = peak / (2 * sched.chunks)
+        return out

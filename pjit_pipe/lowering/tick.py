@@ -1,0 +1,241 @@
+"""The tick body and the tick loop: what every device runs, tick by tick.
+
+Every device scans over the rows of its own tick table (plan.py). In each
+tick it runs up to one op per lane, F then B then W/BW (each group of ops of
+tick_ops.py is its own two-way `lax.cond`), then every ppermute of the two
+message channels runs unconditionally and the received messages are stored
+in the slots the row names. After the loop the parameter gradients are summed
+over the live replicas of each stage.
+
+Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
+- message store: (K + 1, message size) per dtype, the activations and
+  gradients received and not yet read; slot K is scratch (no message);
+- residual store: (R, residual size) per dtype, each in-flight microbatch's
+  saved forward values from its F to its last W/BW (empty with remat);
+- gradient accumulators: per chunk, the chunk's parameter tree (or one flat
+  (L,) row when the positions' stages differ in shape), summed over W/BW;
+- loss: (loss vector size,), the sum of this device's last-stage loss shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering.loss import LossLayout
+from pjit_pipe.lowering.messages import MessageSpec
+from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.plan import OpRow, TickPlan, TickRow, build_plan
+from pjit_pipe.lowering.shared import SharedGrads
+from pjit_pipe.lowering.stages import StageVjp
+from pjit_pipe.lowering.tick_ops import OpGroup, StageOps
+from pjit_pipe.lowering.topology import Topology
+
+
+class TickProgram:
+    """The traced pieces of one (schedule, model, shapes): the tick plans, the op
+    functions, the carried buffers and the device body of the tick loop."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: StageVjp,
+        topology: Topology,
+        remat: bool,
+        iterations: int = 1,
+        shared: Mapping[str, Sequence[int]] | None = None,
+        *,
+        loss: LossLayout,
+        rng_impls: dict[str, Any] | None = None,
+        ticks: PackedTicks | None = None,
+    ):
+        self.sched = schedule
+        self.st = stages
+        self.loss = loss  # what the last stage's loss vector holds (stages.loss_fn = loss.vector)
+        # Stream name -> key impl when steps take rngs (the batch is then (x, key data)).
+        self.rng_impls = rng_impls
+        self.topo = topology
+        self.iterations = iterations
+        keyed = rng_impls is not None  # every op reads its microbatch's keys
+        if ticks is None:
+            ticks = PackedTicks.one_op_per_tick(schedule, iterations)
+        elif ticks.schedule != schedule or ticks.iterations != iterations:
+            raise ScheduleError(
+                f"ticks: a table of {ticks.iterations} iteration(s) of schedule "
+                f"{ticks.schedule.kind!r} was given to lower {iterations} iteration(s) of "
+                f"{schedule.kind!r}; pack_ticks(schedule, costs, iterations={iterations})"
+            )
+        self.ticks = ticks  # the table this program runs (its iteration 0 for value_and_grad)
+        first = ticks if iterations == 1 else ticks.first_iteration()
+        self.plan: TickPlan = build_plan(first, remat, topology.workers, keyed)
+        # Staggered or multi-iteration training runs the optimizer inside the loop.
+        self.stepping = schedule.staggered or iterations > 1
+        self.step_plan: TickPlan | None = None
+        if self.stepping:
+            self.step_plan = (
+                self.plan if iterations == 1 else build_plan(ticks, remat, topology.workers, keyed)
+            )
+        self.remat = remat
+        self.param_spec = FlatSpec(stages.param_avals)
+        self.msg_spec = MessageSpec(stages.act_avals[1:])
+        self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
+        self.shared = None
+        if shared:
+            self.shared = SharedGrads(
+                shared, self.param_spec, self.held, topology.positions, topology.axes
+            )
+        spec = self.param_spec
+        self.uniform = [
+            len({(spec.treedefs[s], tuple(spec.avals[s])) for s in chunk}) == 1
+            for chunk in zip(*self.held, strict=True)
+        ]
+        self.ops = StageOps(
+            schedule,
+            stages,
+            self.plan.branches,
+            self.msg_spec,
+            self.param_spec,
+            self.uniform,
+            remat,
+            loss,
+            rng_impls,
+        )
+
+    # ---- the carried buffers ----
+
+    def chunk_params(self, params: Buffers) -> list[Any]:
+        """Per chunk: its parameter rows, unpacked once here when every position's
+        stage of that chunk has the same parameter shapes (no per-tick slicing)."""
+        out = []
+        for c, uniform in enumerate(self.uniform):
+            row = {k: b[c] for k, b in params.items()}
+            out.append(self.param_spec.unpack(self.held[0][c], row) if uniform else row)
+        return out
+
+    def empty(self, plan: TickPlan) -> tuple[Buffers, Buffers, list[Any]]:
+        """(message store with its scratch slot, residual store, gradient accumulators)."""
+        K, R = plan.msg_slots, plan.res_slots
+        return (
+            self.msg_spec.zeros(K + 1),
+            {} if self.remat else self.st.res_spec.zeros(R),
+            self.zero_grads(),
+        )
+
+    def zero_grads(self) -> list[Any]:
+        """Per chunk, the gradient accumulator: the parameter tree itself when every
+        position's stage of the chunk has the same shapes (W adds leaf by leaf),
+        else a flat row (W packs its tree first, a copy per W)."""
+        zeros = self.param_spec.zeros()
+        return [
+            self.param_spec.unpack(self.held[0][c], zeros) if uniform else zeros
+            for c, uniform in enumerate(self.uniform)
+        ]
+
+    def flat_grads(self, grads: list[Any]) -> Buffers:
+        """Per-chunk accumulators -> the (v, L) gradient rows of the device layout."""
+        rows = [
+            self.param_spec.pack(self.held[0][c], g) if self.uniform[c] else g
+            for c, g in enumerate(grads)
+        ]
+        return {k: jnp.stack([r[k] for r in rows]) for k in self.param_spec.sizes}
+
+    # ---- one tick ----
+    #
+    # Each lane runs its op, if any, in groups, each its own two-way `lax.cond`
+    # (an op of this group, or nothing). Each store is updated in place inside
+    # the one cond that writes it: XLA keeps two-way conds in place but copies
+    # every operand through an n-way switch, and a single switch would also
+    # have to return a zero gradient and zero residuals on the ticks that make
+    # none, one parameter-sized memory pass per tick.
+
+    def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow):
+        """One tick: this device's F, B and W lanes, then every ppermute of the plan."""
+        ops = self.ops
+        act = self.msg_spec.zeros()  # the activation this tick sends (F)
+        grad = self.msg_spec.zeros()  # the input gradient this tick sends (B or BW)
+        loss = ops.no_loss()
+        args = (params, x, y, msgs)
+
+        def dispatch(group: OpGroup, lane: OpRow, *operands):
+            ids, fns = group
+            if len(fns) == 1:
+                return fns[0](*operands, lane)
+            which = jnp.searchsorted(jnp.asarray(ids, jnp.int32), lane.branch)
+            return lax.switch(which, fns, *operands, lane)
+
+        def taken(group: OpGroup, lane: OpRow):
+            return jnp.isin(lane.branch, jnp.asarray(group[0], jnp.int32))
+
+        if ops.forwards[0]:
+
+            def forward(act, res, loss):
+                act, res_out, loss = dispatch(ops.forwards, row.f, *args, res)
+                res = {k: b.at[row.f.res_w].set(res_out[k]) for k, b in res.items()}
+                return act, res, loss
+
+            act, res, loss = lax.cond(
+                taken(ops.forwards, row.f), forward, lambda *a: a, act, res, loss
+            )
+        if ops.input_grads[0]:
+
+            def input_grad(grad, res):
+                grad, put, _ = dispatch(ops.input_grads, row.b, *args, res)
+                res = dict(res)
+                for k, (cots, off) in put.items():  # a split stage's site cotangents
+                    res[k] = lax.dynamic_update_slice(res[k], cots[None], (row.b.res_r, off))
+                return grad, res
+
+            grad, res = lax.cond(taken(ops.input_grads, row.b), input_grad, lambda *a: a, grad, res)
+        grads = list(grads)
+        for c, group in enumerate(ops.weight_grads):
+            if not group[0]:
+                continue
+
+            def weight_grad(grad, acc, group=group):
+                # A W sends nothing (its message is zeros); a BW's tick has no B (the lane
+                # rule), so the gradient channel holds one of them: their sum.
+                msg, dpar, _ = dispatch(group, row.w, *args, res)
+                return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
+
+            grad, grads[c] = lax.cond(
+                taken(group, row.w), weight_grad, lambda *a: a, grad, grads[c]
+            )
+        for msg, self_slot, shifts, recv in (
+            (act, row.self_act, plan.act_shifts, row.recv_act),
+            (grad, row.self_grad, plan.grad_shifts, row.recv_grad),
+        ):
+            msgs = {k: b.at[self_slot].set(msg[k]) for k, b in msgs.items()}
+            for i, (_, pairs) in enumerate(shifts):
+                got = lax.ppermute(msg, self.topo.axes, perm=pairs)
+                msgs = {k: b.at[recv[i]].set(got[k]) for k, b in msgs.items()}
+        return msgs, res, grads, loss
+
+    def tick_loop(self, params: Buffers, x: Any, y: Any, rows: TickRow, with_aux: bool = False):
+        """Run every tick on this device; return (the loss over the global batch, this
+        device's gradient rows reduced over replicas). With `with_aux` the loss is
+        (loss, aux) (see loss.py)."""
+        params = self.chunk_params(params)
+
+        def tick(carry, row):
+            *state, loss = carry
+            *state, dloss = self.tick(self.plan, params, x, y, *state, row)
+            return (*state, loss + dloss), None
+
+        (_, _, grads, loss), _ = lax.scan(tick, (*self.empty(self.plan), self.ops.no_loss()), rows)
+        local = self.flat_grads(grads)
+        grads = self.topo.reduce_over_replicas(local)
+        if self.shared is not None:
+            grads = self.shared(local, grads)
+        total = lax.psum(loss, self.topo.axes)
+        count = self.sched.replicas * self.sched.microbatches
+        factor = self.loss.grad_factor(total, count)
+        if factor is not None:  # a weighted loss: divide by the global batch's weight
+            grads = {k: g * factor.astype(g.dtype) for k, g in grads.items()}
+        value = self.loss.loss(total, count)
+        return ((value, self.loss.aux(total)) if with_aux else value), grads

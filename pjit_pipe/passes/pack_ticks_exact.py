@@ -1,0 +1,154 @@
+"""The optimal tick table of a small schedule (one iteration), as a HiGHS MILP.
+
+It solves the problem `pack_ticks` solves greedily, so that tests can measure
+how far the greedy is from the optimum: place each compute op in a tick so
+that the sum of the tick lengths is least (a tick lasts as long as its
+slowest worker, a message leaving a worker after its op plus C), under the
+lane rule of ir/ticks.py, every dependency (a message from an earlier tick,
+a residual from an earlier lane) and the memory limit. A worker may run its
+ops in any order the dependencies allow, as the greedy may.
+
+Variables: x[i, t] = 1 when op i runs in tick t, and each tick's length L_t.
+The horizon is the greedy table's tick count (a feasible solution). OPTs run
+at the end of the last tick. Only sizes of a few dozen ops solve quickly.
+"""
+
+from __future__ import annotations
+
+import highspy
+import numpy as np
+
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.engine import Engine, Tensor
+from pjit_pipe.ir.ops import Kind, Worker
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, is_message
+from pjit_pipe.passes.pack_ticks import pack_ticks
+
+_MEMORY = {Kind.F: 2, Kind.B: -1, Kind.W: -1, Kind.BW: -2}  # units of 1/(2v), as ir/memory.py
+
+
+def exact_pack(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    mem_limit: float | None = None,
+    time_limit: float = 60.0,
+) -> PackedTicks:
+    """The cheapest one-iteration tick table of `schedule` (see the module docstring)."""
+    costs = costs or Costs()
+    sched = compute_only(schedule)
+    horizon = len(pack_ticks(schedule, costs, 1, mem_limit))
+    flow, duration = Engine(sched), costs.duration_fn(sched)
+    ops = [(w, op) for w, _, op in sched.ops() if op.kind in LANES]
+    producer = {}
+    for i, (w, op) in enumerate(ops):
+        for key in flow.produces(w, op):
+            producer[key] = i
+    crosses = {key for w, op in ops for key, cross in flow.deps(w, op) if cross}
+
+    n, T = len(ops), horizon
+    x = lambda i, t: i * T + t  # noqa: E731
+    length = lambda t: n * T + t  # noqa: E731
+    cols = n * T + T
+    # (producer, consumer, least tick gap): a message needs a later tick.
+    edges = []
+    for i, (w, op) in enumerate(ops):
+        for key, _ in flow.deps(w, op):
+            p = producer.get(key)
+            if p is not None and isinstance(key, Tensor):
+                edges.append((p, i, 1 if is_message(key, op) else 0))
+    # Each op's window of ticks: after its longest chain of predecessors, before
+    # its longest chain of successors (ops are listed per worker in program
+    # order, and a dependency never points to a later-listed op's predecessor).
+    early, late = [0] * n, [T - 1] * n
+    for _ in range(n):
+        changed = False
+        for p, c, gap in edges:
+            if early[c] < early[p] + gap:
+                early[c], changed = early[p] + gap, True
+            if late[p] > late[c] - gap:
+                late[p], changed = late[c] - gap, True
+        if not changed:
+            break
+    rows: list[tuple[float, float, dict[int, float]]] = []
+    for i in range(n):
+        rows.append((1, 1, {x(i, t): 1.0 for t in range(early[i], late[i] + 1)}))
+    for p, c, gap in edges:  # tick(c) - tick(p) >= gap
+        coefs = {x(c, t): float(t) for t in range(early[c], late[c] + 1)}
+        for t in range(early[p], late[p] + 1):
+            coefs[x(p, t)] = coefs.get(x(p, t), 0.0) - t
+        rows.append((gap, np.inf, coefs))
+    by_worker: dict[Worker, list[int]] = {}
+    for i, (w, _) in enumerate(ops):
+        by_worker.setdefault(w, []).append(i)
+    cap = np.inf if mem_limit is None else mem_limit * 2 * sched.chunks
+    for mine in by_worker.values():
+        for t in range(T):
+            for lane in range(3):
+                coefs = {x(i, t): 1.0 for i in mine if lane in LANES[ops[i][1].kind]}
+                if len(coefs) > 1:
+                    rows.append((-np.inf, 1, coefs))
+            # The tick lasts at least until each op's end (plus C when it sends).
+            for i in mine:
+                w, op = ops[i]
+                first = LANES[op.kind][0]
+                send = costs.c if any(k in crosses for k in flow.produces(w, op)) else 0.0
+                coefs = {length(t): 1.0}
+                for k in mine:
+                    if LANES[ops[k][1].kind][0] <= first:
+                        coefs[x(k, t)] = -duration(*ops[k]) - (send if k == i else 0.0)
+                rows.append((0, np.inf, coefs))
+            if cap < np.inf:  # F's memory counts from its tick, a release after its tick
+                coefs = {}
+                for i in mine:
+                    d = _MEMORY[ops[i][1].kind]
+                    for u in range(t + 1 if d > 0 else t):
+                        coefs[x(i, u)] = coefs.get(x(i, u), 0.0) + d
+                rows.append((-np.inf, cap, coefs))
+
+    h = highspy.Highs()
+    h.setOptionValue("output_flag", False)
+    h.setOptionValue("time_limit", float(time_limit))
+    cost = np.zeros(cols)
+    cost[n * T :] = 1.0
+    lo, hi = np.zeros(cols), np.ones(cols)
+    hi[n * T :] = np.inf
+    for i in range(n):  # outside its window an op cannot run
+        hi[[x(i, t) for t in range(T) if not early[i] <= t <= late[i]]] = 0.0
+    h.addCols(cols, cost, lo, hi, 0, [], [], [])
+    starts, index, value = [], [], []
+    for _, _, coefs in rows:
+        starts.append(len(index))
+        index.extend(coefs)
+        value.extend(coefs.values())
+    h.addRows(
+        len(rows),
+        np.array([r[0] for r in rows], dtype=np.float64),
+        np.array([r[1] for r in rows], dtype=np.float64),
+        len(index),
+        np.array(starts, dtype=np.int32),
+        np.array(index, dtype=np.int32),
+        np.array(value, dtype=np.float64),
+    )
+    ints = np.arange(n * T, dtype=np.int32)
+    h.changeColsIntegrality(
+        len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger, dtype=np.uint8)
+    )
+    h.run()
+    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
+        raise ScheduleError(f"exact_pack: HiGHS found no optimum ({h.getModelStatus()})")
+    sol = np.asarray(h.getSolution().col_value)
+    ticks: list[dict[Worker, list[Entry]]] = [{} for _ in range(T)]
+    for i, (w, op) in enumerate(ops):
+        t = int(np.argmax(sol[i * T : (i + 1) * T]))
+        ticks[t].setdefault(w, []).append((0, op))
+    ticks = [tk for tk in ticks if tk]
+    for w, _, op in sched.ops():
+        if op.kind is Kind.OPT:
+            ticks[-1].setdefault(w, []).append((0, op))
+    ordered = tuple({w: tuple(sorted(es, key=_lane_key)) for w, es in tk.items()} for tk in ticks)
+    return PackedTicks(schedule, 1, ordered)
+
+
+def _lane_key(entry: Entry) -> int:
+    return LANES[entry[1].kind][0] if entry[1].kind in LANES else 3

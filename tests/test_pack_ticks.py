@@ -1,0 +1,159 @@
+"""The packed tick table: its rule, the packing pass against the exact optimum, the
+lowering's plan against the priced table, and one compiled packed program against
+jax.value_and_grad of the unpipelined model."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from test_lowering import assert_trees_close, batch, mesh_of, reference_loss, tiny_model, xent
+
+from pjit_pipe.cli import main
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.ops import B, F, Kind, W, Worker
+from pjit_pipe.ir.schedule import ScheduleError
+from pjit_pipe.ir.ticks import PackedTicks, fits
+from pjit_pipe.lowering import lower
+from pjit_pipe.lowering.plan import LANE_OF, build_plan
+from pjit_pipe.passes import stagger
+from pjit_pipe.passes.pack_ticks import _Greedy, pack_ticks
+from pjit_pipe.passes.pack_ticks_exact import exact_pack
+from pjit_pipe.passes.reroute import schedule_with_failures
+from pjit_pipe.schedules import KINDS, make_schedule
+from pjit_pipe.simulator.simulate import packed_time, simulate
+
+COSTS = Costs(1, 2, 1)
+
+
+def test_lane_rule():
+    assert fits([F(0, 0), B(0, 0), W(0, 0)])
+    assert not fits([B(0, 0), F(0, 1)])  # out of lane order
+    assert not fits([F(0, 0), F(0, 1)])  # two activations
+    assert not fits([B(1, 0), W(0, 0), B(0, 1)])
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_packed_tables_keep_the_rule_and_beat_one_op_per_tick(kind):
+    sched = make_schedule(kind, 4, 8, chunks=2 if kind == "interleaved-1f1b" else None)
+    for s in (sched, stagger(sched)):
+        table = pack_ticks(s, COSTS, 2)
+        table.check()
+        packed = simulate(s, COSTS, 2, mode="lockstep", ticks=table).makespan
+        assert packed <= simulate(s, COSTS, 2, mode="lockstep").makespan + 1e-9
+
+
+def test_rerouted_staggered_table_keeps_the_rule():
+    sched = stagger(schedule_with_failures("zb-h1", 4, 8, 4, [(1, 2)], COSTS, time_limit=1.0))
+    table = pack_ticks(sched, COSTS, 3)
+    table.check()
+    locked = simulate(sched, COSTS, 3, mode="lockstep", ticks=table).steady_period
+    assert locked < simulate(sched, COSTS, 3, mode="lockstep").steady_period
+
+
+def test_check_rejects_a_message_used_in_its_own_tick():
+    sched = make_schedule("1f1b", 2, 2)
+    table = pack_ticks(sched, COSTS)
+    ticks = [dict(t) for t in table.ticks]
+    # Move F1.0 (worker 1) into the tick of F0.0, which makes its input.
+    (t1,) = [t for t, tick in enumerate(ticks) if (0, F(1, 0)) in tick.get(Worker(0, 1), ())]
+    ticks[t1] = {w: es for w, es in ticks[t1].items() if w != Worker(0, 1)} | {
+        Worker(0, 1): tuple(e for e in ticks[t1][Worker(0, 1)] if e != (0, F(1, 0)))
+    }
+    ticks[0] = {**ticks[0], Worker(0, 1): ((0, F(1, 0)),)}
+    bad = PackedTicks(sched, 1, tuple({w: es for w, es in t.items() if es} for t in ticks))
+    with pytest.raises(ScheduleError, match="needs"):
+        bad.check()
+
+
+@pytest.mark.parametrize(
+    "kind, P, m, costs",
+    [
+        ("1f1b", 2, 3, "1,2,1,0"),
+        ("1f1b", 2, 3, "5,6,4,1"),
+        ("interleaved-1f1b", 2, 2, "5,6,4,1"),
+        ("zb-v", 2, 2, "1,1,1,0"),
+        ("zb-h1", 2, 2, "5,6,4,1"),
+    ],
+)
+def test_greedy_is_close_to_the_exact_optimum(kind, P, m, costs):
+    costs = Costs.parse(costs)
+    sched = make_schedule(kind, P, m, chunks=2 if kind == "interleaved-1f1b" else None)
+    best = exact_pack(sched, costs)
+    best.check()
+    greedy = packed_time(pack_ticks(sched, costs), costs)
+    optimum = packed_time(best, costs)
+    assert optimum - 1e-9 <= greedy <= 1.1 * optimum
+
+
+def _ops_by_tick(table: PackedTicks, index: dict[Worker, int]) -> set:
+    m = table.schedule.microbatches
+    return {
+        (index[w], t, LANE_OF[op.kind], op.kind, op.stage, it * m + op.mb, op.replica)
+        for t, tick in enumerate(table.ticks)
+        for w, es in tick.items()
+        for it, op in es
+        if op.kind is not Kind.OPT
+    }
+
+
+def test_lowering_plan_runs_the_priced_table():
+    """Tick by tick, each device's lanes hold exactly the table's ops, and the
+    optimizer steps follow the table's OPTs (a re-routed, staggered, 2-iteration table)."""
+    sched = stagger(schedule_with_failures("1f1b", 2, 4, 2, [(1, 0)], COSTS, time_limit=1.0))
+    table = pack_ticks(sched, COSTS, 2)
+    devices = tuple(sched.alive_workers)
+    plan = build_plan(table, False, devices)
+    assert plan.ticks == len(table.ticks)
+    planned = set()
+    for lane in ("f", "b", "w"):
+        rows = getattr(plan.rows, lane)
+        for d, t in zip(*np.nonzero(rows.branch), strict=True):
+            kind, stage = plan.branches[rows.branch[d, t] - 1]
+            it, r, j = plan.inputs[d, rows.mb[d, t]]
+            planned.add((int(d), int(t), lane, kind, stage, int(it) * 4 + int(j), int(r)))
+    index = {w: i for i, w in enumerate(devices)}
+    # The input list names each op's microbatch only for the stages that read inputs.
+    reads = {e for e in _ops_by_tick(table, index) if e[4] in (0, sched.num_virtual_stages - 1)}
+    assert {e for e in planned if e[4] in (0, sched.num_virtual_stages - 1)} == reads
+    assert {e[:5] for e in planned} == {e[:5] for e in _ops_by_tick(table, index)}
+    opt_ticks = {
+        t
+        for t, tick in enumerate(table.ticks)
+        for es in tick.values()
+        for _, o in es
+        if o.kind is Kind.OPT
+    }
+    assert set(np.nonzero(plan.updates)[0]) == opt_ticks
+
+
+def test_cli_reports_the_lockstep_period(capsys):
+    args = ["schedule", "zb-h1", "-P", "4", "-m", "8", "--costs", "1,2,1", "--iterations", "3"]
+    assert main([*args, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    sched = make_schedule("zb-h1", 4, 8, costs=COSTS)
+    table = pack_ticks(sched, COSTS, 3)
+    want = simulate(sched, COSTS, 3, mode="lockstep", ticks=table).steady_period
+    assert out["lockstep_period"] == pytest.approx(want)
+    assert out["steady_period"] <= out["lockstep_period"]
+
+
+def test_packed_zb_h1_matches_unpipelined():
+    """A packed table with F, B and W of one device in one tick (the greedy's
+    longest-tick variant packs most)."""
+    sched = make_schedule("zb-h1", 4, 4)
+    table = _Greedy(sched, COSTS, 1, None).run("longest")
+    table.check()
+    busiest = max(
+        sum(op.kind is not Kind.OPT for _, op in es) for tick in table.ticks for es in tick.values()
+    )
+    assert busiest == 3
+    fns, params = tiny_model(4)
+    x, y = batch(4 * 2, seed=1)
+    step = lower(sched, fns, xent, mesh_of(1, 4), params, x, y, ticks=table)
+    loss, grads = step.value_and_grad(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(reference_loss, argnums=1)(fns, params, x, y)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert_trees_close(grads, ref_grads)
