@@ -34,8 +34,7 @@ from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import pack_ticks
-from pjit_pipe.passes.reroute import schedule_with_failures
-from pjit_pipe.schedules import KINDS, make_schedule
+from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import simulate
 
 ITERATIONS = 4

@@ -21,8 +21,7 @@ from pjit_pipe.lowering.plan import LANE_OF, build_plan
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import _Greedy, pack_ticks
 from pjit_pipe.passes.pack_ticks_exact import exact_pack
-from pjit_pipe.passes.reroute import schedule_with_failures
-from pjit_pipe.schedules import KINDS, make_schedule
+from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import packed_time, simulate
 
 COSTS = Costs(1, 2, 1)
