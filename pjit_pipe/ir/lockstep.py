@@ -1,8 +1,9 @@
 """Lockstep (tick-synchronous) form of a schedule: what an SPMD program executes.
 
 Every worker advances at most one compute op per tick, and a tensor produced in
-tick t can be used from tick t+1 (it travels between ticks). The lowering
-compiles exactly this table; the simulator prices it to show what lockstep costs.
+tick t can be used from tick t+1 (it travels between ticks). This is the
+unpacked table (`ir.ticks.PackedTicks.one_op_per_tick`); the lowering compiles
+the packed one that passes/pack_ticks.py builds, when it is given one.
 SEND/RECV ops are dropped: communication happens between every pair of ticks.
 """
 
