@@ -3,6 +3,7 @@ integer positions), remat/jit/vmap'd blocks, tied embeddings (linen and NNX),
 HF-style dict inputs, and the cut report. Cut-only tests compose the stage
 functions; pipelined ones compare with jax.value_and_grad of the plain model."""
 
+import functools
 import warnings
 
 import flax.linen as nn
@@ -140,9 +141,14 @@ def test_nnx_embed_attend_is_shared():
 
 
 class ScanBlock(nn.Module):
+    dropout: float = 0.0
+
     @nn.compact
     def __call__(self, h, mask):
-        return h + jnp.tanh(nn.Dense(h.shape[-1])(h)) * mask, None
+        h_new = jnp.tanh(nn.Dense(h.shape[-1])(h))
+        if self.dropout:
+            h_new = nn.Dropout(self.dropout, deterministic=False)(h_new)
+        return h + h_new * mask, None
 
 
 class YsBlock(nn.Module):
@@ -155,19 +161,21 @@ class YsBlock(nn.Module):
 class ScanStack(nn.Module):
     """MaxText's layout: one nn.scan over `layers` blocks with stacked parameters; a
     mask made from x is broadcast to every iteration. `ys`: return the per-layer
-    outputs too (which stops cuts between iterations)."""
+    outputs too (which stops cuts between iterations). `dropout`: in every block,
+    with one dropout key per layer (split_rngs)."""
 
     layers: int = 6
     ys: bool = False
+    dropout: float = 0.0
 
     @nn.compact
     def __call__(self, x):
         mask = (x[..., :1] > -1.0).astype(x.dtype)
         h = nn.Dense(8, name="inp")(x)
         stack = nn.scan(
-            YsBlock if self.ys else ScanBlock,
+            YsBlock if self.ys else functools.partial(ScanBlock, dropout=self.dropout),
             variable_axes={"params": 0},
-            split_rngs={"params": True},
+            split_rngs={"params": True, "dropout": True},
             in_axes=(nn.broadcast,),
             length=self.layers,
         )
@@ -186,6 +194,8 @@ def test_scan_stack_is_cut_between_iterations():
         ("stack[3:5]",),
         ("out", "stack[5:6]"),
     )
+    assert "stage 0: inp, stack[0]\n" in cut.describe()
+    assert "stage 1: stack[1], stack[2]\n" in cut.describe()
     stage_params = cut.split(params)
     assert stage_params[1]["stack[1:3]"]["Dense_0"]["kernel"].shape == (2, 8, 8)
     np.testing.assert_array_equal(
@@ -193,7 +203,8 @@ def test_scan_stack_is_cut_between_iterations():
         params["params"]["stack"]["Dense_0"]["kernel"][3:5],
     )
     assert jax.tree.all(jax.tree.map(np.array_equal, cut.merge(stage_params), params))
-    assert rel_err(compose(cut, params, x), model.apply(params, x)) < 1e-6
+    composed = jax.jit(lambda p, x: compose(cut, p, x))(params, x)
+    assert rel_err(composed, jax.jit(model.apply)(params, x)) < 1e-6
     # adam's moments follow the rows, and merge back into optimizer.init's tree
     opt = optax.adam(1e-3)
     state = jax.tree.map(lambda a: a + 1.0, opt.init(params))
@@ -299,19 +310,35 @@ def test_masked_carry_matrix(data, kind):
     assert rel_err(grads, ref_grads) < 1e-5
 
 
-def _scan_case(data, kind):
+def _scan_case(data, kind, dropout=0.0):
     """An nn.scan stack of 6 layers cut into 4 stages: loss and gradients (stacked,
-    in the module's tree) equal jax.value_and_grad's."""
-    model = ScanStack()
+    in the module's tree) equal jax.value_and_grad's; with dropout, that of the
+    unpipelined model applied to each microbatch i with key fold_in(key, i)."""
+    model = ScanStack(dropout=dropout)
     x = jax.random.normal(jax.random.key(1), (8, 3))
     y = jax.random.normal(jax.random.key(2), (8, 2))
     pm = pp.pipeline(
         model, stages=4, microbatches=2, schedule=kind, mesh=pp.make_mesh(data=data, stage=4)
     )
-    params = jax.jit(pm.init)(jax.random.key(0), x)
+    params = jax.jit(model.init)(jax.random.key(0), x)
     mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
-    loss, grads = pm.value_and_grad(mse)(params, x, y)
-    ref_loss, ref_grads = jax.value_and_grad(lambda p: mse(model.apply(p, x), y))(params)
+    key, count = jax.random.key(7), 2 * data
+    rows = len(x) // count
+
+    def reference(p):
+        losses = [
+            mse(
+                model.apply(
+                    p, x[i * rows : (i + 1) * rows], rngs={"dropout": jax.random.fold_in(key, i)}
+                ),
+                y[i * rows : (i + 1) * rows],
+            )
+            for i in range(count)
+        ]
+        return jnp.mean(jnp.stack(losses))
+
+    loss, grads = pm.value_and_grad(mse)(params, x, y, rngs=key if dropout else None)
+    ref_loss, ref_grads = jax.value_and_grad(reference)(params)
     assert pm.cut(params, x).rows == {
         "stack[0:1]": (0, 1),
         "stack[1:3]": (1, 3),
@@ -323,11 +350,12 @@ def _scan_case(data, kind):
     assert rel_err(grads, ref_grads) < 1e-5
 
 
-def test_scan_stack_in_four_stages_matches_jax():
-    _scan_case(1, "1f1b")
+def test_scan_stack_with_dropout_in_four_stages_matches_jax():
+    """Each stage also takes its rows of the per-layer dropout keys."""
+    _scan_case(1, "1f1b", dropout=0.5)
 
 
-# 2x4 zb-h1 here; 1x4 zb-h1 and 2x4 1f1b passed when this landed (see the README).
+# 2x4 zb-h1 here; 1x4 1f1b, 1x4 zb-h1 and 2x4 1f1b passed when this landed.
 @pytest.mark.slow
 def test_scan_stack_in_four_stages_matrix():
     _scan_case(2, "zb-h1")

@@ -147,7 +147,8 @@ class StageCut:
     def stage_names(self, s: int) -> list[str]:
         """Names of the events stage s runs (for reports and errors)."""
         stop = self.bounds[s + 1] if s + 1 < self.stages else len(self.events)
-        return [e.name for e in self.events[self.bounds[s] or 0 : stop]]
+        events = self.events[self.bounds[s] or 0 : stop]
+        return [f"{e.name}[0]" if e.iterations else e.name for e in events]
 
     def stage_fn(self, s: int) -> Callable[[Any, Any], Any]:
         """stage_fn(params_s, act) -> act: the model's code from cut s to cut s+1."""

@@ -2,10 +2,11 @@
 
 The planner's layers are the model's clean cut segments (`cut.layer_cut`):
 the code between two cut points the stage cutter may use. `profile_model`
-times each one on the default device (forward, and forward + backward with
-`jax.vjp`; B = W = half the backward, the planner's rule for a profile that
-gives only a backward time) and takes the bytes of the activation it hands
-on and of the parameters it reads, giving a `planner.Profile`.
+times each one's forward + backward (`jax.vjp`, as `balance="time"` does:
+one compile per layer) on the default device and splits it F = B = W = a
+third (a backward costs about two forwards, B and W one each), and takes
+the bytes of the activation it hands on and of the parameters it reads,
+giving a `planner.Profile`.
 `plan_pipeline` runs the planner on it. The resulting `Plan` goes to
 `pipeline(..., plan=plan)`: its layer ranges become the stage cut, its
 D x P device mapping the mesh, its kind the schedule (`planned_options`).
@@ -13,7 +14,6 @@ D x P device mapping the mesh, its kind the schedule (`planned_options`).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -22,8 +22,8 @@ import numpy as np
 from jax.sharding import Mesh
 
 from pjit_pipe.errors import MeshError, OptionError
-from pjit_pipe.frontend.cut import StageCut, layer_cut
-from pjit_pipe.frontend.measure import median_seconds, segment_times
+from pjit_pipe.frontend.cut import layer_cut
+from pjit_pipe.frontend.measure import segment_times
 from pjit_pipe.frontend.mesh import make_mesh
 from pjit_pipe.planner import CostModel, Devices, Plan, Profile, cluster, plan_model
 
@@ -36,30 +36,13 @@ def _bytes(avals: Any) -> float:
     )
 
 
-def _forward_seconds(cut: StageCut, params: Sequence[Any], x_mb: Any) -> list[float]:
-    """Median seconds of each layer's forward alone, on the default device."""
-    device = jax.devices()[0]
-    ones = lambda t: jax.tree.map(  # noqa: E731
-        lambda a: jax.device_put(jnp.ones(np.shape(a), jnp.result_type(a)), device), t
-    )
-    times, act = [], jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), x_mb)
-    for fn, p in zip(cut.stage_fns(), params, strict=True):
-        step, args = jax.jit(fn), (ones(p), ones(act))
-        times.append(median_seconds({"f": lambda step=step, a=args: step(*a)}, 3)["f"])
-        act = jax.eval_shape(fn, *args)
-    return times
-
-
 def profile_model(module: Any, variables: Any, x_mb: Any) -> Profile:
     """The planner's profile of `module` for one microbatch like `x_mb` (times in ms,
-    measured on the default device; compiles two programs per layer)."""
+    measured on the default device; compiles one program per layer)."""
     cut = layer_cut(module, variables, x_mb)
-    params = cut.split(
-        cut.model.variables(cut.param_avals), lambda a: isinstance(a, jax.ShapeDtypeStruct)
-    )
-    forward = _forward_seconds(cut, params, x_mb)
-    both = segment_times(cut.stage_fns(), params, cut.x_aval)
-    backward = [max(t - f, 0.0) for t, f in zip(both, forward, strict=True)]
+    is_aval = lambda a: isinstance(a, jax.ShapeDtypeStruct)  # noqa: E731
+    params = cut.split(cut.model.variables(cut.param_avals), is_aval)
+    third = MS / 3 * np.array(segment_times(cut.stage_fns(), params, cut.x_aval))
     outs, act = [], cut.x_aval
     for fn, p in zip(cut.stage_fns(), params, strict=True):
         act = jax.eval_shape(fn, p, act)
@@ -67,9 +50,9 @@ def profile_model(module: Any, variables: Any, x_mb: Any) -> Profile:
     n = cut.stages
     return Profile(
         names=tuple(", ".join(cut.stage_names(k)) or f"glue {k}" for k in range(n)),
-        f=MS * np.array(forward),
-        b=MS * np.array(backward) / 2,
-        w=MS * np.array(backward) / 2,
+        f=third,
+        b=third,
+        w=third,
         act_bytes=np.array(outs),
         param_bytes=np.array([float(cut.param_bytes(k)) for k in range(n)]),
         edges=tuple((k, k + 1) for k in range(n - 1)),
