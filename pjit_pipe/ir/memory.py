@@ -25,7 +25,7 @@ def units_per_microbatch(chunks: int) -> int:
 
 def limit_units(limit: float | None, chunks: int) -> float:
     """A memory limit in docs/design.md units as a whole number of half-chunk units (inf: none)."""
-    if limit is None:
+    if limit is None or math.isinf(limit):
         return math.inf
     return math.floor(limit * units_per_microbatch(chunks) + 1e-9)
 
@@ -43,3 +43,8 @@ def memory_trace(schedule: Schedule, worker: Worker) -> list[float]:
 def peak_memory(schedule: Schedule) -> dict[Worker, float]:
     """Each worker's peak in-flight activation memory (0 for failed workers)."""
     return {w: max(memory_trace(schedule, w), default=0.0) for w in schedule.workers}
+
+
+def largest_peak(schedule: Schedule) -> float:
+    """The largest worker's peak: what one SPMD program sizes every device's residual store for."""
+    return max(peak_memory(schedule).values(), default=0.0)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
+from pjit_pipe.ir.memory import MEMORY_DELTA, largest_peak, limit_units
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, is_message
@@ -33,7 +34,6 @@ RULES = ("utilization", "shortest", "longest")
 
 
 # Activation memory of one op, in units of 1/(2v) of a stage's (see ir/memory.py).
-_MEMORY = {Kind.F: 2, Kind.B: -1, Kind.W: -1, Kind.BW: -2}
 _SCAN = 64  # how far past a worker's oldest unplaced op the greedy looks for ready ones
 
 
@@ -62,7 +62,7 @@ class _Greedy:
         sched: Schedule,
         costs: Costs,
         iterations: int,
-        mem_limit: float | None,
+        mem_limit: float,
         overtaking_w: bool = True,
     ):
         self.sched, self.costs, self.iterations = sched, costs, iterations
@@ -74,7 +74,7 @@ class _Greedy:
             for key, cross in self.flow.deps(w, op):
                 if cross:
                     self.crosses.add(key)
-        cap = float("inf") if mem_limit is None else mem_limit * 2 * sched.chunks
+        cap = limit_units(mem_limit, sched.chunks)
         # Per (worker, op): what it waits for (key, whether a message) and what it makes.
         self.deps = {
             (w, op): [(k, is_message(k, op)) for k, _ in self.flow.deps(w, op)]
@@ -122,7 +122,7 @@ class _Greedy:
         st.placed[st.position[entry]] = True
         st.advance()
         it, op = entry
-        st.memory += _MEMORY.get(op.kind, 0)
+        st.memory += MEMORY_DELTA.get(op.kind, 0)
         for k in self.produces[(w, op)]:
             key = (it, k)
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -192,7 +192,7 @@ class _Greedy:
             # lower lanes), so memory peaks in that order too.
             mem = peak = st.memory
             for _, o in _lane_order([*chosen, (it, op)]):
-                mem += _MEMORY[o.kind]
+                mem += MEMORY_DELTA[o.kind]
                 peak = max(peak, mem)
             if peak + (self._rise(st, i) if i > st.ptr else 0) > st.cap:
                 continue
@@ -218,7 +218,7 @@ class _Greedy:
         total = rise = 0
         for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
             if not st.placed[i] and i != skip:
-                total += _MEMORY.get(st.entries[i][1].kind, 0)
+                total += MEMORY_DELTA.get(st.entries[i][1].kind, 0)
                 rise = max(rise, total)
         return rise
 
@@ -262,12 +262,17 @@ def pack_ticks(
     of `schedule`, packed to run fast under `costs` (the cheapest greedy variant).
 
     mem_limit bounds each worker's in-flight activation memory (docs/design.md
-    section 3 units) when a younger op runs ahead of one that waits; None
-    leaves it unbounded (`PackedTicks.peak_memory` tells what the table holds)."""
+    section 3 units) when a younger op runs ahead of one that waits. None takes
+    the schedule's own peak (the largest worker's): one SPMD program sizes every
+    device's residual store for the largest, so the packed program then holds no
+    more activations than the unpacked one. A larger limit (math.inf: none)
+    trades memory for speed (`PackedTicks.peak_memory` tells what a table holds)."""
     if not isinstance(iterations, int) or iterations < 1:
         raise ScheduleError(f"iterations must be a positive integer, got {iterations!r}")
     costs = costs or Costs()
     sched = compute_only(schedule)
+    if mem_limit is None:
+        mem_limit = largest_peak(schedule)
     # The unpacked table is a candidate too: packing never makes a schedule slower.
     best = PackedTicks.one_op_per_tick(schedule, iterations)
     best_price = packed_time(best, costs)

@@ -20,12 +20,11 @@ import numpy as np
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import Engine, Tensor
+from pjit_pipe.ir.memory import MEMORY_DELTA, largest_peak, limit_units
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, is_message
 from pjit_pipe.passes.pack_ticks import pack_ticks
-
-_MEMORY = {Kind.F: 2, Kind.B: -1, Kind.W: -1, Kind.BW: -2}  # units of 1/(2v), as ir/memory.py
 
 
 def exact_pack(
@@ -34,7 +33,8 @@ def exact_pack(
     mem_limit: float | None = None,
     time_limit: float = 60.0,
 ) -> PackedTicks:
-    """The cheapest one-iteration tick table of `schedule` (see the module docstring)."""
+    """The cheapest one-iteration tick table of `schedule` (see the module docstring),
+    within `mem_limit` (None: the schedule's own largest peak, as `pack_ticks`)."""
     costs = costs or Costs()
     sched = compute_only(schedule)
     horizon = len(pack_ticks(schedule, costs, 1, mem_limit))
@@ -81,7 +81,7 @@ def exact_pack(
     by_worker: dict[Worker, list[int]] = {}
     for i, (w, _) in enumerate(ops):
         by_worker.setdefault(w, []).append(i)
-    cap = np.inf if mem_limit is None else mem_limit * 2 * sched.chunks
+    cap = limit_units(largest_peak(schedule) if mem_limit is None else mem_limit, sched.chunks)
     for mine in by_worker.values():
         for t in range(T):
             for lane in range(3):
@@ -101,7 +101,7 @@ def exact_pack(
             if cap < np.inf:  # F's memory counts from its tick, a release after its tick
                 coefs = {}
                 for i in mine:
-                    d = _MEMORY[ops[i][1].kind]
+                    d = MEMORY_DELTA[ops[i][1].kind]
                     for u in range(t + 1 if d > 0 else t):
                         coefs[x(i, u)] = coefs.get(x(i, u), 0.0) + d
                 rows.append((-np.inf, cap, coefs))
