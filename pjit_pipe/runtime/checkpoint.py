@@ -111,6 +111,7 @@ class Checkpoints:
         parameters or their shapes (jax.eval_shape of init). Raises CheckpointError
         naming the first leaf whose shape differs when the checkpoint is of another
         model."""
+        self.manager.wait_until_finished()  # a save still in flight is the latest one
         step = self.latest_step() if step is None else step
         if step is None:
             raise CheckpointError(f"no checkpoint in {self.directory}")
