@@ -11,10 +11,16 @@ Dependencies, for stage s of microbatch (j, home replica r):
           the last stage needs only its F, whose loss it differentiates)
   W(s)    needs B(s)
   OPT(s)  needs every W/BW of stage s in the iteration, on all replicas
-          (the data-parallel gradient reduction)
+          (the data-parallel gradient reduction); an asynchronous OPT(s, j)
+          needs only microbatch j's W/BW of stage s, on all replicas
 A tensor that crosses workers arrives `latency` after it is produced; with
 explicit SEND/RECV ops it arrives only through them. Unless the schedule is
 staggered, no worker starts iteration k+1 before every OPT of iteration k.
+
+In an asynchronous schedule (per-microbatch OPTs, PipeDream's 1F1B) iterations
+overlap as one never-flushing stream: on each worker the leading forwards of
+iteration k+1 interleave with the trailing backward groups (the ops after its
+last forward, cut after each OPT) of iteration k, one forward before each group.
 """
 
 from __future__ import annotations
@@ -53,7 +59,7 @@ def _describe(key: Key) -> str:
         s, j, r = rest
         return f"{'F' if tag == 'act' else 'B'}{s}.{j}r{r}"
     if tag == "wdone":
-        return f"all W of stage {rest[0]}"
+        return f"all W of stage {rest[0]}" + (f" microbatch {rest[1]}" if len(rest) > 1 else "")
     if tag == "opt_all":
         return "every OPT of the previous iteration"
     if tag == "msg":
@@ -63,6 +69,38 @@ def _describe(key: Key) -> str:
     return f"RECV:{payload.value}:{s}.{j}r{r} on {w}"
 
 
+def stream_order(
+    program: tuple[Op, ...], iterations: int, asynchronous: bool
+) -> list[tuple[int, int]]:
+    """(iteration, op index) in the order a worker runs `iterations` copies of `program`.
+
+    Synchronous: one copy after another. Asynchronous: the leading forwards of
+    copy k+1 interleave with the trailing backward groups of copy k (module docstring).
+    """
+    n = len(program)
+    if not asynchronous or n == 0:
+        return [(it, i) for it in range(iterations) for i in range(n)]
+    forwards = [i for i, op in enumerate(program) if op.kind is Kind.F]
+    lead = next((i for i, op in enumerate(program) if op.kind is not Kind.F), n)
+    tail_start = forwards[-1] + 1 if forwards else 0
+    groups: list[list[int]] = [[]]
+    for i in range(tail_start, n):
+        groups[-1].append(i)
+        if program[i].kind is Kind.OPT and i < n - 1:
+            groups.append([])
+    middle = list(range(lead, tail_start))
+    order = [(0, i) for i in range(lead)]
+    for it in range(iterations):
+        order += [(it, i) for i in middle]
+        heads = list(range(lead)) if it + 1 < iterations else []
+        for k in range(max(len(heads), len(groups))):
+            if k < len(heads):
+                order.append((it + 1, heads[k]))
+            if k < len(groups):
+                order += [(it, i) for i in groups[k]]
+    return order
+
+
 class Dataflow:
     """Static dependency structure of one schedule (computed once, reused per run)."""
 
@@ -70,7 +108,7 @@ class Dataflow:
         self.schedule = schedule
         self.explicit_comm = schedule.has_comm()
         self.producer: dict[Key, Worker] = {}
-        self.wcount: dict[int, int] = defaultdict(int)
+        self.wcount: dict[tuple, int] = defaultdict(int)  # (stage,) or (stage, mb) -> W count
         self.num_opt = 0
         for w, _, op in schedule.ops():
             if op.kind is Kind.F:
@@ -78,7 +116,8 @@ class Dataflow:
             elif op.kind in (Kind.B, Kind.BW):
                 self.producer[("grad", op.stage, op.mb, op.replica)] = w
             if op.kind in (Kind.W, Kind.BW):
-                self.wcount[op.stage] += 1
+                self.wcount[(op.stage,)] += 1
+                self.wcount[(op.stage, op.mb)] += 1
             elif op.kind is Kind.OPT:
                 self.num_opt += 1
 
@@ -106,7 +145,7 @@ class Dataflow:
         if op.kind is Kind.W:
             return [(("grad", s, j, r), False)]
         if op.kind is Kind.OPT:
-            return [(("wdone", s), False)]
+            return [(("wdone", s) if j < 0 else ("wdone", s, j), False)]
         if op.kind is Kind.SEND:
             return [(("act" if op.payload is Payload.ACT else "grad", s, j, r), False)]
         return [(("msg", op.payload, s, j, r, w), True)]  # RECV
@@ -119,9 +158,9 @@ class Dataflow:
         if op.kind is Kind.B:
             return [("grad", s, j, r)]
         if op.kind is Kind.BW:
-            return [("grad", s, j, r), ("wdone", s)]
+            return [("grad", s, j, r), ("wdone", s), ("wdone", s, j)]
         if op.kind is Kind.W:
-            return [("wdone", s)]
+            return [("wdone", s), ("wdone", s, j)]
         if op.kind is Kind.OPT:
             return [("opt_all",)]
         if op.kind is Kind.SEND:
@@ -131,7 +170,7 @@ class Dataflow:
     def aggregate_size(self, key: Key) -> int:
         """How many producers an aggregate key needs (1 for plain keys)."""
         if key[0] == "wdone":
-            return self.wcount[key[1]]
+            return self.wcount[key[1:]]
         if key[0] == "opt_all":
             return self.num_opt
         return 1
@@ -147,6 +186,7 @@ class Dataflow:
         progs = {w: sched.program(w) for w in sched.alive_workers}
         deps = {w: [self.deps(w, op) for op in ops] for w, ops in progs.items()}
         prods = {w: [self.produces(w, op) for op in ops] for w, ops in progs.items()}
+        order = {w: stream_order(ops, iterations, sched.asynchronous) for w, ops in progs.items()}
         ptr = dict.fromkeys(progs, 0)
         free = dict.fromkeys(progs, 0.0)
         resolved: dict[tuple, tuple[float, Worker]] = {}
@@ -173,7 +213,7 @@ class Dataflow:
             ops = progs[w]
             n = len(ops)
             while ptr[w] < n * iterations:
-                it, idx = divmod(ptr[w], n)
+                it, idx = order[w][ptr[w]]
                 op = ops[idx]
                 start = free[w]
                 wait_keys = [((it, *k), cross) for k, cross in deps[w][idx]]
@@ -203,7 +243,7 @@ class Dataflow:
         if stuck:
             lines = []
             for w in stuck[:8]:
-                it, idx = divmod(ptr[w], len(progs[w]))
+                it, idx = order[w][ptr[w]]
                 key = blocked_on[w]
                 lines.append(f"worker {w} op #{idx} {progs[w][idx]} waits for {_describe(key[1:])}")
             raise DeadlockError("deadlock: " + "; ".join(lines))

@@ -426,6 +426,11 @@ def schedule_with_failures(
     """
     from pjit_pipe.schedules import make_schedule
 
+    if kind == "async-1f1b":
+        raise ScheduleError(
+            "failed workers with schedule async-1f1b are not supported yet: re-routing "
+            "rebuilds a synchronous iteration; use a synchronous kind such as 1f1b or zb-h1"
+        )
     costs = costs or Costs()
     pattern = FailurePattern.of(replicas, stages, failed)
     base = make_schedule(kind, stages, microbatches, chunks, costs, mem_limit, replicas)
