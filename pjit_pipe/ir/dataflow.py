@@ -20,7 +20,8 @@ staggered, no worker starts iteration k+1 before every OPT of iteration k.
 In an asynchronous schedule (per-microbatch OPTs, PipeDream's 1F1B) iterations
 overlap as one never-flushing stream: on each worker the leading forwards of
 iteration k+1 interleave with the trailing backward groups (the ops after its
-last forward, cut after each OPT) of iteration k, one forward before each group.
+last forward, cut after each OPT) of iteration k, one forward after each group:
+the worker keeps as many microbatches in flight as its warm-up does.
 """
 
 from __future__ import annotations
@@ -94,10 +95,10 @@ def stream_order(
         order += [(it, i) for i in middle]
         heads = list(range(lead)) if it + 1 < iterations else []
         for k in range(max(len(heads), len(groups))):
-            if k < len(heads):
-                order.append((it + 1, heads[k]))
             if k < len(groups):
                 order += [(it, i) for i in groups[k]]
+            if k < len(heads):
+                order.append((it + 1, heads[k]))
     return order
 
 

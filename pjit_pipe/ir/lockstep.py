@@ -8,12 +8,27 @@ SEND/RECV ops are dropped: communication happens between every pair of ticks.
 
 from __future__ import annotations
 
-from pjit_pipe.ir.dataflow import Dataflow, DeadlockError
-from pjit_pipe.ir.ops import COMM_KINDS, Op, Worker
+from pjit_pipe.ir.dataflow import Dataflow, DeadlockError, stream_order
+from pjit_pipe.ir.ops import COMM_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 
 TickTable = list[dict[Worker, Op]]
 IterationTicks = list[dict[Worker, tuple[int, Op]]]
+
+
+def _step_between_ticks(progs, order, deps, ptr, ready) -> int:
+    """Run every asynchronous OPT whose gradients are ready (between two ticks); return how
+    many. What an OPT produces matters only to an iteration barrier, which an asynchronous
+    schedule does not have."""
+    stepped = 0
+    for w, ops in progs.items():
+        while ptr[w] < len(order[w]):
+            it, i = order[w][ptr[w]]
+            if ops[i].kind is not Kind.OPT or not all((it, *k) in ready for k in deps[w][i]):
+                break
+            ptr[w] += 1
+            stepped += 1
+    return stepped
 
 
 def tick_table(schedule: Schedule) -> TickTable:
@@ -26,7 +41,9 @@ def iteration_ticks(schedule: Schedule, iterations: int) -> IterationTicks:
 
     Between iterations the dataflow's rule holds: unless the schedule is
     staggered, nobody starts iteration k+1 before every OPT of iteration k;
-    staggered, a worker goes on right after its own OPTs.
+    staggered, a worker goes on right after its own OPTs. An asynchronous
+    schedule runs each worker's overlapping stream (`stream_order`), and its
+    per-microbatch OPTs take no tick of their own: they run between ticks.
     """
     compute_only = schedule.replace(
         programs={
@@ -36,25 +53,31 @@ def iteration_ticks(schedule: Schedule, iterations: int) -> IterationTicks:
     flow = Dataflow(compute_only)
     progs = {w: compute_only.program(w) for w in compute_only.alive_workers}
     deps = {w: [[k for k, _ in flow.deps(w, op)] for op in ops] for w, ops in progs.items()}
+    asynchronous = schedule.asynchronous
+    order = {w: stream_order(ops, iterations, asynchronous) for w, ops in progs.items()}
     ptr = dict.fromkeys(progs, 0)
     counts: dict[tuple, int] = {}
     ready: set[tuple] = set()
     ticks: IterationTicks = []
     remaining = sum(len(p) for p in progs.values()) * iterations
     while remaining:
+        stepped = _step_between_ticks(progs, order, deps, ptr, ready) if asynchronous else 0
+        remaining -= stepped
         tick = {}
         for w, ops in progs.items():
             if ptr[w] == len(ops) * iterations:
                 continue
-            it, i = divmod(ptr[w], len(ops))
+            it, i = order[w][ptr[w]]
             wait = [(it, *k) for k in deps[w][i]]
             if i == 0 and it > 0 and not schedule.staggered:
                 wait.append((it - 1, "opt_all"))
-            if all(k in ready for k in wait):
+            if (ops[i].kind is not Kind.OPT or not asynchronous) and all(k in ready for k in wait):
                 tick[w] = (it, ops[i])
+        if not tick and (stepped or not remaining):
+            continue
         if not tick:
             stuck = ", ".join(
-                f"{w}: {progs[w][ptr[w] % len(progs[w])]}"
+                f"{w}: {progs[w][order[w][ptr[w]][1]]}"
                 for w in progs
                 if ptr[w] < len(progs[w]) * iterations
             )

@@ -97,7 +97,8 @@ def build_plan(
 
     With several iterations, microbatch j of iteration k is planned as
     microbatch k*m + j, and each stage's optimizer step is placed right after
-    the tick of its last W/BW of the iteration (its gradients are complete then).
+    the tick of its last W/BW of the iteration (its gradients are complete then);
+    in an asynchronous schedule, right after each of its W/BW (one step per microbatch).
     """
     S, m = schedule.num_virtual_stages, schedule.microbatches
     D, P = schedule.replicas, schedule.stages
@@ -177,10 +178,11 @@ def build_plan(
         for (r, j), i in pairs.items():
             inputs[index[w], i] = (j // m, r, j % m)
 
-    last_grad: dict[tuple[int, int], int] = {}  # (stage, iteration) -> tick of its last W/BW
+    last_grad: dict[tuple[int, int], int] = {}  # (stage, step) -> tick of its last W/BW
+    per_microbatch = schedule.asynchronous
     for op, (_, t) in when.items():
         if op.kind in (Kind.W, Kind.BW):
-            key = (op.stage, op.mb // m)
+            key = (op.stage, op.mb if per_microbatch else op.mb // m)
             last_grad[key] = max(t, last_grad.get(key, t))
 
     branches = sorted(

@@ -31,6 +31,7 @@ from jax.sharding import PartitionSpec as PS
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
+from pjit_pipe.lowering.async_weights import AsyncWeights
 from pjit_pipe.lowering.device_state import DeviceLayout
 from pjit_pipe.lowering.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
 from pjit_pipe.lowering.loss import LossLayout
@@ -74,12 +75,14 @@ class Lowered:
         *,
         loss: LossLayout,
         rng_impls: dict[str, Any] | None = None,
+        weights: AsyncWeights | None = None,
     ):
         self.sched = schedule
         self.st = stages
         self.loss = loss  # what the last stage's loss vector holds (stages.loss_fn = loss.vector)
         # Stream name -> key impl when steps take rngs (the batch is then (x, key data)).
         self.rng_impls = rng_impls
+        self.weights = weights  # an asynchronous schedule's weight policy (async_weights.py)
         self.topo = topology
         self.iterations = iterations
         keyed = rng_impls is not None  # every op reads its microbatch's keys
@@ -251,11 +254,13 @@ class Lowered:
         ]
         return {k: jnp.stack([r[k] for r in rows]) for k in self.param_spec.sizes}
 
-    def _tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row):
-        """One tick: this device's op (if any), then every ppermute of the plan."""
+    def _tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row, back_params=None):
+        """One tick: this device's op (if any), then every ppermute of the plan.
+        B and W read `back_params` when given (asynchronous weights), else `params`."""
         msg = self.msg_spec.zeros()
         loss = self._no_loss()
         args = (params, x, y, msgs)
+        back_args = args if back_params is None else (back_params, x, y, msgs)
 
         def dispatch(group, *operands):
             ids, fns = group
@@ -278,7 +283,7 @@ class Lowered:
         if self.input_grads[0]:
 
             def input_grad(msg, res):
-                msg, put, _ = dispatch(self.input_grads, *args, res, row)
+                msg, put, _ = dispatch(self.input_grads, *back_args, res, row)
                 res = dict(res)
                 for k, (cots, off) in put.items():  # a split stage's site cotangents
                     res[k] = lax.dynamic_update_slice(res[k], cots[None], (row[RES_R], off))
@@ -291,7 +296,7 @@ class Lowered:
                 continue
 
             def weight_grad(msg, acc, group=group):
-                msg, dpar, _ = dispatch(group, *args, res, row)
+                msg, dpar, _ = dispatch(group, *back_args, res, row)
                 return msg, jax.tree.map(jnp.add, acc, dpar)
 
             msg, grads[c] = lax.cond(taken(group), weight_grad, lambda *a: a, msg, grads[c])
@@ -358,45 +363,56 @@ class Lowered:
         plan, v = self.step_plan, self.sched.chunks
         count = self.sched.replicas * self.sched.microbatches
         msgs, res, grads = self._empty(plan)
+        weights = self.weights
+        # The weight policy's buffers (last update or stashed versions; async_weights.py).
+        wcarry = weights.init(params, plan.res_slots) if weights else {}
         # Per iteration, this device's summed loss vectors (see loss.py).
         losses = jnp.zeros((self.iterations, self.loss.size), jnp.float32)
         # Per chunk, the optimizer steps taken so far: the iteration of its next step.
         done = jnp.zeros((v,), jnp.int32)
 
         def step(row, losses, state):
-            grads, params, opt, done = state
+            grads, params, opt, done, wcarry = state
             mine = ((row[UPDATE] >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {k: jnp.where(mine, b, 0) for k, b in self._flat_grads(grads).items()}
             g = self.topo.reduce_over_replicas(g)
-            if self.loss.weighted:  # per chunk, its iteration's count / total weight
+            if weights is not None:
+                g = weights.step_gradients(g)
+            elif self.loss.weighted:  # per chunk, its iteration's count / total weight
                 factor = self.loss.grad_factor(lax.psum(losses, self.topo.axes), count)
                 f = factor[jnp.minimum(done, self.iterations - 1)][:, None]
                 g = {k: b * f.astype(b.dtype) for k, b in g.items()}
             new_p, new_o = self.optimizer_step(optimizer, opt_spec, params, g, opt, pos)
             params = {k: jnp.where(mine, new_p[k], b) for k, b in params.items()}
             opt = {k: jnp.where(mine, new_o[k], b) for k, b in opt.items()}
+            if weights is not None:
+                wcarry = weights.after_step(wcarry, state[1], params, mine)
             grads = [
                 jax.tree.map(lambda a, m=mine[c, 0]: jnp.where(m, 0, a), g)
                 for c, g in enumerate(grads)
             ]
-            return grads, params, opt, done + mine[:, 0]
+            return grads, params, opt, done + mine[:, 0], wcarry
 
         def tick(carry, inputs):
             row, update = inputs
-            msgs, res, grads, losses, params, opt, done = carry
-            chunks = self.chunk_params(params)
-            msgs, res, grads, dloss = self._tick(plan, chunks, x, y, msgs, res, grads, row)
+            msgs, res, grads, losses, params, opt, done, wcarry = carry
+            if weights is None:
+                chunks, back = self.chunk_params(params), None
+            else:
+                ahead, behind, wcarry = weights.views(params, wcarry, row, pos)
+                chunks, back = self.chunk_params(ahead), self.chunk_params(behind)
+            msgs, res, grads, dloss = self._tick(plan, chunks, x, y, msgs, res, grads, row, back)
             losses = losses.at[row[ITER]].add(dloss)
-            grads, params, opt, done = lax.cond(
+            grads, params, opt, done, wcarry = lax.cond(
                 update,
                 functools.partial(step, row, losses),
                 lambda s: s,
-                (grads, params, opt, done),
+                (grads, params, opt, done, wcarry),
             )
-            return (msgs, res, grads, losses, params, opt, done), None
+            return (msgs, res, grads, losses, params, opt, done, wcarry), None
 
-        carry = (msgs, res, grads, losses, params, opt, done)
-        (*_, losses, params, opt, _), _ = lax.scan(tick, carry, (rows, updates))
+        carry = (msgs, res, grads, losses, params, opt, done, wcarry)
+        (*_, losses, params, opt, _, _), _ = lax.scan(tick, carry, (rows, updates))
         return params, opt, self.loss.loss(lax.psum(losses, self.topo.axes), count)
 
     def optimizer_step(
@@ -788,6 +804,38 @@ def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> Non
         raise ValueError(f"global batch {batch} is not divisible by replicas*microbatches = {n}")
 
 
+def _async_weights(
+    schedule: Schedule,
+    mode: str | None,
+    optimizer: optax.GradientTransformation | None,
+    stages: StageVjp,
+    remat: bool,
+    loss: LossLayout,
+    staleness_offset: int,
+) -> AsyncWeights | None:
+    """The weight policy of an asynchronous schedule; None for a synchronous one."""
+    if not schedule.asynchronous:
+        if mode is not None:
+            raise ValueError(
+                f"async_weights={mode!r} applies to an asynchronous schedule (async-1f1b) "
+                f"only, not {schedule.kind!r}; drop it or use schedule async-1f1b"
+            )
+        return None
+    if loss.weighted:
+        raise ValueError(
+            "async-1f1b with a weighted loss ((loss_sum, weight) pairs) is not supported "
+            "yet: each microbatch's step would need its own weight; return a mean loss"
+        )
+    return AsyncWeights(
+        mode or "predict",
+        schedule,
+        optimizer,
+        list(stages.param_avals),
+        remat,
+        staleness_offset,
+    )
+
+
 def lower(
     schedule: Schedule,
     stage_fns: Sequence[Callable],
@@ -803,6 +851,8 @@ def lower(
     rngs: Any = None,
     shared: Mapping[str, Sequence[int]] | None = None,
     split_backward: bool = True,
+    async_weights: str | None = None,
+    staleness_offset: int = 0,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -826,6 +876,9 @@ def lower(
     makes W re-run the whole stage pullback (the old split, kept for comparisons);
     the split backward is also off with remat (B and W recompute) and with rngs
     (its stage jaxpr is traced once, so it would fix one microbatch's keys).
+    An asynchronous schedule (async-1f1b) takes `async_weights` "predict"
+    (default), "stash" or "latest" and `staleness_offset` (see async_weights.py);
+    its train_step then runs iterations*m optimizer steps, one per microbatch.
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
@@ -852,8 +905,19 @@ def lower(
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
     topology = Topology.of(mesh, schedule.failed)
+    weights = _async_weights(
+        schedule, async_weights, optimizer, stages, remat, loss, staleness_offset
+    )
     lowered = Lowered(
-        schedule, stages, topology, remat, iterations, shared, loss=loss, rng_impls=impls
+        schedule,
+        stages,
+        topology,
+        remat,
+        iterations,
+        shared,
+        loss=loss,
+        rng_impls=impls,
+        weights=weights,
     )
     stepping = optimizer is not None and lowered.stepping
     if stepping and count_norm_calls(optimizer, *lowered._stage0_avals(optimizer)):

@@ -25,17 +25,22 @@ def staleness(stages: int, position: int, extra: int = 0) -> int:
     return stages - position - 1 + extra
 
 
-def async_one_f_one_b(stages: int, microbatches: int, replicas: int = 1) -> Schedule:
+def async_one_f_one_b(
+    stages: int, microbatches: int, replicas: int = 1, *, stale: bool = True
+) -> Schedule:
     """PipeDream's asynchronous 1F1B: 1F1B order with OPT(p, j) after each BW(p, j).
 
     Needs microbatches >= stages, so that every warm-up forward of the next
-    iteration has a backward of this one to pair with.
+    iteration has a backward of this one to pair with. stale=False (for tests)
+    drops the warm-up: every position runs F, BW, OPT of one microbatch before
+    the next one's F, so s = 0 everywhere and training is per-microbatch
+    synchronous SGD (with a (P-1)-stage bubble per microbatch).
     """
     check_positive(stages=stages, microbatches=microbatches, replicas=replicas)
     require_microbatches_at_least(KIND, microbatches, stages)
 
     def program(p: int, r: int) -> list[Op]:
-        warmup = stages - p - 1
+        warmup = stages - p - 1 if stale else 0
         ops = [F(p, j, r) for j in range(warmup)]
         for j in range(microbatches - warmup):
             ops += [F(p, warmup + j, r), BW(p, j, r), OPT(p, r, j)]
