@@ -150,6 +150,10 @@ def test_stale_weights_follow_the_schedule(problem, mode):
         async_weights=mode,
     )
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
+    # the extra copies: predict keeps the last update, stash a version per in-flight slot
+    row = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params[0]))
+    copies = step.async_weight_bytes() / row
+    assert copies == {"predict": 1, "stash": P + 1}[mode]
     want, want_losses = host_async_training(fns, params, opt, batches, sched, mode)
     np.testing.assert_allclose(np.asarray(losses), want_losses, rtol=1e-5)
     assert_trees_close(got, want)

@@ -762,6 +762,17 @@ class PipelineStep:
         self._compiled_device[donate] = lowered.compile()
         return time.perf_counter() - start
 
+    def async_weight_bytes(self) -> int:
+        """Bytes each device holds for the extra weight copies of an asynchronous
+        schedule (predict: the last update; stash: one version per residual slot);
+        0 for a synchronous one."""
+        low = self._low
+        if low.weights is None:
+            return 0
+        row = sum(n * np.dtype(k).itemsize for k, n in low.param_spec.sizes.items())
+        plan = low.step_plan or low.plan
+        return low.weights.extra_copies(plan.res_slots) * self.schedule.chunks * row
+
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the compiled value_and_grad program."""
         if self._compiled_vg is None:
