@@ -7,11 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import linen as nn
 
+import pjit_pipe as pp
 from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.lowering import lower
-from pjit_pipe.lowering.async_weights import staleness
+from pjit_pipe.lowering.async_weights import AsyncWeights, staleness
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.schedules.asynchronous import async_one_f_one_b
 from tests.test_lowering import (
@@ -160,3 +162,17 @@ def test_stale_weights_follow_the_schedule(problem, mode):
     # and the mode matters: reading the latest weights everywhere gives other numbers
     latest, _ = host_async_training(fns, params, opt, batches, sched, "latest")
     assert not np.allclose(np.asarray(got[0]["emb"]), np.asarray(latest[0]["emb"]), rtol=1e-4)
+
+
+def test_bad_async_requests_are_rejected():
+    sched = make_schedule("async-1f1b", 2, 2)
+    avals = [{"w": jax.ShapeDtypeStruct((3, 3), jnp.float32)}] * 2
+    with pytest.raises(ValueError, match="supports sgd, sgd with momentum, adam, adamw, rmsprop"):
+        AsyncWeights("predict", sched, optax.lion(1e-3), avals, remat=False)
+    AsyncWeights("stash", sched, optax.lion(1e-3), avals, remat=False)  # any optimizer
+    with pytest.raises(ValueError, match="one of predict, stash, latest"):
+        AsyncWeights("newest", sched, optax.sgd(0.1), avals, remat=False)
+    with pytest.raises(ValueError, match="remat"):
+        AsyncWeights("stash", sched, optax.sgd(0.1), avals, remat=True)
+    with pytest.raises(ValueError, match="applies to schedule='async-1f1b' only"):
+        pp.pipeline(nn.Dense(3), stages=2, microbatches=2, async_weights="predict")

@@ -112,3 +112,11 @@ def test_stagger_keeps_and_failures_reject_async():
     assert stagger(s) == s
     with pytest.raises(ScheduleError, match="not supported yet"):
         schedule_with_failures("async-1f1b", 2, 2, 2, [(0, 1)])
+
+
+def test_cli_train_rejects_bad_async_requests(capsys):
+    assert main(["train", "--schedule", "1f1b", "--async-weights", "stash", "--steps", "1"]) == 1
+    assert "--async-weights stash applies to --schedule async-1f1b only" in capsys.readouterr().err
+    argv = ["train", "--schedule", "async-1f1b", "--mesh", "1x4", "--microbatches", "2"]
+    assert main([*argv, "--steps", "1"]) == 1
+    assert "async-1f1b needs microbatches >= 4" in capsys.readouterr().err

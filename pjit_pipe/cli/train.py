@@ -82,6 +82,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=positive_int, default=100, metavar="N")
     parser.add_argument("--lr", type=positive_float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--async-weights",
+        choices=("predict", "stash", "latest"),
+        default=None,
+        help="--schedule async-1f1b only: the weights stale forwards read (default predict)",
+    )
 
 
 def add_failure_args(parser: argparse.ArgumentParser) -> None:
@@ -238,6 +244,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         chunks=args.chunks,
         mesh=pp.make_mesh(data=data, stage=stages),
         optimizer=optax.adam(args.lr),
+        async_weights=getattr(args, "async_weights", None),
         **({"costs": "measure"} if getattr(args, "show_costs", False) else {}),
     )
     precompile = getattr(args, "precompile", None)
@@ -315,6 +322,11 @@ def show_costs(pm: Any, as_json: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.async_weights is not None and args.schedule != "async-1f1b":
+        raise ValueError(
+            f"--async-weights {args.async_weights} applies to --schedule async-1f1b only, "
+            f"not {args.schedule}; drop it or use --schedule async-1f1b"
+        )
     check_workers("--fail", args.fail, *args.mesh)
     check_workers("--rejoin", args.rejoin, *args.mesh)
     bars: list[Any] = []  # the progress bar, made at the first step (errors come first)

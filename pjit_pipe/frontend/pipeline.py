@@ -71,7 +71,14 @@ class Pipelined:
         balance: str = "flops",
         failed: Sequence[tuple[int, int]] = (),
         search_time: float = 2.0,
+        async_weights: str | None = None,
     ):
+        if async_weights is not None and schedule != "async-1f1b":
+            raise ValueError(
+                f"async_weights={async_weights!r} applies to schedule='async-1f1b' only, "
+                f"not {schedule!r}; drop async_weights or use schedule='async-1f1b'"
+            )
+        self.async_weights = async_weights  # see lowering/async_weights.py
         self.module = module
         self.model = with_step_rngs(as_model(module))
         self.stages = _positive("stages", stages)
@@ -118,6 +125,7 @@ class Pipelined:
             balance=balance,
             failed=tuple(sorted(self.failed.failed)),
             search_time=search_time,
+            async_weights=async_weights,
         )
         self._cuts: dict[Any, StageCut] = {}
         self._steps: dict[Any, Any] = {}
@@ -277,6 +285,7 @@ class Pipelined:
                 has_aux=has_aux,
                 rngs=rngs,
                 shared=cut.shared,
+                async_weights=self.async_weights,
             )
         return cut, self._steps[key]
 
@@ -489,7 +498,8 @@ def pipeline(
     optimizer (optax, for train_step), remat (recompute forwards in the
     backward), balance ('flops', 'params' or 'time': how stages are balanced), failed ((replica, stage) workers
     that are down; see `Pipelined.with_failures`), search_time (seconds for
-    the re-routed schedule search).
+    the re-routed schedule search), async_weights (schedule='async-1f1b' only:
+    'predict' (default), 'stash' or 'latest', the weights its stale forwards read).
     """
     if module is None:
         return lambda m: pipeline(m, **options)
