@@ -17,6 +17,7 @@ BENCHMARKS = [
     "bench_memory",
     "bench_backward",
     "bench_planner",
+    "bench_async",
 ]
 
 
