@@ -162,7 +162,7 @@ def draw(curves: dict, path: str, steps: int, seeds: int) -> None:
             ax.plot(np.arange(len(mean)), mean, label=name, lw=1.2)
         ax.set_title(f"{opt_name}, lr {rate:g}")
         ax.set_xlabel("step (one global batch)")
-        ax.set_ylim(top=4.5)
+        ax.set_ylim(1.5, 4.5)  # a diverging run leaves the panel through the top
         ax.grid(alpha=0.3)
     axes[0][0].set_ylabel(f"training loss (mean of {seeds} seed(s))")
     axes[0][-1].legend(fontsize=8)

@@ -9,6 +9,7 @@ import pytest
 
 from pjit_pipe.cli import main
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import OPT, Kind, Worker
 from pjit_pipe.ir.schedule import ScheduleError
@@ -120,3 +121,16 @@ def test_cli_train_rejects_bad_async_requests(capsys):
     argv = ["train", "--schedule", "async-1f1b", "--mesh", "1x4", "--microbatches", "2"]
     assert main([*argv, "--steps", "1"]) == 1
     assert "async-1f1b needs microbatches >= 4" in capsys.readouterr().err
+
+
+def test_lockstep_runs_the_overlapping_stream_without_opt_ticks():
+    P, m = 4, 8
+    s = make_schedule("async-1f1b", P, m)
+    ticks = [iteration_ticks(s, n) for n in (5, 6)]
+    # steady state: every tick one F or one BW per worker, OPTs between ticks
+    assert len(ticks[1]) - len(ticks[0]) == 2 * m
+    assert all(op.kind is not Kind.OPT for t in ticks[1] for _, op in t.values())
+    # worker 0:0 starts iteration 1 before it finishes iteration 0 (no flush)
+    mine = [t[Worker(0, 0)] for t in ticks[1] if Worker(0, 0) in t]
+    first_next = mine.index(next(x for x in mine if x[0] == 1))
+    assert any(it == 0 for it, _ in mine[first_next:])
