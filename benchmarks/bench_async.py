@@ -9,7 +9,8 @@
    `latest`, `stash` and `predict` weights, at the same samples (every step
    one global batch; async takes m updates per step, one per microbatch) and
    the same learning rate, at a normal and a high learning rate, over
-   `--steps` steps and `--seeds` seeds. Prints the mean loss of the last 20
+   `--steps` steps and `--seeds` seeds. Each compiled call runs
+   CALL_ITERATIONS iterations (asynchronous across their boundaries). Prints the mean loss of the last 20
    steps (mean over seeds) and draws the curves to `--plot`.
 
 The learning rate is injected (optax.inject_hyperparams) so one compiled
@@ -41,11 +42,15 @@ from models import GPT, GPTConfig, lm_loss
 from models.text import CharCorpus
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.lockstep import iteration_ticks
+from pjit_pipe.lowering import lower
 from pjit_pipe.passes import stagger
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator.simulate import simulate
 
 P, M, BATCH = 4, 4, 16
+# Iterations per compiled call: asynchronous 1F1B runs without a flush inside a
+# call and drains between calls (see the README), so calls hold several.
+CALL_ITERATIONS = 10
 RUNS = [
     ("1f1b", None),
     ("async-1f1b", "latest"),
@@ -96,50 +101,68 @@ def with_rate(opt_state, rate: float):
     return opt_state._replace(hyperparams=hyper)
 
 
+def compiled(kind: str, weights: str | None, optimizer, config, mesh, params, batch):
+    """(stage cut, PipelineStep) running CALL_ITERATIONS iterations per call."""
+    pm = pp.pipeline(GPT(config), stages=P, microbatches=M, schedule=kind, mesh=mesh)
+    cut = pm.cut(params, batch[0])
+    step = lower(
+        pm.schedule,
+        cut.stage_fns(),
+        lm_loss,
+        mesh,
+        cut.split(params),
+        *batch,
+        optimizer=optimizer,
+        iterations=CALL_ITERATIONS,
+        async_weights=weights,
+    )
+    return cut, step
+
+
 def convergence(steps: int, seeds: int, plot: str | None) -> None:
     corpus = CharCorpus.load()
     config = GPTConfig.tiny(vocab=corpus.vocab)
     mesh = pp.make_mesh(data=1, stage=P)
+    calls = -(-steps // CALL_ITERATIONS)
     curves: dict[tuple, list[list[float]]] = {}
     step_times: dict[str, list[float]] = {}
     for opt_name, factory, normal, high in OPTIMIZERS:
         optimizer = optax.inject_hyperparams(factory)(learning_rate=normal)
         for kind, weights in RUNS:
             name = kind if weights is None else f"async {weights}"
-            extra = {} if weights is None else {"async_weights": weights}
-            pm = pp.pipeline(
-                GPT(config), stages=P, microbatches=M, schedule=kind, mesh=mesh,
-                optimizer=optimizer, **extra,
-            )  # fmt: skip
-            train = pm.train_step(lm_loss)
-            copies = None  # bytes of extra weight copies per device (async only)
+            example = corpus.batch(np.random.default_rng(0), BATCH, config.seq_len)
+            params = GPT(config).init(jax.random.key(0), example[0])
+            cut, step = compiled(kind, weights, optimizer, config, mesh, params, example)
+            if weights is not None:
+                kib = step.async_weight_bytes() / 1024
+                print(f"{name}: extra weight copies {kib:.0f} KiB per device", flush=True)
             for rate in (normal, high):
                 for seed in range(seeds):
                     rng = np.random.default_rng(seed)
-                    batch = corpus.batch(rng, BATCH, config.seq_len)
-                    params = pm.init(jax.random.key(seed), batch[0])
-                    state = train.init(
-                        params, batch, opt_state=with_rate(optimizer.init(params), rate)
-                    )
-                    losses = []
-                    for _ in range(steps):
+                    stage_params = cut.split(GPT(config).init(jax.random.key(seed), example[0]))
+                    opt_state = [with_rate(optimizer.init(p), rate) for p in stage_params]
+                    losses: list[float] = []
+                    for _ in range(calls):
+                        data = [
+                            corpus.batch(rng, BATCH, config.seq_len) for _ in range(CALL_ITERATIONS)
+                        ]
+                        xs, ys = (jnp.stack(b) for b in zip(*data, strict=True))
                         start = time.perf_counter()
-                        state, loss = train(state, batch)
-                        losses.append(float(loss))
-                        step_times.setdefault(name, []).append(time.perf_counter() - start)
-                        batch = corpus.batch(rng, BATCH, config.seq_len)
-                    curves.setdefault((opt_name, rate, name), []).append(losses)
-                if copies is None and weights is not None:
-                    step = next(iter(pm._steps.values()))  # the compiled PipelineStep
-                    copies = step.async_weight_bytes()
-                    print(f"{name}: extra weight copies {copies / 1024:.0f} KiB per device")
+                        stage_params, opt_state, loss = step.train_step(
+                            stage_params, opt_state, xs, ys
+                        )
+                        losses += [float(v) for v in loss]
+                        step_times.setdefault(name, []).append(
+                            (time.perf_counter() - start) / CALL_ITERATIONS
+                        )
+                    curves.setdefault((opt_name, rate, name), []).append(losses[:steps])
                 last = [np.mean(c[-20:]) for c in curves[(opt_name, rate, name)]]
                 print(
                     f"{opt_name:>12} lr {rate:<6g} {name:>13}: last-20 loss {np.mean(last):.4f}"
                     f" (seeds: {', '.join(f'{v:.4f}' for v in last)})",
                     flush=True,
                 )
-    print("median step time (ms, CPU; the median leaves out the first step's compile):")
+    print("median time per iteration (ms, CPU; the median leaves out the first call's compile):")
     for name, times in step_times.items():
         print(f"  {name:>13}: {1e3 * statistics.median(times):.1f}")
     if plot:
@@ -174,7 +197,7 @@ def draw(curves: dict, path: str, steps: int, seeds: int) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--plot", default=None, help="loss-curve picture (.png)")
     parser.add_argument("--skip-convergence", action="store_true")

@@ -23,6 +23,7 @@ minibatch of 1/m of the global batch.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -32,7 +33,8 @@ import optax
 
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.lowering.packing import Buffers
+from pjit_pipe.lowering.loss import LossLayout
+from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.plan import RES_R, RES_W
 from pjit_pipe.lowering.weight_prediction import recognise
 
@@ -88,6 +90,11 @@ class AsyncWeights:
         """Parameter-sized buffers each device holds beyond its weights."""
         return {"predict": 1, "stash": res_slots + 1, "latest": 0}[self.mode]
 
+    def extra_bytes(self, param_spec: FlatSpec, res_slots: int) -> int:
+        """Bytes of those buffers per device (one chunk: async-1f1b has chunks=1)."""
+        row = sum(n * np.dtype(k).itemsize for k, n in param_spec.sizes.items())
+        return self.extra_copies(res_slots) * row
+
     def init(self, params: Buffers, res_slots: int) -> Buffers:
         """The carried buffers: predict: u, the last update, (v, L) rows;
         stash: (res_slots + 1, v, L) versions, the last one a scratch slot; latest: none."""
@@ -120,3 +127,31 @@ class AsyncWeights:
     def step_gradients(self, grads: Buffers) -> Buffers:
         """Reduced gradients (an m-microbatch mean's share) -> one microbatch's mean."""
         return {k: g * jnp.asarray(self.microbatches, g.dtype) for k, g in grads.items()}
+
+
+def async_weights_for(
+    schedule: Schedule,
+    mode: str | None,
+    optimizer: optax.GradientTransformation | None,
+    stage_param_avals: Sequence[Any],
+    remat: bool,
+    loss: LossLayout,
+    staleness_offset: int = 0,
+) -> AsyncWeights | None:
+    """The weight policy `lower` compiles: None for a synchronous schedule (where
+    `mode` must be None); `mode` None means "predict"."""
+    if not schedule.asynchronous:
+        if mode is not None:
+            raise ValueError(
+                f"async_weights={mode!r} applies to an asynchronous schedule (async-1f1b) "
+                f"only, not {schedule.kind!r}; drop it or use schedule async-1f1b"
+            )
+        return None
+    if loss.weighted:
+        raise ValueError(
+            "async-1f1b with a weighted loss ((loss_sum, weight) pairs) is not supported "
+            "yet: each microbatch's step would need its own weight; return a mean loss"
+        )
+    return AsyncWeights(
+        mode or "predict", schedule, optimizer, list(stage_param_avals), remat, staleness_offset
+    )

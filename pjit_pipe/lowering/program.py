@@ -31,7 +31,7 @@ from jax.sharding import PartitionSpec as PS
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.lowering.async_weights import AsyncWeights
+from pjit_pipe.lowering.async_weights import AsyncWeights, async_weights_for
 from pjit_pipe.lowering.device_state import DeviceLayout
 from pjit_pipe.lowering.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
 from pjit_pipe.lowering.loss import LossLayout
@@ -769,9 +769,7 @@ class PipelineStep:
         low = self._low
         if low.weights is None:
             return 0
-        row = sum(n * np.dtype(k).itemsize for k, n in low.param_spec.sizes.items())
-        plan = low.step_plan or low.plan
-        return low.weights.extra_copies(plan.res_slots) * self.schedule.chunks * row
+        return low.weights.extra_bytes(low.param_spec, (low.step_plan or low.plan).res_slots)
 
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the compiled value_and_grad program."""
@@ -813,38 +811,6 @@ def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> Non
     (batch,) = lead
     if batch % n:
         raise ValueError(f"global batch {batch} is not divisible by replicas*microbatches = {n}")
-
-
-def _async_weights(
-    schedule: Schedule,
-    mode: str | None,
-    optimizer: optax.GradientTransformation | None,
-    stages: StageVjp,
-    remat: bool,
-    loss: LossLayout,
-    staleness_offset: int,
-) -> AsyncWeights | None:
-    """The weight policy of an asynchronous schedule; None for a synchronous one."""
-    if not schedule.asynchronous:
-        if mode is not None:
-            raise ValueError(
-                f"async_weights={mode!r} applies to an asynchronous schedule (async-1f1b) "
-                f"only, not {schedule.kind!r}; drop it or use schedule async-1f1b"
-            )
-        return None
-    if loss.weighted:
-        raise ValueError(
-            "async-1f1b with a weighted loss ((loss_sum, weight) pairs) is not supported "
-            "yet: each microbatch's step would need its own weight; return a mean loss"
-        )
-    return AsyncWeights(
-        mode or "predict",
-        schedule,
-        optimizer,
-        list(stages.param_avals),
-        remat,
-        staleness_offset,
-    )
 
 
 def lower(
@@ -916,8 +882,8 @@ def lower(
     if not isinstance(iterations, int) or iterations < 1:
         raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
     topology = Topology.of(mesh, schedule.failed)
-    weights = _async_weights(
-        schedule, async_weights, optimizer, stages, remat, loss, staleness_offset
+    weights = async_weights_for(
+        schedule, async_weights, optimizer, stages.param_avals, remat, loss, staleness_offset
     )
     lowered = Lowered(
         schedule,
