@@ -170,6 +170,10 @@ def test_bad_async_requests_are_rejected():
     with pytest.raises(ValueError, match="supports sgd, sgd with momentum, adam, adamw, rmsprop"):
         AsyncWeights("predict", sched, optax.lion(1e-3), avals, remat=False)
     AsyncWeights("stash", sched, optax.lion(1e-3), avals, remat=False)  # any optimizer
+    # the paper's s by default; PipeOptim's code predicts one step further
+    paper = AsyncWeights("predict", sched, optax.adam(1e-3), avals, remat=False)
+    code = AsyncWeights("predict", sched, optax.adam(1e-3), avals, False, staleness_offset=1)
+    assert list(paper.horizon) == [1, 0] and list(code.horizon) == [2, 1]
     with pytest.raises(ValueError, match="one of predict, stash, latest"):
         AsyncWeights("newest", sched, optax.sgd(0.1), avals, remat=False)
     with pytest.raises(ValueError, match="remat"):

@@ -5,7 +5,8 @@ alternating), but steps its optimizer right after every backward, so the next
 iteration's forwards fill the cool-down: in steady state every worker runs
 F, BW, OPT back to back and the iteration period is m(F+B+W). The price is
 weight staleness: between a microbatch's forward and its backward on position
-p, s = P-p-1 updates land (the paper's s; PipeOptim's code uses P-p).
+p, s = P-p-1 updates land (the paper's s; PipeOptim's code uses P-p; the
+lowering reads s from the program: `pjit_pipe.lowering.async_weights.staleness`).
 """
 
 from __future__ import annotations
@@ -15,14 +16,6 @@ from pjit_pipe.ir.schedule import Schedule, interleaved_layout
 from pjit_pipe.schedules.common import check_positive, require_microbatches_at_least
 
 KIND = "async-1f1b"
-
-
-def staleness(stages: int, position: int, extra: int = 0) -> int:
-    """Updates landing between a microbatch's F and its backward on `position`.
-
-    extra=0 is the paper's s = P - p - 1; extra=1 gives its code's P - p.
-    """
-    return stages - position - 1 + extra
 
 
 def async_one_f_one_b(
