@@ -2,8 +2,8 @@
 
 1. Throughput: the simulated steady period of async-1f1b against 1f1b and
    zb-h1 (their optimizer staggered) at P=4 and 8, m=2P, costs 1,1,1 and 1,2,1;
-   event-driven, and the lockstep tick table the lowering compiles, run over
-   several back-to-back iterations.
+   event-driven, and the lockstep tick table the frontend compiles (packed by
+   `pack_ticks`; async-1f1b is not packed), run over several back-to-back iterations.
 2. Convergence: the tiny GPT on the bundled corpus on a 1x4 mesh, m=4, with
    adam and with SGD-momentum: synchronous 1f1b against async-1f1b with
    `latest`, `stash` and `predict` weights, at the same samples (every step
@@ -41,9 +41,9 @@ import pjit_pipe as pp
 from models import GPT, GPTConfig, lm_loss
 from models.text import CharCorpus
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.lowering import lower
 from pjit_pipe.passes import stagger
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator.simulate import simulate
 
@@ -65,17 +65,10 @@ OPTIMIZERS = [
 
 
 def lockstep_period(schedule, costs: Costs, iterations: int = 8) -> float:
-    """Steady period of the lockstep table over back-to-back iterations: each tick
-    lasts as long as its slowest op."""
-    duration = costs.duration_fn(schedule)
-
-    def length(n: int) -> float:
-        return sum(
-            max(duration(w, op) for w, (_, op) in tick.items())
-            for tick in iteration_ticks(schedule, n)
-        )
-
-    return (length(iterations) - length(1)) / (iterations - 1)
+    """Steady period of the tick table the frontend compiles (`pack_ticks`: packed for
+    the synchronous kinds, one op per tick for async-1f1b) over back-to-back iterations."""
+    ticks = pack_ticks(schedule, costs, iterations)
+    return simulate(schedule, costs, iterations, mode="lockstep", ticks=ticks).steady_period
 
 
 def throughput() -> None:

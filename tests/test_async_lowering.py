@@ -10,10 +10,13 @@ import pytest
 from flax import linen as nn
 
 import pjit_pipe as pp
+from pjit_pipe.errors import OptionError
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.lowering import lower
 from pjit_pipe.lowering.async_weights import AsyncWeights, staleness
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.schedules.asynchronous import async_one_f_one_b
 from tests.test_lowering import (
@@ -150,6 +153,7 @@ def test_stale_weights_follow_the_schedule(problem, mode):
         optimizer=opt,
         iterations=ITERS,
         async_weights=mode,
+        ticks=pack_ticks(sched, Costs(1, 2, 1), ITERS),  # the frontend's path: checked table
     )
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     # the extra copies: predict keeps the last update, stash a version per in-flight slot
@@ -178,5 +182,12 @@ def test_bad_async_requests_are_rejected():
         AsyncWeights("newest", sched, optax.sgd(0.1), avals, remat=False)
     with pytest.raises(ValueError, match="remat"):
         AsyncWeights("stash", sched, optax.sgd(0.1), avals, remat=True)
-    with pytest.raises(ValueError, match="applies to schedule='async-1f1b' only"):
+    # pipeline() checks the option when it is given (PipelineOptions), before any trace
+    with pytest.raises(OptionError, match="applies to schedule='async-1f1b' only"):
         pp.pipeline(nn.Dense(3), stages=2, microbatches=2, async_weights="predict")
+    with pytest.raises(OptionError, match="async_weights: expected one of predict, stash, latest"):
+        pp.pipeline(
+            nn.Dense(3), stages=2, microbatches=2, schedule="async-1f1b", async_weights="newest"
+        )
+    opts = pp.pipeline(nn.Dense(3), stages=2, microbatches=2, schedule="async-1f1b").options
+    assert opts.async_weights is None  # lower() reads None as "predict"

@@ -14,8 +14,10 @@ from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import OPT, Kind, Worker
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.text import from_json, from_text, to_json, to_text
+from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import simulate
 
@@ -130,3 +132,37 @@ def test_lockstep_runs_the_overlapping_stream_without_opt_ticks():
     mine = [t[Worker(0, 0)] for t in ticks[1] if Worker(0, 0) in t]
     first_next = mine.index(next(x for x in mine if x[0] == 1))
     assert any(it == 0 for it, _ in mine[first_next:])
+
+
+def test_tick_table_steps_each_microbatch_after_its_last_backward():
+    """The table the lowering compiles: one OPT per stage, microbatch and replica, at the end
+    of the tick of that microbatch's last W/BW of the stage (every replica's in one tick),
+    with each worker's ops in their stream order; pack_ticks keeps it unpacked."""
+    P, m, D, iters = 3, 4, 2, 3
+    s = make_schedule("async-1f1b", P, m, replicas=D)
+    table = pack_ticks(s, Costs(1, 2, 1, 0), iters)
+    assert table == PackedTicks.one_op_per_tick(s, iters)
+    table.check()
+    last_grad, opt_tick = {}, {}
+    for t, tick in enumerate(table.ticks):
+        for w, entries in tick.items():
+            for it, op in entries:
+                if op.kind is Kind.BW:
+                    last_grad[(op.stage, op.mb, it)] = t
+                elif op.kind is Kind.OPT:
+                    opt_tick.setdefault((op.stage, op.mb, it), set()).add((t, w.replica))
+    assert len(opt_tick) == P * m * iters
+    for key, placed in opt_tick.items():
+        assert {t for t, _ in placed} == {last_grad[key]}
+        assert {r for _, r in placed} == set(range(D))
+    # moving stage 0's first OPT (both replicas') after their next forward breaks the order
+    ticks = [dict(t) for t in table.ticks]
+    for w in (Worker(0, 0), Worker(1, 0)):
+        i = next(i for i, t in enumerate(ticks) if any(o.kind is Kind.OPT for _, o in t.get(w, ())))
+        j = next(j for j in range(i + 1, len(ticks)) if w in ticks[j])
+        assert ticks[j][w][0][1].kind is Kind.F
+        opt = ticks[i][w][-1]
+        ticks[i][w] = ticks[i][w][:-1]
+        ticks[j][w] = (*ticks[j][w], opt)
+    with pytest.raises(ScheduleError, match="stream order"):
+        PackedTicks(s, iters, tuple(ticks)).check()
