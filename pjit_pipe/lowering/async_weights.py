@@ -35,7 +35,7 @@ from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
-from pjit_pipe.lowering.plan import RES_R, RES_W
+from pjit_pipe.lowering.plan import TickRow
 from pjit_pipe.lowering.weight_prediction import recognise
 
 MODES = ("predict", "stash", "latest")
@@ -105,7 +105,7 @@ class AsyncWeights:
         return {}
 
     def views(
-        self, params: Buffers, carry: Buffers, row: jax.Array, pos: jax.Array
+        self, params: Buffers, carry: Buffers, row: TickRow, pos: jax.Array
     ) -> tuple[Buffers, Buffers, Buffers]:
         """(what this tick's forward reads, what its backward reads, the new carry)."""
         if self.mode == "predict":
@@ -114,8 +114,8 @@ class AsyncWeights:
             return ahead, params, carry
         if self.mode == "stash":
             # The forward's version goes to its residual slot (scratch on other ticks).
-            carry = {k: c.at[row[RES_W]].set(params[k]) for k, c in carry.items()}
-            return params, {k: c[row[RES_R]] for k, c in carry.items()}, carry
+            carry = {k: c.at[row.res_w].set(params[k]) for k, c in carry.items()}
+            return params, {k: c[row.res_r] for k, c in carry.items()}, carry
         return params, params, carry
 
     def after_step(self, carry: Buffers, old: Buffers, new: Buffers, mine: jax.Array) -> Buffers:

@@ -24,10 +24,11 @@ from jax.sharding import Mesh
 
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.lowering.plan import BRANCH, MB
-from pjit_pipe.lowering.program import Lowered, PipelineStep, _abstract, _check
+from pjit_pipe.lowering.program import _abstract, _check
 from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_rngs
 from pjit_pipe.lowering.stages import StageVjp
+from pjit_pipe.lowering.step import PipelineStep
+from pjit_pipe.lowering.tick import TickProgram
 from pjit_pipe.lowering.topology import Topology
 
 
@@ -72,7 +73,7 @@ def forward_schedule(schedule: Schedule) -> Schedule:
 class ForwardStep(PipelineStep):
     """A compiled pipelined forward for one schedule and one input shape."""
 
-    def __init__(self, schedule: Schedule, lowered: Lowered, outputs: OutputLayout, examples):
+    def __init__(self, schedule: Schedule, lowered: TickProgram, outputs: OutputLayout, examples):
         super().__init__(schedule, lowered, None, examples)
         self.outputs = outputs
         plan, S = lowered.plan, lowered.st.S
@@ -81,11 +82,10 @@ class ForwardStep(PipelineStep):
         # Global microbatch g = r*m + j -> (device, local row) of its last-stage F.
         m = schedule.microbatches
         where = {}
-        for d in range(plan.rows.shape[0]):
-            for row in plan.rows[d]:
-                if row[BRANCH] in last:
-                    _, r, j = plan.inputs[d, row[MB]]
-                    where[int(r) * m + int(j)] = (d, int(row[MB]))
+        for d, t in zip(*np.nonzero(np.isin(plan.rows.branch, last)), strict=True):
+            row = int(plan.rows.mb[d, t])
+            _, r, j = plan.inputs[d, row]
+            where[int(r) * m + int(j)] = (int(d), row)
         order = [where[g] for g in range(schedule.replicas * m)]
         self._gather = tuple(np.asarray(a, np.int32) for a in zip(*order, strict=True))
         self._fwd = jax.jit(self._forward)
@@ -94,14 +94,14 @@ class ForwardStep(PipelineStep):
         """Every tick on this device; returns its last-stage outputs by local row."""
         low = self._low
         chunks = low.chunk_params(params)
-        msgs, res, _ = low._empty(low.plan)
+        msgs, res, _ = low.empty(low.plan)
         outs = jnp.zeros((low.plan.inputs.shape[1], self.outputs.size), jnp.float32)
 
         def tick(carry, row):
             msgs, outs = carry
-            msgs, _, _, vec = low._tick(low.plan, chunks, x, y, msgs, res, [], row)
-            mine = jnp.isin(row[BRANCH], jnp.asarray(self._last_ids))
-            outs = outs.at[row[MB]].set(jnp.where(mine, vec, outs[row[MB]]))
+            msgs, _, _, vec = low.tick(low.plan, chunks, x, y, msgs, res, [], row)
+            mine = jnp.isin(row.branch, jnp.asarray(self._last_ids))
+            outs = outs.at[row.mb].set(jnp.where(mine, vec, outs[row.mb]))
             return (msgs, outs), None
 
         (_, outs), _ = lax.scan(tick, (msgs, outs), rows)
@@ -152,5 +152,5 @@ def lower_forward(
         stages = StageVjp(stage_fns, outputs.vector, params, x_mb, jax.tree.map(mb, y))
     fwd = forward_schedule(schedule)
     topology = Topology.of(mesh, schedule.failed)
-    lowered = Lowered(fwd, stages, topology, True, loss=outputs, rng_impls=impls)
-    return ForwardStep(fwd, lowered, outputs, (params, _abstract(x), _abstract(y)))
+    program = TickProgram(fwd, stages, topology, True, loss=outputs, rng_impls=impls)
+    return ForwardStep(fwd, program, outputs, (params, _abstract(x), _abstract(y)))

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,23 +32,40 @@ from pjit_pipe.ir.schedule import Schedule, ScheduleError
 
 KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW)
 
-# Columns of a tick row. ITER: the op's iteration; UPDATE: bit c set when this
-# device's chunk c takes its optimizer step after this tick.
-BRANCH, MB, IN_SLOT, G_SLOT, RES_W, RES_R, SELF_SLOT, ITER, UPDATE = range(9)
-RECV0 = 9  # one column per shift, in `TickPlan.shifts` order
+
+class TickRow(NamedTuple):
+    """What one device does in one tick, as a pytree of int32 arrays.
+
+    In a `TickPlan` each field has a leading (devices, ticks) shape; inside the
+    program `lax.scan` walks the ticks and each field is a scalar (`recv` a
+    vector). Slot fields index the device's message or residual store; the
+    store's size is its scratch slot (a write there is discarded, a read there
+    is never used).
+    """
+
+    branch: Any  # 0 idles; i >= 1 runs `TickPlan.branches[i - 1]`
+    mb: Any  # row of the device's input list (`TickPlan.inputs`) the op reads
+    in_slot: Any  # message slot of the op's input activation
+    g_slot: Any  # message slot of the op's output gradient (B, W, BW)
+    res_w: Any  # residual slot F writes
+    res_r: Any  # residual slot B, W, BW read (B also writes its cotangents there)
+    self_slot: Any  # message slot where this device keeps a message to itself
+    iteration: Any  # the op's iteration (multi-iteration programs)
+    update: Any  # bit c set: chunk c takes its optimizer step after this tick
+    recv: Any  # per shift (`TickPlan.shifts` order), the slot the received message lands in
 
 
 @dataclass(frozen=True)
 class TickPlan:
     """Per-device tick rows plus the buffer sizes they index into.
 
-    rows: int32 (devices, ticks, columns). A message slot equal to the
-        store size is the scratch slot: writes there are discarded (every
-        tick stores what it receives). Residual slots are read only by the
-        ops that use them.
+    rows: the tick rows, each field of shape (devices, ticks) (`recv`:
+        (devices, ticks, shifts)). A message slot equal to the store size is
+        the scratch slot: writes there are discarded (every tick stores what
+        it receives). Residual slots are read only by the ops that use them.
     inputs: int32 (devices, L, 3), the (iteration, replica, microbatch)
-        triples whose input or label each device reads; column MB of a row
-        indexes this list.
+        triples whose input or label each device reads; `rows.mb` indexes
+        this list.
     msg_slots / res_slots: message store size (scratch excluded), residual store size.
     shifts: for each ppermute, the (replica, position) shift and its
         (source, dest) pairs of device indices.
@@ -55,7 +73,7 @@ class TickPlan:
         Only pairs the schedule uses get a branch (each one is compiled).
     """
 
-    rows: np.ndarray
+    rows: TickRow
     inputs: np.ndarray
     msg_slots: int
     res_slots: int
@@ -65,7 +83,7 @@ class TickPlan:
 
     @property
     def ticks(self) -> int:
-        return self.rows.shape[1]
+        return self.rows.branch.shape[1]
 
 
 class _Slots:
@@ -144,18 +162,18 @@ def build_plan(
         if src != dest:
             shift_pairs.setdefault(shift(src, dest), set()).add((index[src], index[dest]))
     shifts = tuple((k, tuple(sorted(v))) for k, v in sorted(shift_pairs.items()))
-    shift_col = {k: RECV0 + i for i, (k, _) in enumerate(shifts)}
+    shift_index = {k: i for i, (k, _) in enumerate(shifts)}
 
     msg_alloc = {w: _Slots() for w in devices}
     res_alloc = {w: _Slots() for w in devices}
     msg_slot: dict[tuple[Kind, int, int, int], int] = {}
-    arrivals: list[tuple[Worker, int, int, int]] = []  # (dest, tick, column, slot)
+    arrivals: list[tuple[Worker, int, int | None, int]] = []  # (dest, tick, shift, slot)
     for op, src, t, dest, last in sorted(messages, key=lambda m: m[2]):
         slot = msg_alloc[dest].take(t, last)
         key = ("act" if op.kind is Kind.F else "grad", op.stage, op.mb, op.replica)
         msg_slot[key] = slot
-        col = SELF_SLOT if src == dest else shift_col[shift(src, dest)]
-        arrivals.append((dest, t, col, slot))
+        via = None if src == dest else shift_index[shift(src, dest)]
+        arrivals.append((dest, t, via, slot))
 
     res_slot: dict[tuple[int, int, int], int] = {}
     if not remat:
@@ -190,33 +208,36 @@ def build_plan(
         key=lambda ks: (ks[1], KIND_ORDER.index(ks[0])),
     )
     branch = {ks: 1 + i for i, ks in enumerate(branches)}
-    rows = np.zeros((len(devices), len(ticks), RECV0 + len(shifts)), np.int32)
-    rows[..., [IN_SLOT, G_SLOT, SELF_SLOT]] = K
-    rows[..., RECV0:] = K
-    rows[..., [RES_W, RES_R]] = R
+    n, T = len(devices), len(ticks)
+    col = {f: np.zeros((n, T), np.int32) for f in TickRow._fields if f != "recv"}
+    col["recv"] = np.full((n, T, len(shifts)), K, np.int32)
+    for f in ("in_slot", "g_slot", "self_slot"):
+        col[f][:] = K
+    for f in ("res_w", "res_r"):
+        col[f][:] = R
     for t, tick in enumerate(ticks):
         for w, op in tick.items():
-            row = rows[index[w], t]
-            row[BRANCH] = branch[(op.kind, op.stage)]
-            row[MB] = local[w].get((op.replica, op.mb), 0)
+            d = index[w]
+            col["branch"][d, t] = branch[(op.kind, op.stage)]
+            col["mb"][d, t] = local[w].get((op.replica, op.mb), 0)
             key = (op.stage, op.mb, op.replica)
-            row[IN_SLOT] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
-            row[G_SLOT] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)
-            if op.kind is Kind.F:
-                row[RES_W] = res_slot.get(key, R)
-            else:
-                row[RES_R] = res_slot.get(key, R)
-            row[ITER] = op.mb // m
-    for dest, t, col, slot in arrivals:
-        rows[index[dest], t, col] = slot
-    updates = np.zeros(len(ticks), bool)
+            col["in_slot"][d, t] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
+            col["g_slot"][d, t] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)
+            col["res_w" if op.kind is Kind.F else "res_r"][d, t] = res_slot.get(key, R)
+            col["iteration"][d, t] = op.mb // m
+    for dest, t, via, slot in arrivals:
+        if via is None:
+            col["self_slot"][index[dest], t] = slot
+        else:
+            col["recv"][index[dest], t, via] = slot
+    updates = np.zeros(T, bool)
     for (s, _), t in last_grad.items():
         updates[t] = True
         for w in devices:
             if w.stage == schedule.layout[s]:
-                rows[index[w], t, UPDATE] |= 1 << schedule.chunk_of(s)
+                col["update"][index[w], t] |= 1 << schedule.chunk_of(s)
     return TickPlan(
-        rows=rows,
+        rows=TickRow(**col),
         inputs=inputs,
         msg_slots=K,
         res_slots=R,

@@ -1,0 +1,317 @@
+"""The compiled pipeline step: the jitted shard_map entry points of one program.
+
+`PipelineStep` wraps a TickProgram (tick.py) in the public API: value_and_grad,
+train_step on per-stage trees, device_train_step on the device layout
+(device_state.py), AOT compilation and memory analysis. Per-stage trees are
+packed into (devices, v, L) buffers and back inside the jitted function, and
+each device gets its own batch rows, tick rows and pipeline position.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as PS
+
+from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.lowering.device_state import DeviceLayout
+from pjit_pipe.lowering.optimizer import StageOptimizer
+from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.plan import TickPlan
+from pjit_pipe.lowering.rng import check_rngs, microbatch_key_data
+from pjit_pipe.lowering.tick import TickProgram
+
+
+class PipelineStep:
+    """A compiled pipeline for one schedule and one set of shapes (see `lower`)."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        lowered: TickProgram,
+        optimizer: optax.GradientTransformation | None,
+        examples: tuple[Any, Any, Any],
+    ):
+        self.schedule = schedule
+        self.optimizer = optimizer
+        self.topology = lowered.topo
+        self._low = lowered
+        self._stepper = StageOptimizer(lowered, optimizer) if optimizer is not None else None
+        self._examples = examples
+        topo = lowered.topo
+        self._positions = topo.positions
+        self._first_holder = np.array([topo.holders(p)[0] for p in range(schedule.stages)])
+        self._opt_spec = (
+            FlatSpec([jax.eval_shape(optimizer.init, a) for a in lowered.st.param_avals])
+            if optimizer is not None
+            else None
+        )
+        self._vg = jax.jit(self._value_and_grad)
+        self._train = jax.jit(self._train_step) if optimizer is not None else None
+        self._compiled_train = None
+        # The training state between steps: each device's rows of its own stages.
+        self.layout: DeviceLayout | None = None
+        if optimizer is not None:
+            self.layout = DeviceLayout(
+                topo, lowered.held, lowered.param_spec, self._opt_spec, optimizer
+            )
+        # The device-layout step, consuming its state buffers (donate) or not.
+        self._device_steps = {
+            donate: jax.jit(self._train_buffers, donate_argnums=(0, 1) if donate else ())
+            for donate in (True, False)
+        }
+        self._compiled_device: dict[bool, Any] = {}
+        self._compiled_vg = None
+
+    @property
+    def mesh(self) -> Mesh:
+        """The mesh the program runs on (the survivors' one-axis mesh after failures)."""
+        return self.topology.mesh
+
+    # ---- host layout <-> device layout (traced inside jit) ----
+
+    def _pack(self, spec: FlatSpec, trees: Sequence[Any]) -> Buffers:
+        """Per-stage trees -> (devices, v, L) buffers: each live worker's held chunks."""
+        held = self._low.held
+        rows = [[spec.pack(s, trees[s]) for s in chunks] for chunks in held]
+        by_position = {
+            k: jnp.stack([jnp.stack([r[k] for r in pr]) for pr in rows]) for k in spec.sizes
+        }
+        return {k: b[self._positions] for k, b in by_position.items()}
+
+    def _unpack(self, spec: FlatSpec, bufs: Buffers) -> list[Any]:
+        """(devices, v, L) buffers -> per-stage trees, read from each position's first holder."""
+        sched = self.schedule
+        return [
+            spec.unpack(
+                s,
+                {
+                    k: b[self._first_holder[sched.layout[s]], sched.chunk_of(s)]
+                    for k, b in bufs.items()
+                },
+            )
+            for s in range(sched.num_virtual_stages)
+        ]
+
+    def _device_batch(self, x: Any, plan: TickPlan) -> Any:
+        """Batch -> (devices, L, rows, ...): each device's own microbatch list.
+
+        `x` has a leading iterations axis when the program runs several."""
+        D, m = self.schedule.replicas, self.schedule.microbatches
+        it, r, j = (plan.inputs[..., i] for i in range(3))
+
+        def split(a):
+            if self._low.iterations == 1:
+                a = a[None]
+            return a.reshape(a.shape[0], D, m, a.shape[1] // (D * m), *a.shape[2:])[it, r, j]
+
+        return jax.tree.map(split, x)
+
+    def _shard_map(self, body: Callable, n_in_bufs: int, out_specs: Any, n_replicated: int = 0):
+        """body over the program's mesh: `n_in_bufs` buffers and the four
+        `_device_args` per device, then `n_replicated` arrays every device sees whole."""
+        spec = self.topology.spec
+        return jax.shard_map(
+            body,
+            mesh=self.mesh,
+            in_specs=(spec,) * (n_in_bufs + 4) + (PS(),) * n_replicated,
+            out_specs=out_specs,
+            check_vma=False,
+        )
+
+    def _device_args(self, x, y, plan: TickPlan):
+        """Per-device inputs after the buffers: batch, labels, tick rows, positions."""
+        return (
+            self._device_batch(x, plan),
+            self._device_batch(y, plan),
+            jax.tree.map(jnp.asarray, plan.rows),
+            jnp.asarray(self._positions),
+        )
+
+    @staticmethod
+    def _local(*trees):
+        return tuple(jax.tree.map(lambda a: a[0], t) for t in trees)
+
+    def _value_and_grad(self, stage_params, x, y):
+        low = self._low
+
+        def body(params, x, y, rows, pos):
+            params, x, y, rows, _ = self._local(params, x, y, rows, pos)
+            loss, grads = low.tick_loop(params, x, y, rows, with_aux=low.loss.has_aux)
+            return loss, {k: g[None] for k, g in grads.items()}
+
+        f = self._shard_map(body, 1, (PS(), self.topology.spec))
+        loss, grads = f(
+            self._pack(low.param_spec, stage_params), *self._device_args(x, y, low.plan)
+        )
+        return loss, self._unpack(low.param_spec, grads)
+
+    def _train_buffers(self, params: Buffers, opt: Buffers, x, y):
+        """The training step on the device layout: (params, opt) buffers of shape
+        (devices, v, L) in, the updated buffers and the loss out."""
+        low, spec = self._low, self._opt_spec
+        plan = low.step_plan if low.stepping else low.plan
+
+        def body(params, opt, x, y, rows, pos, *updates):
+            params, opt, x, y, rows, pos = self._local(params, opt, x, y, rows, pos)
+            if low.stepping:
+                params, opt, loss = self._stepper.stepping_loop(
+                    spec, params, opt, x, y, rows, *updates, pos
+                )
+            else:
+                loss, grads = low.tick_loop(params, x, y, rows)
+                params, opt = self._stepper.optimizer_step(spec, params, grads, opt, pos)
+            return (
+                {k: b[None] for k, b in params.items()},
+                {k: b[None] for k, b in opt.items()},
+                loss,
+            )
+
+        out = self.topology.spec
+        updates = (jnp.asarray(plan.updates),) if low.stepping else ()
+        f = self._shard_map(body, 2, (out, out, PS()), n_replicated=len(updates))
+        params, opt, loss = f(params, opt, *self._device_args(x, y, plan), *updates)
+        if low.stepping and low.iterations == 1:
+            loss = loss[0]
+        return params, opt, loss
+
+    def _train_step(self, stage_params, opt_state, x, y):
+        low, spec = self._low, self._opt_spec
+        params, opt, loss = self._train_buffers(
+            self._pack(low.param_spec, stage_params), self._pack(spec, opt_state), x, y
+        )
+        return self._unpack(low.param_spec, params), self._unpack(spec, opt), loss
+
+    # ---- public API ----
+
+    def _with_keys(self, x: Any, rngs: Any) -> Any:
+        """The batch with each microbatch's key data next to it, when lowered with rngs."""
+        impls = self._low.rng_impls
+        if (rngs is None) != (impls is None):
+            raise ValueError(
+                "rngs: this pipeline was lowered "
+                + ("with rngs: pass rngs=" if impls else "without rngs: lower(..., rngs=) first, ")
+                + f"a dict like {{'dropout': jax.random.key(0)}} (streams {sorted(impls or {})})"
+            )
+        if rngs is None:
+            return x
+        rngs = check_rngs(rngs)
+        if sorted(rngs) != sorted(impls):
+            raise ValueError(f"rngs: expected the streams {sorted(impls)}, got {sorted(rngs)}")
+        count = self.schedule.replicas * self.schedule.microbatches
+        return x, microbatch_key_data(rngs, count, self._low.iterations)
+
+    def value_and_grad(
+        self, stage_params: Sequence[Any], x: Any, y: Any, rngs: Any = None
+    ) -> tuple[jax.Array, list]:
+        """(loss over the global batch, per-stage parameter gradients); the loss is
+        (loss, aux) when lowered with has_aux=True (see loss.py). `rngs`: when
+        lowered with rngs, this step's {stream: key} (see rng.py)."""
+        return self._vg(list(stage_params), self._with_keys(x, rngs), y)
+
+    def init_opt_state(self, stage_params: Sequence[Any]) -> list[Any]:
+        """One optax state per virtual stage (the optimizer runs stage by stage)."""
+        if self.optimizer is None:
+            raise ValueError("init_opt_state needs lower(..., optimizer=an optax transformation)")
+        return [self.optimizer.init(p) for p in stage_params]
+
+    def train_step(
+        self,
+        stage_params: Sequence[Any],
+        opt_state: Sequence[Any],
+        x: Any,
+        y: Any,
+        rngs: Any = None,
+    ) -> tuple[list, list, jax.Array]:
+        """(new stage params, new opt state, loss before the update).
+
+        Compiled with iterations=N > 1, one call runs N steps: x and y carry a
+        leading axis of N batches and the loss is one per step. Staggered
+        schedules (and N > 1) step each stage's optimizer inside the loop, as
+        soon as its gradients are complete; otherwise all stages step after it.
+        """
+        if self._train is None:
+            raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
+        run = self._compiled_train or self._train
+        return run(list(stage_params), list(opt_state), self._with_keys(x, rngs), y)
+
+    def compile_train_step(
+        self, stage_params: Sequence[Any], opt_state: Sequence[Any], x: Any, y: Any
+    ) -> float:
+        """AOT-compile train_step for arguments shaped and placed like these (arrays
+        or ShapeDtypeStructs with shardings); later calls run that executable and
+        must pass arguments placed the same way. Returns the seconds it took."""
+        if self._train is None:
+            raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
+        if self._low.rng_impls is not None:
+            raise ValueError(
+                "compile_train_step: a pipeline lowered with rngs compiles on its first "
+                "train_step call instead"
+            )
+        start = time.perf_counter()
+        args = jax.tree.map(_abstract_placed, (list(stage_params), list(opt_state), x, y))
+        self._compiled_train = self._train.lower(*args).compile()
+        return time.perf_counter() - start
+
+    def device_train_step(
+        self,
+        params: Buffers,
+        opt: Buffers,
+        x: Any,
+        y: Any,
+        donate: bool = True,
+        rngs: Any = None,
+    ) -> tuple[Buffers, Buffers, jax.Array]:
+        """train_step on the device layout (`self.layout`): (params, opt) buffers in
+        and out, no per-stage trees. With `donate` the buffers passed in are consumed
+        (their memory holds the new state). `rngs` as in `train_step`."""
+        if self.layout is None:
+            raise ValueError(
+                "device_train_step needs lower(..., optimizer=an optax transformation)"
+            )
+        run = self._compiled_device.get(donate) or self._device_steps[donate]
+        return run(params, opt, self._with_keys(x, rngs), y)
+
+    def compile_device_train_step(self, x: Any, y: Any, donate: bool = True) -> float:
+        """AOT-compile device_train_step for batches shaped and placed like x and y
+        (arrays or ShapeDtypeStructs with shardings); returns the seconds it took."""
+        if self.layout is None:
+            raise ValueError(
+                "device_train_step needs lower(..., optimizer=an optax transformation)"
+            )
+        if self._low.rng_impls is not None:
+            raise ValueError(
+                "compile_device_train_step: a pipeline lowered with rngs compiles on its "
+                "first device_train_step call instead"
+            )
+        start = time.perf_counter()
+        batch = jax.tree.map(_abstract_placed, (x, y))
+        lowered = self._device_steps[donate].lower(*self.layout.avals(), *batch)
+        self._compiled_device[donate] = lowered.compile()
+        return time.perf_counter() - start
+
+    def async_weight_bytes(self) -> int:
+        """Bytes each device holds for the extra weight copies of an asynchronous
+        schedule (predict: the last update; stash: one version per residual slot);
+        0 for a synchronous one."""
+        low = self._low
+        if low.weights is None:
+            return 0
+        return low.weights.extra_bytes(low.param_spec, (low.step_plan or low.plan).res_slots)
+
+    def memory_analysis(self) -> Any:
+        """XLA's memory analysis of the compiled value_and_grad program."""
+        if self._compiled_vg is None:
+            self._compiled_vg = self._vg.lower(*self._examples).compile()
+        return self._compiled_vg.memory_analysis()
+
+
+def _abstract_placed(a: Any) -> jax.ShapeDtypeStruct:
+    return jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=a.sharding)

@@ -1,0 +1,224 @@
+"""The tick body and the tick loop: what every device runs, tick by tick.
+
+Every device scans over the rows of its own tick table (plan.py). In each
+tick it runs its op, if any (each group of ops of tick_ops.py is its own
+two-way `lax.cond`), then every ppermute of the plan runs unconditionally and
+the received messages are stored in the slots the row names. After the loop
+the parameter gradients are summed over the live replicas of each stage.
+
+Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
+- message store: (K + 1, message size) per dtype, the activations and
+  gradients received and not yet read; slot K is scratch (no message);
+- residual store: (R, residual size) per dtype, each in-flight microbatch's
+  saved forward values from its F to its last W/BW (empty with remat);
+- gradient accumulators: per chunk, the chunk's parameter tree (or one flat
+  (L,) row when the positions' stages differ in shape), summed over W/BW;
+- loss: (loss vector size,), the sum of this device's last-stage loss shares.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.lowering.async_weights import AsyncWeights
+from pjit_pipe.lowering.loss import LossLayout
+from pjit_pipe.lowering.messages import MessageSpec
+from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.plan import TickPlan, TickRow, build_plan
+from pjit_pipe.lowering.shared import SharedGrads
+from pjit_pipe.lowering.stages import StageVjp
+from pjit_pipe.lowering.tick_ops import OpGroup, StageOps
+from pjit_pipe.lowering.topology import Topology
+
+
+class TickProgram:
+    """The traced pieces of one (schedule, model, shapes): the tick plans, the op
+    functions, the carried buffers and the device body of the tick loop."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: StageVjp,
+        topology: Topology,
+        remat: bool,
+        iterations: int = 1,
+        shared: Mapping[str, Sequence[int]] | None = None,
+        *,
+        loss: LossLayout,
+        rng_impls: dict[str, Any] | None = None,
+        weights: AsyncWeights | None = None,
+    ):
+        self.sched = schedule
+        self.st = stages
+        self.loss = loss  # what the last stage's loss vector holds (stages.loss_fn = loss.vector)
+        # Stream name -> key impl when steps take rngs (the batch is then (x, key data)).
+        self.rng_impls = rng_impls
+        self.weights = weights  # an asynchronous schedule's weight policy (async_weights.py)
+        self.topo = topology
+        self.iterations = iterations
+        keyed = rng_impls is not None  # every op reads its microbatch's keys
+        self.plan: TickPlan = build_plan(schedule, remat, topology.workers, 1, keyed)
+        # Staggered or multi-iteration training runs the optimizer inside the loop.
+        self.stepping = schedule.staggered or iterations > 1
+        self.step_plan: TickPlan | None = None
+        if self.stepping:
+            self.step_plan = (
+                self.plan
+                if iterations == 1
+                else build_plan(schedule, remat, topology.workers, iterations, keyed)
+            )
+        self.remat = remat
+        self.param_spec = FlatSpec(stages.param_avals)
+        self.msg_spec = MessageSpec(stages.act_avals[1:])
+        self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
+        self.shared = None
+        if shared:
+            self.shared = SharedGrads(
+                shared, self.param_spec, self.held, topology.positions, topology.axes
+            )
+        spec = self.param_spec
+        self.uniform = [
+            len({(spec.treedefs[s], tuple(spec.avals[s])) for s in chunk}) == 1
+            for chunk in zip(*self.held, strict=True)
+        ]
+        self.ops = StageOps(
+            schedule,
+            stages,
+            self.plan.branches,
+            self.msg_spec,
+            self.param_spec,
+            self.uniform,
+            remat,
+            loss,
+            rng_impls,
+        )
+
+    # ---- the carried buffers ----
+
+    def chunk_params(self, params: Buffers) -> list[Any]:
+        """Per chunk: its parameter rows, unpacked once here when every position's
+        stage of that chunk has the same parameter shapes (no per-tick slicing)."""
+        out = []
+        for c, uniform in enumerate(self.uniform):
+            row = {k: b[c] for k, b in params.items()}
+            out.append(self.param_spec.unpack(self.held[0][c], row) if uniform else row)
+        return out
+
+    def empty(self, plan: TickPlan) -> tuple[Buffers, Buffers, list[Any]]:
+        """(message store with its scratch slot, residual store, gradient accumulators)."""
+        K, R = plan.msg_slots, plan.res_slots
+        return (
+            self.msg_spec.zeros(K + 1),
+            {} if self.remat else self.st.res_spec.zeros(R),
+            self.zero_grads(),
+        )
+
+    def zero_grads(self) -> list[Any]:
+        """Per chunk, the gradient accumulator: the parameter tree itself when every
+        position's stage of the chunk has the same shapes (W adds leaf by leaf),
+        else a flat row (W packs its tree first, a copy per W)."""
+        zeros = self.param_spec.zeros()
+        return [
+            self.param_spec.unpack(self.held[0][c], zeros) if uniform else zeros
+            for c, uniform in enumerate(self.uniform)
+        ]
+
+    def flat_grads(self, grads: list[Any]) -> Buffers:
+        """Per-chunk accumulators -> the (v, L) gradient rows of the device layout."""
+        rows = [
+            self.param_spec.pack(self.held[0][c], g) if self.uniform[c] else g
+            for c, g in enumerate(grads)
+        ]
+        return {k: jnp.stack([r[k] for r in rows]) for k in self.param_spec.sizes}
+
+    # ---- one tick ----
+    #
+    # A tick runs at most one op, chosen in groups, each its own two-way
+    # `lax.cond` (an op of this group, or nothing). Each store is updated in
+    # place inside the one cond that writes it: XLA keeps two-way conds in
+    # place but copies every operand through an n-way switch, and a single
+    # switch would also have to return a zero gradient and zero residuals on
+    # the ticks that make none, one parameter-sized memory pass per tick.
+
+    def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow, back_params=None):
+        """One tick: this device's op (if any), then every ppermute of the plan.
+        B and W read `back_params` when given (asynchronous weights), else `params`."""
+        ops = self.ops
+        msg = self.msg_spec.zeros()
+        loss = ops.no_loss()
+        args = (params, x, y, msgs)
+        back_args = args if back_params is None else (back_params, x, y, msgs)
+
+        def dispatch(group: OpGroup, *operands):
+            ids, fns = group
+            if len(fns) == 1:
+                return fns[0](*operands)
+            which = jnp.searchsorted(jnp.asarray(ids, jnp.int32), row.branch)
+            return lax.switch(which, fns, *operands)
+
+        def taken(group: OpGroup):
+            return jnp.isin(row.branch, jnp.asarray(group[0], jnp.int32))
+
+        if ops.forwards[0]:
+
+            def forward(msg, res, loss):
+                msg, res_out, loss = dispatch(ops.forwards, *args, res, row)
+                res = {k: b.at[row.res_w].set(res_out[k]) for k, b in res.items()}
+                return msg, res, loss
+
+            msg, res, loss = lax.cond(taken(ops.forwards), forward, lambda *a: a, msg, res, loss)
+        if ops.input_grads[0]:
+
+            def input_grad(msg, res):
+                msg, put, _ = dispatch(ops.input_grads, *back_args, res, row)
+                res = dict(res)
+                for k, (cots, off) in put.items():  # a split stage's site cotangents
+                    res[k] = lax.dynamic_update_slice(res[k], cots[None], (row.res_r, off))
+                return msg, res
+
+            msg, res = lax.cond(taken(ops.input_grads), input_grad, lambda *a: a, msg, res)
+        grads = list(grads)
+        for c, group in enumerate(ops.weight_grads):
+            if not group[0]:
+                continue
+
+            def weight_grad(msg, acc, group=group):
+                msg, dpar, _ = dispatch(group, *back_args, res, row)
+                return msg, jax.tree.map(jnp.add, acc, dpar)
+
+            msg, grads[c] = lax.cond(taken(group), weight_grad, lambda *a: a, msg, grads[c])
+        msgs = {k: b.at[row.self_slot].set(msg[k]) for k, b in msgs.items()}
+        for i, (_, pairs) in enumerate(plan.shifts):
+            got = lax.ppermute(msg, self.topo.axes, perm=pairs)
+            msgs = {k: b.at[row.recv[i]].set(got[k]) for k, b in msgs.items()}
+        return msgs, res, grads, loss
+
+    def tick_loop(self, params: Buffers, x: Any, y: Any, rows: TickRow, with_aux: bool = False):
+        """Run every tick on this device; return (the loss over the global batch, this
+        device's gradient rows reduced over replicas). With `with_aux` the loss is
+        (loss, aux) (see loss.py)."""
+        params = self.chunk_params(params)
+
+        def tick(carry, row):
+            *state, loss = carry
+            *state, dloss = self.tick(self.plan, params, x, y, *state, row)
+            return (*state, loss + dloss), None
+
+        (_, _, grads, loss), _ = lax.scan(tick, (*self.empty(self.plan), self.ops.no_loss()), rows)
+        local = self.flat_grads(grads)
+        grads = self.topo.reduce_over_replicas(local)
+        if self.shared is not None:
+            grads = self.shared(local, grads)
+        total = lax.psum(loss, self.topo.axes)
+        count = self.sched.replicas * self.sched.microbatches
+        factor = self.loss.grad_factor(total, count)
+        if factor is not None:  # a weighted loss: divide by the global batch's weight
+            grads = {k: g * factor.astype(g.dtype) for k, g in grads.items()}
+        value = self.loss.loss(total, count)
+        return ((value, self.loss.aux(total)) if with_aux else value), grads

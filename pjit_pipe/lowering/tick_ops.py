@@ -1,0 +1,144 @@
+"""The compute a tick can run: one function per (op kind, virtual stage) the plan uses.
+
+Each function takes (chunk params, batch, labels, message store, residual
+store, tick row) and returns (outgoing message, residual row or parameter
+gradient, loss share). They are grouped by what they write, because the tick
+body (tick.py) runs each group as its own two-way `lax.cond`: all F (they
+write the residual store), all B (they write their cotangents there), and the
+W/BW of each chunk (they add into that chunk's gradient accumulator).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pjit_pipe.ir.ops import Kind
+from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.lowering.loss import LossLayout
+from pjit_pipe.lowering.messages import MessageSpec
+from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.rng import microbatch_rngs
+from pjit_pipe.lowering.stages import StageVjp
+
+OpGroup = tuple[list[int], list[Callable]]  # (branch ids, their op functions)
+
+
+def store_row(bufs: Buffers, i: Any) -> Buffers:
+    """Slot i of a (slots, ...) store, one array per dtype."""
+    return {k: lax.dynamic_index_in_dim(b, i, keepdims=False) for k, b in bufs.items()}
+
+
+class StageOps:
+    """The op functions of one program, grouped for the tick body.
+
+    uniform[c]: every position's stage of chunk c has the same parameter
+    shapes, so the chunk's parameters and gradient stay trees (no per-op
+    packing). `loss_mult` scales the last stage's loss vector (see loss.py).
+    """
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        stages: StageVjp,
+        branches: tuple[tuple[Kind, int], ...],
+        msg_spec: MessageSpec,
+        param_spec: FlatSpec,
+        uniform: list[bool],
+        remat: bool,
+        loss: LossLayout,
+        rng_impls: dict[str, Any] | None,
+    ):
+        self.sched, self.st, self.branches = schedule, stages, branches
+        self.msg_spec, self.param_spec, self.uniform = msg_spec, param_spec, uniform
+        self.remat, self.loss, self.rng_impls = remat, loss, rng_impls
+        self.scale = 1.0 / (schedule.replicas * schedule.microbatches)
+        self.loss_mult = loss.accumulate_scale(self.scale)
+        self.forwards = self.group((Kind.F,))
+        self.input_grads = self.group((Kind.B,))
+        # One W/BW group per chunk: the chunk's gradient is a static operand.
+        self.weight_grads = [self.group((Kind.W, Kind.BW), chunk=c) for c in range(schedule.chunks)]
+
+    def group(self, kinds: tuple[Kind, ...], chunk: int | None = None) -> OpGroup:
+        """(branch ids, op functions) of the branches of these kinds (and of
+        virtual stages in this chunk, if given)."""
+        ids = [
+            1 + i
+            for i, (k, s) in enumerate(self.branches)
+            if k in kinds and chunk in (None, self.sched.chunk_of(s))
+        ]
+        return ids, [self.op(*self.branches[i - 1]) for i in ids]
+
+    def no_loss(self) -> jax.Array:
+        """The loss-vector share of an op that computes no loss (see loss.py)."""
+        return jnp.zeros((self.loss.size,), jnp.float32)
+
+    def op(self, kind: Kind, s: int) -> Callable:
+        """One (kind, virtual stage): (msg, residual row or parameter gradient, loss share)."""
+        S, c, st = self.st.S, self.sched.chunk_of(s), self.st
+
+        def stage_input(x, msgs, row):
+            if s == 0:
+                return jax.tree.map(lambda a: a[row.mb], x)
+            return self.msg_spec.unpack_act(s - 1, store_row(msgs, row.in_slot))
+
+        def run(params, x, y, msgs, res, row):
+            msg = self.msg_spec.zeros()
+            p = params[c] if self.uniform[c] else self.param_spec.unpack(s, params[c])
+            y_mb = jax.tree.map(lambda a: a[row.mb], y) if s == S - 1 else None
+            if kind is Kind.F:
+                a = stage_input(x, msgs, row)
+                if self.remat:
+                    out, res_out = st.forward(s, p, a, y_mb), {}
+                else:
+                    out, res_out = st.forward_with_residuals(s, p, a, y_mb)
+                if s == S - 1:
+                    return msg, res_out, out * self.loss_mult
+                return self.msg_spec.pack_act(s, out), res_out, self.no_loss()
+            if s == S - 1:
+                g = self.loss.seed(self.scale)
+            else:
+                g = self.msg_spec.unpack_grad(s, store_row(msgs, row.g_slot))
+            r = store_row(res, row.res_r)
+            # B's residual write: a split stage's cotangents at their offset; any other
+            # stage's B rewrites what is there (a B group of several stages needs one shape).
+            put = {k: (res[k][row.res_r, :w], 0) for k, w in st.cot_width.items()}
+            if s in st.split:  # see split_backward.py
+                if kind is Kind.B:
+                    dinput, cots = st.input_grad(s, p, r, g)
+                    put = {k: (cots[k], off) for k, off in st.cot_offset(s).items()}
+                elif kind is Kind.W:
+                    dparams, dinput = st.weight_grad(s, p, r), None
+                else:
+                    dparams, dinput = st.fused_grad(s, p, r, g)
+            else:
+                if self.remat:
+                    pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
+                else:
+                    pull = st.pullback(s, p, r)
+                dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
+            if kind in (Kind.B, Kind.BW) and s > 0:
+                msg = self.msg_spec.pack_grad(s - 1, dinput)
+            if kind is Kind.B:
+                return msg, put, self.no_loss()
+            # A uniform chunk's gradient stays a tree (see `TickProgram.zero_grads`).
+            dpar = dparams if self.uniform[c] else self.param_spec.pack(s, dparams)
+            return msg, dpar, self.no_loss()
+
+        return run if self.rng_impls is None else self._with_rngs(run)
+
+    def _with_rngs(self, op: Callable) -> Callable:
+        """op with its microbatch's keys in scope (see rng.py); the device batch is
+        (x, per-microbatch key data), split like x."""
+
+        def run(params, batch, y, msgs, res, row):
+            x, keys = batch
+            mine = {k: d[row.mb, 0] for k, d in keys.items()}
+            with microbatch_rngs(mine, self.rng_impls):
+                return op(params, x, y, msgs, res, row)
+
+        return run
