@@ -18,6 +18,7 @@ BENCHMARKS = [
     "bench_backward",
     "bench_planner",
     "bench_lockstep",
+    "bench_async",
 ]
 
 

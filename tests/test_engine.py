@@ -17,7 +17,15 @@ from hypothesis import strategies as st
 from test_passes import schedules
 
 from pjit_pipe.ir import Costs, Schedule, Worker
-from pjit_pipe.ir.engine import AllOpts, Engine, Message, Received, StageGrads, Tensor
+from pjit_pipe.ir.engine import (
+    AllOpts,
+    Engine,
+    Message,
+    MicrobatchGrads,
+    Received,
+    StageGrads,
+    Tensor,
+)
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.ops import Payload
 from pjit_pipe.ir.schedule import interleaved_layout, v_layout
@@ -75,6 +83,9 @@ def test_key_kinds_never_compare_equal() -> None:
     keys.append(AllOpts())
     assert len({len(k) for k in keys}) == len(keys)
     assert len(set(keys)) == len(keys)
+    # an asynchronous OPT's key has Received's field count, but ints where it has tuples
+    per_mb = MicrobatchGrads(1, 0)
+    assert per_mb not in keys and len(set(keys) | {per_mb}) == len(keys) + 1
 
 
 @FEW
@@ -143,8 +154,8 @@ def test_defer_w_replay_times_ops_like_the_engine(data, rule, limit) -> None:
 
 
 @FEW
-@given(
-    st.sampled_from([k for k in KINDS if k != "auto"]),
+@given(  # async-1f1b is not re-routed (schedules.failure_aware refuses it)
+    st.sampled_from([k for k in KINDS if k not in ("auto", "async-1f1b")]),
     st.integers(2, 3),
     st.integers(1, 4),
     st.sampled_from([(), ((0, 1),), ((1, 0),)]),

@@ -160,6 +160,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="seed of the parameters and the data: a run is repeatable (default 0)",
     )
+    parser.add_argument(
+        "--async-weights",
+        choices=("predict", "stash", "latest"),
+        default=None,
+        help="--schedule async-1f1b only: the weights its stale forwards read: predict "
+        "(PipeOptim's weight prediction, the default), stash (PipeDream's weight "
+        "stashing) or latest; each of the M microbatches of a step is one Adam update",
+    )
 
 
 def add_failure_args(parser: argparse.ArgumentParser) -> None:
@@ -325,6 +333,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         chunks=args.chunks,
         mesh=pp.make_mesh(data=data, stage=stages),
         optimizer=optax.adam(args.lr),
+        async_weights=getattr(args, "async_weights", None),
         **({"costs": "measure"} if getattr(args, "show_costs", False) else {}),
     )
     precompile = getattr(args, "precompile", None)
@@ -402,6 +411,13 @@ def show_costs(pm: Any, as_json: bool) -> None:
 def run(args: argparse.Namespace) -> int:
     from tqdm import tqdm
 
+    if args.async_weights is not None and args.schedule != "async-1f1b":
+        from pjit_pipe.cli import UsageError
+
+        raise UsageError(
+            f"--async-weights {args.async_weights} applies to --schedule async-1f1b only, "
+            f"not {args.schedule}; drop it or use --schedule async-1f1b"
+        )
     check_failure_plan(args.fail, args.rejoin, *args.mesh, args.steps)
     bars: list[Any] = []  # the progress bar, made at the first step (errors come first)
 

@@ -24,6 +24,8 @@ from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.schedules import KINDS
 
 Balance = Literal["flops", "params", "time"]
+AsyncWeightsMode = Literal["predict", "stash", "latest"]
+ASYNC_WEIGHTS = ("predict", "stash", "latest")  # lowering/async_weights.py MODES
 
 
 @dataclass(frozen=True)
@@ -53,6 +55,9 @@ class PipelineOptions:
     layers: the stage cut as inclusive (first, last) ranges of the model's
         layers (its clean cut segments), e.g. a planner's `Plan.stages`; None:
         the cutter balances by `balance`.
+    async_weights: schedule="async-1f1b" only: the weights its stale forwards
+        read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
+        weight stashing) or "latest"; None: "predict" for async-1f1b.
     """
 
     stages: int
@@ -69,6 +74,7 @@ class PipelineOptions:
     search_time: float = 2.0
     max_programs: int = 8
     layers: tuple[tuple[int, int], ...] | None = None
+    async_weights: AsyncWeightsMode | None = None
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -107,6 +113,7 @@ class PipelineOptions:
                 f"optimizer: expected an optax GradientTransformation (e.g. optax.adam(1e-3)), "
                 f"got {type(self.optimizer).__name__}"
             )
+        self._check_async_weights()
         self._check_mesh()
         if self.layers is not None:
             layers = tuple((int(a), int(b)) for a, b in self.layers)
@@ -117,6 +124,20 @@ class PipelineOptions:
                 )
             object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "failed", failed_workers(self.failed, self.replicas, self.stages))
+
+    def _check_async_weights(self) -> None:
+        if self.async_weights is None:
+            return
+        if self.async_weights not in ASYNC_WEIGHTS:
+            raise OptionError(
+                f"async_weights: expected one of {', '.join(ASYNC_WEIGHTS)} or None, "
+                f"got {self.async_weights!r}"
+            )
+        if self.schedule != "async-1f1b":
+            raise OptionError(
+                f"async_weights={self.async_weights!r} applies to schedule='async-1f1b' only, "
+                f"not {self.schedule!r}; drop async_weights or use schedule='async-1f1b'"
+            )
 
     def _check_mesh(self) -> None:
         if self.mesh is None:
@@ -193,4 +214,4 @@ def _is_pair(value: object) -> bool:
     return isinstance(value, tuple | list) and len(value) == 2 and all(map(_is_int, value))
 
 
-__all__ = ["Balance", "PipelineOptions", "failed_workers"]
+__all__ = ["AsyncWeightsMode", "Balance", "PipelineOptions", "failed_workers"]

@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from pjit_pipe.errors import OptionError
-from pjit_pipe.frontend.options import Balance, PipelineOptions
+from pjit_pipe.frontend.options import AsyncWeightsMode, Balance, PipelineOptions
 from pjit_pipe.frontend.pipelined import Pipelined
 from pjit_pipe.frontend.plan import planned_options
 from pjit_pipe.ir.costs import Costs
@@ -54,6 +54,7 @@ def pipeline(
     search_time: float = 2.0,
     max_programs: int = 8,
     plan: Plan | None = None,
+    async_weights: AsyncWeightsMode | None = None,
 ) -> Pipelined | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
@@ -86,6 +87,7 @@ def pipeline(
         search_time=search_time,
         max_programs=max_programs,
         layers=layers,
+        async_weights=async_weights,
     )
     return pipeline_with(module, options)
 

@@ -249,7 +249,8 @@ class Pipelined:
                 check_opt_layout(cut, self.optimizer, params)  # before optax meets a stage
             costs = self.measured_costs or self.options.costs
             costs = costs if isinstance(costs, Costs) else Costs()
-            # The tick table the program runs: ops packed by their priced costs.
+            # The tick table the program runs: ops packed by their priced costs (an
+            # asynchronous schedule is not packed: pack_ticks gives it one op per tick).
             ticks = pack_ticks(self.schedule, costs, 1, self.options.mem_limit)
             return lower(
                 self.schedule,
@@ -265,6 +266,7 @@ class Pipelined:
                 rngs=rngs,
                 shared=cut.shared,
                 ticks=ticks,
+                async_weights=self.options.async_weights,
             )
 
         return cut, self._programs.get(key, build)

@@ -15,16 +15,24 @@ Dependencies, for virtual stage s of microbatch (j, home replica r):
           (gradients flow up; the last stage differentiates its own loss)
   W(s)    needs the gradient of its own B(s)
   OPT(s)  needs every W/BW of stage s in the iteration, on all replicas
-          (the data-parallel gradient reduction)
+          (the data-parallel gradient reduction); an asynchronous OPT(s, j)
+          needs only microbatch j's W/BW of stage s, on all replicas
 A tensor that crosses workers arrives `latency` after it is produced; with
 explicit SEND/RECV ops it arrives only through them. Unless the schedule is
 staggered, no worker starts iteration k+1 before every OPT of iteration k.
+
+In an asynchronous schedule (per-microbatch OPTs, PipeDream's 1F1B) iterations
+overlap as one never-flushing stream (`stream_order`): on each worker the
+leading forwards of iteration k+1 interleave with the trailing backward groups
+(the ops after its last forward, cut after each OPT) of iteration k, one
+forward after each group: the worker keeps as many microbatches in flight as
+its warm-up does.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict, deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -35,7 +43,8 @@ DurationFn = Callable[[Worker, Op], float]
 LatencyFn = Callable[[Worker, Worker], float]
 
 # The keys an op waits for. Each kind has its own number of fields, so keys of
-# different kinds never compare equal (NamedTuples compare as tuples).
+# different kinds never compare equal (NamedTuples compare as tuples); the one
+# pair, MicrobatchGrads and Received, holds ints where the other holds tuples.
 
 
 class Tensor(NamedTuple):
@@ -83,6 +92,16 @@ class StageGrads(NamedTuple):
         return f"all W of stage {self.stage}"
 
 
+class MicrobatchGrads(NamedTuple):
+    """Microbatch `mb`'s W/BW of a stage, on all replicas: what an asynchronous OPT reduces."""
+
+    stage: int
+    mb: int
+
+    def __str__(self) -> str:
+        return f"all W of stage {self.stage} microbatch {self.mb}"
+
+
 class AllOpts(NamedTuple):
     """Every OPT of the iteration: the barrier before the next one when not staggered."""
 
@@ -90,7 +109,7 @@ class AllOpts(NamedTuple):
         return "every OPT of the previous iteration"
 
 
-Key = Tensor | Message | Received | StageGrads | AllOpts
+Key = Tensor | Message | Received | StageGrads | MicrobatchGrads | AllOpts
 _ALL_OPTS = AllOpts()
 
 
@@ -135,6 +154,38 @@ def makes(kind: Kind) -> Payload | None:
     return None
 
 
+def stream_order(
+    program: Sequence[Op], iterations: int, asynchronous: bool
+) -> list[tuple[int, int]]:
+    """(iteration, op index) in the order a worker runs `iterations` copies of `program`.
+
+    Synchronous: one copy after another. Asynchronous: the leading forwards of
+    copy k+1 interleave with the trailing backward groups of copy k (module docstring).
+    """
+    n = len(program)
+    if not asynchronous or n == 0:
+        return [(it, i) for it in range(iterations) for i in range(n)]
+    forwards = [i for i, op in enumerate(program) if op.kind is Kind.F]
+    lead = next((i for i, op in enumerate(program) if op.kind is not Kind.F), n)
+    tail_start = forwards[-1] + 1 if forwards else 0
+    groups: list[list[int]] = [[]]
+    for i in range(tail_start, n):
+        groups[-1].append(i)
+        if program[i].kind is Kind.OPT and i < n - 1:
+            groups.append([])
+    middle = list(range(lead, tail_start))
+    order = [(0, i) for i in range(lead)]
+    for it in range(iterations):
+        order += [(it, i) for i in middle]
+        heads = list(range(lead)) if it + 1 < iterations else []
+        for k in range(max(len(heads), len(groups))):
+            if k < len(groups):
+                order += [(it, i) for i in groups[k]]
+            if k < len(heads):
+                order.append((it + 1, heads[k]))
+    return order
+
+
 @dataclass(frozen=True)
 class TimedOp:
     """One executed op: where, which iteration, and when."""
@@ -159,7 +210,9 @@ class Engine:
         self.explicit_comm = schedule.has_comm()
         self.last = schedule.num_virtual_stages - 1
         self.producer: dict[Tensor, Worker] = {}
-        self.wcount: dict[int, int] = defaultdict(int)
+        self.asynchronous = schedule.asynchronous
+        self.wcount: dict[int, int] = defaultdict(int)  # stage -> its W/BW ops
+        self.mb_wcount: dict[tuple[int, int], int] = defaultdict(int)  # (stage, mb) -> W/BW ops
         self.num_opt = 0
         for w, _, op in schedule.ops():
             if op.kind is Kind.F:
@@ -168,6 +221,7 @@ class Engine:
                 self.producer[Tensor(Payload.GRAD, op.stage, op.mb, op.replica)] = w
             if op.kind in (Kind.W, Kind.BW):
                 self.wcount[op.stage] += 1
+                self.mb_wcount[(op.stage, op.mb)] += 1
             elif op.kind is Kind.OPT:
                 self.num_opt += 1
 
@@ -184,7 +238,7 @@ class Engine:
         """What `op` on worker `w` waits for: (key, arrives over a link)."""
         s, j, r = op.stage, op.mb, op.replica
         if op.kind is Kind.OPT:
-            return [(StageGrads(s), False)]
+            return [(StageGrads(s) if j < 0 else MicrobatchGrads(s, j), False)]
         if op.kind is Kind.SEND:
             return [(Tensor(op.payload, s, j, r), False)]
         if op.kind is Kind.RECV:
@@ -196,17 +250,17 @@ class Engine:
             out.append(self._arrival(tensor, w) if stage != s else (tensor, False))
         return out
 
-    @staticmethod
-    def produces(w: Worker, op: Op) -> list[Key]:
+    def produces(self, w: Worker, op: Op) -> list[Key]:
         s, j, r = op.stage, op.mb, op.replica
         if op.kind is Kind.F:
             return [Tensor(Payload.ACT, s, j, r)]
         if op.kind is Kind.B:
             return [Tensor(Payload.GRAD, s, j, r)]
+        grads = [MicrobatchGrads(s, j)] if self.asynchronous else [StageGrads(s)]
         if op.kind is Kind.BW:
-            return [Tensor(Payload.GRAD, s, j, r), StageGrads(s)]
+            return [Tensor(Payload.GRAD, s, j, r), *grads]
         if op.kind is Kind.W:
-            return [StageGrads(s)]
+            return grads
         if op.kind is Kind.OPT:
             return [_ALL_OPTS]
         if op.kind is Kind.SEND:
@@ -217,6 +271,8 @@ class Engine:
         """How many producers an aggregate key needs (1 for plain keys)."""
         if isinstance(key, StageGrads):
             return self.wcount[key.stage]
+        if isinstance(key, MicrobatchGrads):
+            return self.mb_wcount[(key.stage, key.mb)]
         if isinstance(key, AllOpts):
             return self.num_opt
         return 1
@@ -240,6 +296,7 @@ class Engine:
             w: [[(k, self.aggregate_size(k)) for k in self.produces(w, op)] for op in ops]
             for w, ops in progs.items()
         }
+        order = {w: stream_order(ops, iterations, self.asynchronous) for w, ops in progs.items()}
         ptr = dict.fromkeys(progs, 0)
         free = dict.fromkeys(progs, 0.0)
         resolved: dict[Stamped, tuple[float, Worker]] = {}
@@ -265,7 +322,7 @@ class Engine:
             ops = progs[w]
             n = len(ops)
             while ptr[w] < n * iterations:
-                it, idx = divmod(ptr[w], n)
+                it, idx = order[w][ptr[w]]
                 op = ops[idx]
                 start = free[w]
                 wait_keys = [((it, k), cross) for k, cross in deps[w][idx]]
@@ -295,7 +352,7 @@ class Engine:
         if stuck:
             lines = []
             for w in stuck[:8]:
-                it, idx = divmod(ptr[w], len(progs[w]))
+                it, idx = order[w][ptr[w]]
                 lines.append(f"worker {w} op #{idx} {progs[w][idx]} waits for {blocked_on[w][1]}")
             raise DeadlockError("deadlock: " + "; ".join(lines))
         return events

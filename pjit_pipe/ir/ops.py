@@ -50,7 +50,9 @@ class Op(NamedTuple):
     """One step of a worker's program.
 
     `stage` is the virtual stage (chunk) index in [0, stages*chunks). For OPT,
-    `mb` is -1 and `replica` is the running worker's replica. For SEND/RECV,
+    `replica` is the running worker's replica and `mb` is -1 (one step per
+    iteration, after all its microbatches) or, in an asynchronous schedule, the
+    microbatch whose backward it applies (one step per microbatch). For SEND/RECV,
     `payload` says which tensor moves: ACT is the output of F(stage), GRAD the
     input gradient produced by B/BW(stage); `peer` is the other worker.
     """
@@ -82,8 +84,8 @@ def BW(stage: int, mb: int, replica: int = 0) -> Op:
     return Op(Kind.BW, stage, mb, replica)
 
 
-def OPT(stage: int, replica: int = 0) -> Op:
-    return Op(Kind.OPT, stage, -1, replica)
+def OPT(stage: int, replica: int = 0, mb: int = -1) -> Op:
+    return Op(Kind.OPT, stage, mb, replica)
 
 
 def SEND(payload: Payload, stage: int, mb: int, replica: int, to: Worker) -> Op:
@@ -95,13 +97,13 @@ def RECV(payload: Payload, stage: int, mb: int, replica: int, src: Worker) -> Op
 
 
 def format_op(op: Op, home_replica: int | None) -> str:
-    """Text token of an op, e.g. ``F1.3``, ``B0.2r1``, ``OPT2``, ``SEND:act:1.3->0:2``.
+    """Text token of an op, e.g. ``F1.3``, ``B0.2r1``, ``OPT2``, ``OPT2.3``, ``SEND:act:1.3->0:2``.
 
     The ``rN`` suffix is left out when the op's replica equals `home_replica`
     (the running worker's own replica).
     """
     if op.kind is Kind.OPT:
-        return f"OPT{op.stage}"
+        return f"OPT{op.stage}" if op.mb < 0 else f"OPT{op.stage}.{op.mb}"
     rep = "" if op.replica == home_replica else f"r{op.replica}"
     body = f"{op.stage}.{op.mb}{rep}"
     if op.kind is Kind.SEND:

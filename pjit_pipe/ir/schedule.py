@@ -7,7 +7,7 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from pjit_pipe.errors import ScheduleError  # noqa: F401  (ir modules import it from here)
-from pjit_pipe.ir.ops import COMM_KINDS, Op, Worker
+from pjit_pipe.ir.ops import COMM_KINDS, Kind, Op, Worker
 
 
 def interleaved_layout(stages: int, chunks: int) -> tuple[int, ...]:
@@ -76,6 +76,12 @@ class Schedule:
         for w in self.workers:
             for i, op in enumerate(self.program(w)):
                 yield w, i, op
+
+    @property
+    def asynchronous(self) -> bool:
+        """Whether OPTs step per microbatch (asynchronous 1F1B): no iteration boundary is a
+        flush; see `pjit_pipe.ir.engine.stream_order` for how iterations then overlap."""
+        return any(op.kind is Kind.OPT and op.mb >= 0 for _, _, op in self.ops())
 
     def has_comm(self) -> bool:
         return any(op.kind in COMM_KINDS for _, _, op in self.ops())

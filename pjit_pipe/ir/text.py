@@ -7,7 +7,8 @@ Text form, one header line and one line per worker::
     0:1 | F1.0 BW1.0 F1.1 BW1.1 OPT1
 
 Op tokens: ``F1.3`` is the forward of stage 1, microbatch 3 of the worker's own
-replica; ``F1.3r0`` names another home replica (re-routed work); ``OPT1``;
+replica; ``F1.3r0`` names another home replica (re-routed work); ``OPT1``
+(``OPT1.3``: the asynchronous per-microbatch step after microbatch 3);
 ``SEND:act:1.3->0:2`` and ``RECV:grad:2.3<-0:2`` move a tensor between workers.
 """
 
@@ -23,7 +24,7 @@ from pjit_pipe.ir.schedule import Schedule, ScheduleError
 _WORKER = r"(\d+):(\d+)"
 _BODY = r"(\d+)\.(\d+)(?:r(\d+))?"
 _COMPUTE_RE = re.compile(rf"^(F|BW|B|W){_BODY}$")
-_OPT_RE = re.compile(r"^OPT(\d+)$")
+_OPT_RE = re.compile(r"^OPT(\d+)(?:\.(\d+))?$")
 _COMM_RE = re.compile(rf"^(SEND|RECV):(act|grad):{_BODY}(->|<-){_WORKER}$")
 
 
@@ -33,7 +34,8 @@ def parse_op(token: str, worker: Worker) -> Op:
         kind, s, mb, rep = m.groups()
         return Op(Kind(kind), int(s), int(mb), worker.replica if rep is None else int(rep))
     if m := _OPT_RE.match(token):
-        return Op(Kind.OPT, int(m.group(1)), -1, worker.replica)
+        mb = -1 if m.group(2) is None else int(m.group(2))
+        return Op(Kind.OPT, int(m.group(1)), mb, worker.replica)
     if m := _COMM_RE.match(token):
         kind, payload, s, mb, rep, arrow, pr, ps = m.groups()
         if (kind == "SEND") != (arrow == "->"):

@@ -30,6 +30,12 @@ or earlier, and the OPTs of one stage and iteration (one per replica) share
 the tick (their gradient reduction is one collective). The stage's ops of
 the next iteration run in later ticks. Without staggering no worker starts
 iteration k+1 before the tick after the last OPT of iteration k.
+
+An asynchronous schedule (per-microbatch OPTs) has an OPT per stage and
+microbatch, at the end of the tick of that microbatch's last W/BW of the
+stage; its table runs each worker's ops in exactly its overlapping stream
+order (`engine.stream_order`): which weights a forward reads depends on which
+OPTs came before it, so no op may move past another.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from pjit_pipe.ir.engine import Engine, Key, StageGrads, Tensor
+from pjit_pipe.ir.engine import Engine, Key, MicrobatchGrads, StageGrads, Tensor, stream_order
 from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.ops import COMM_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
@@ -99,21 +105,29 @@ class PackedTicks:
     def one_op_per_tick(cls, schedule: Schedule, iterations: int = 1) -> PackedTicks:
         """The unpacked table: each worker runs at most one compute op per tick, as
         early as its dependencies allow (ir/lockstep.py); each OPT runs at the end of
-        the tick of its stage's last W/BW of the iteration."""
+        the tick of its stage's last W/BW of the iteration (asynchronous: of the
+        microbatch; lockstep.py runs those OPTs between ticks, not in the table)."""
         ticks: list[dict[Worker, tuple[Entry, ...]]] = []
-        last_grad: dict[tuple[int, int], int] = {}
-        opts: dict[tuple[int, int], list[tuple[Worker, Entry]]] = {}
+        asynchronous = schedule.asynchronous
+        last_grad: dict[tuple[int, int, int], int] = {}  # (stage, iteration, mb or -1) -> tick
+        opts: dict[tuple[int, int, int], list[tuple[Worker, Entry]]] = {}
         for tick in iteration_ticks(compute_only(schedule), iterations):
             kept = {}
             for w, (it, op) in tick.items():
                 if op.kind is Kind.OPT:
-                    opts.setdefault((op.stage, it), []).append((w, (it, op)))
+                    opts.setdefault((op.stage, it, op.mb), []).append((w, (it, op)))
                     continue
                 kept[w] = ((it, op),)
                 if op.kind in (Kind.W, Kind.BW):
-                    last_grad[(op.stage, it)] = len(ticks)
+                    last_grad[(op.stage, it, op.mb if asynchronous else -1)] = len(ticks)
             if kept:
                 ticks.append(kept)
+        if asynchronous:
+            for w in schedule.alive_workers:
+                for it in range(iterations):
+                    for op in schedule.program(w):
+                        if op.kind is Kind.OPT:
+                            opts.setdefault((op.stage, it, op.mb), []).append((w, (it, op)))
         for key, entries in opts.items():
             tick = ticks[last_grad[key]]
             for w, e in entries:
@@ -149,32 +163,44 @@ class PackedTicks:
                 if not fits([op for _, op in entries]):
                     raise ScheduleError(f"tick {t}, worker {w}: {entries} breaks the lane rule")
         opt_end: dict[int, int] = {}
-        opt_ticks: dict[tuple[int, int], set[int]] = {}
+        opt_ticks: dict[tuple[int, int, int], set[int]] = {}  # (stage, iteration, mb or -1)
         producers: dict[tuple, list[tuple[int, int, Worker]]] = {}
         for (w, it, op), (t, i) in where.items():
             for key in flow.produces(w, op):
                 producers.setdefault((it, key), []).append((t, i, w))
             if op.kind is Kind.OPT:
                 opt_end[it] = max(opt_end.get(it, -1), t)
-                opt_ticks.setdefault((op.stage, it), set()).add(t)
-        for (s, it), ticks in opt_ticks.items():
+                opt_ticks.setdefault((op.stage, it, op.mb), set()).add(t)
+        for (s, it, j), ticks in opt_ticks.items():
             if len(ticks) > 1:
-                raise ScheduleError(f"the OPTs of stage {s}, iteration {it} are in ticks {ticks}")
+                of = f"stage {s}, iteration {it}" + (f", microbatch {j}" if j >= 0 else "")
+                raise ScheduleError(f"the OPTs of {of} are in ticks {ticks}")
         for w in sched.alive_workers:
             got = sorted(e for tick in self.ticks for e in tick.get(w, ()))
             want = sorted((it, op) for it in range(self.iterations) for op in sched.program(w))
             if got != want:
                 raise ScheduleError(f"worker {w}: the table does not run each op once")
+            if flow.asynchronous:
+                program = sched.program(w)
+                stream = [
+                    (it, program[i]) for it, i in stream_order(program, self.iterations, True)
+                ]
+                run = [e for tick in self.ticks for e in tick.get(w, ())]
+                if run != stream:
+                    raise ScheduleError(
+                        f"worker {w}: an asynchronous table must run the worker's ops in "
+                        "their stream order (engine.stream_order)"
+                    )
         for (w, it, op), (t, i) in where.items():
-            if op.kind is not Kind.OPT:
-                stepped = opt_ticks.get((op.stage, it - 1), {-1})
+            if op.kind is not Kind.OPT and not flow.asynchronous:
+                stepped = opt_ticks.get((op.stage, it - 1, -1), {-1})
                 if it > 0 and t <= max(stepped):
                     raise ScheduleError(f"{op} of iteration {it} on {w} runs before OPT{op.stage}")
                 if it > 0 and not sched.staggered and t <= opt_end.get(it - 1, -1):
                     raise ScheduleError(f"{op} on {w} starts iteration {it} before its barrier")
             for key, _ in flow.deps(w, op):
                 for pt, pi, pw in producers.get((it, key), ()):
-                    if isinstance(key, StageGrads):
+                    if isinstance(key, StageGrads | MicrobatchGrads):
                         bad = pt > t
                     elif is_message(key, op):
                         bad = pt >= t

@@ -56,6 +56,8 @@ def _check_ops(s: Schedule) -> None:
         if op.kind is Kind.OPT:
             if op.replica != w.replica:
                 raise ScheduleError(f"{_at(w, i, op)}: OPT must name its own worker's replica")
+            if not -1 <= op.mb < m:
+                raise ScheduleError(f"{_at(w, i, op)}: OPT microbatch must be -1 or in [0, {m})")
             continue
         if not 0 <= op.mb < m:
             raise ScheduleError(f"{_at(w, i, op)}: microbatch out of range [0, {m})")
@@ -66,7 +68,8 @@ def _check_ops(s: Schedule) -> None:
 
 
 def _check_coverage(s: Schedule) -> None:
-    """Each microbatch's F and backward run exactly once, F/B/W together; one OPT per held stage."""
+    """Each microbatch's F and backward run exactly once, F/B/W together; one OPT per held
+    stage, or in an asynchronous schedule one per held stage and microbatch."""
     counts: Counter = Counter()
     home: dict[tuple, Worker] = {}
     for w, i, op in s.ops():
@@ -94,10 +97,17 @@ def _check_coverage(s: Schedule) -> None:
                 if not counts[bw] and not (counts[b] and counts[wg]):
                     missing = b if not counts[b] else wg
                     raise ScheduleError(f"{missing} never runs")
+    steps = range(s.microbatches) if s.asynchronous else [-1]
     for w in s.alive_workers:
         for st in s.held_stages(w.stage):
-            if not counts[Op(Kind.OPT, st, -1, w.replica)]:
-                raise ScheduleError(f"OPT{st} never runs on worker {w}")
+            if s.asynchronous and counts[Op(Kind.OPT, st, -1, w.replica)]:
+                raise ScheduleError(
+                    f"OPT{st} on worker {w}: an asynchronous schedule steps per microbatch"
+                )
+            for j in steps:
+                opt = Op(Kind.OPT, st, j, w.replica)
+                if not counts[opt]:
+                    raise ScheduleError(f"{format_op(opt, w.replica)} never runs on worker {w}")
 
 
 def _check_local_order(s: Schedule, flow: Engine) -> None:
@@ -110,9 +120,10 @@ def _check_local_order(s: Schedule, flow: Engine) -> None:
             for k in flow.produces(w, op):
                 produced_at.setdefault(k, i)
             if op.kind in (Kind.W, Kind.BW):
-                last_w[op.stage] = i
+                last_w[op.stage] = last_w[(op.stage, op.mb)] = i
         for i, op in enumerate(prog):
-            needed = [last_w.get(op.stage, -1)] if op.kind is Kind.OPT else []
+            opt_key = op.stage if op.mb < 0 else (op.stage, op.mb)
+            needed = [last_w.get(opt_key, -1)] if op.kind is Kind.OPT else []
             needed += [
                 produced_at.get(key, -1)
                 for key, cross in flow.deps(w, op)

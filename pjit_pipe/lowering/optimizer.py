@@ -3,7 +3,9 @@
 An unstaggered single-iteration step runs every stage's update after the loop
 (`optimizer_step`). Staggered or multi-iteration training steps each stage's
 optimizer inside the loop, right after the tick of its last W/BW of the
-iteration (`stepping_loop`), so later ticks read the new parameters.
+iteration (`stepping_loop`), so later ticks read the new parameters. An
+asynchronous schedule steps each stage after every microbatch's W/BW, and its
+weight policy (async_weights.py) picks the weights each tick's ops read.
 
 Optimizer state lives in the device layout, (v, L) rows per dtype on each
 device like the parameters (see device_state.py); an update unpacks one
@@ -76,45 +78,57 @@ class StageOptimizer:
         plan, v, iterations = prog.step_plan, prog.sched.chunks, prog.iterations
         count = prog.sched.replicas * prog.sched.microbatches
         msgs, res, grads = prog.empty(plan)
+        weights = prog.weights
+        # An asynchronous schedule's weight-policy buffers (async_weights.py): predict: the
+        # last update, (v, L) rows per dtype; stash: (R + 1, v, L) versions; latest: none.
+        wcarry = weights.init(params, plan.res_slots) if weights else {}
         # Per iteration, this device's summed loss vectors (see loss.py): (iterations, size).
         losses = jnp.zeros((iterations, prog.loss.size), jnp.float32)
         # Per chunk, the optimizer steps taken so far: the iteration of its next step. (v,)
         done = jnp.zeros((v,), jnp.int32)
 
         def step(row, losses, state):
-            grads, params, opt, done = state
+            grads, params, opt, done, wcarry = state
             mine = ((row.update >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads).items()}
             g = prog.topo.reduce_over_replicas(g)
-            if prog.loss.weighted:  # per chunk, its iteration's count / total weight
+            if weights is not None:  # one microbatch's gradient per step
+                g = weights.step_gradients(g)
+            elif prog.loss.weighted:  # per chunk, its iteration's count / total weight
                 factor = prog.loss.grad_factor(lax.psum(losses, prog.topo.axes), count)
                 f = factor[jnp.minimum(done, iterations - 1)][:, None]
                 g = {k: b * f.astype(b.dtype) for k, b in g.items()}
             new_p, new_o = self.optimizer_step(opt_spec, params, g, opt, pos)
             params = {k: jnp.where(mine, new_p[k], b) for k, b in params.items()}
             opt = {k: jnp.where(mine, new_o[k], b) for k, b in opt.items()}
+            if weights is not None:
+                wcarry = weights.after_step(wcarry, state[1], params, mine)
             grads = [
                 jax.tree.map(lambda a, m=mine[c, 0]: jnp.where(m, 0, a), g)
                 for c, g in enumerate(grads)
             ]
-            return grads, params, opt, done + mine[:, 0]
+            return grads, params, opt, done + mine[:, 0], wcarry
 
         def tick(carry, inputs):
             row, update = inputs
-            msgs, res, grads, losses, params, opt, done = carry
-            chunks = prog.chunk_params(params)
-            msgs, res, grads, dloss = prog.tick(plan, chunks, x, y, msgs, res, grads, row)
+            msgs, res, grads, losses, params, opt, done, wcarry = carry
+            if weights is None:
+                chunks, back = prog.chunk_params(params), None
+            else:  # the forward and the backward may read other weights
+                ahead, behind, wcarry = weights.views(params, wcarry, row, pos)
+                chunks, back = prog.chunk_params(ahead), prog.chunk_params(behind)
+            msgs, res, grads, dloss = prog.tick(plan, chunks, x, y, msgs, res, grads, row, back)
             losses = losses.at[row.f.iteration].add(dloss)  # only F makes a loss
-            grads, params, opt, done = lax.cond(
+            grads, params, opt, done, wcarry = lax.cond(
                 update,
                 functools.partial(step, row, losses),
                 lambda s: s,
-                (grads, params, opt, done),
+                (grads, params, opt, done, wcarry),
             )
-            return (msgs, res, grads, losses, params, opt, done), None
+            return (msgs, res, grads, losses, params, opt, done, wcarry), None
 
-        carry = (msgs, res, grads, losses, params, opt, done)
-        (*_, losses, params, opt, _), _ = lax.scan(tick, carry, (rows, updates))
+        carry = (msgs, res, grads, losses, params, opt, done, wcarry)
+        (*_, losses, params, opt, _, _), _ = lax.scan(tick, carry, (rows, updates))
         return params, opt, prog.loss.loss(lax.psum(losses, prog.topo.axes), count)
 
     def optimizer_step(self, opt_spec: FlatSpec, params, grads, opt, pos: jax.Array):

@@ -131,7 +131,8 @@ def build_plan(
 
     With several iterations, microbatch j of iteration k is planned as
     microbatch k*m + j, and each stage's optimizer step runs after the tick
-    of its OPTs in the table (every holder's in one tick).
+    of its OPTs in the table (every holder's in one tick); an asynchronous
+    schedule's per-microbatch OPTs each place one step.
     """
     schedule = table.schedule
     S, m = schedule.num_virtual_stages, schedule.microbatches
@@ -142,14 +143,15 @@ def build_plan(
             f"devices {sorted(index)} are not the schedule's live workers {schedule.alive_workers}"
         )
     when: dict[Op, tuple[Worker, int]] = {}
-    update_tick: dict[tuple[int, int], set[int]] = {}  # (stage, iteration) -> its OPT ticks
+    # (stage, iteration, microbatch or -1) -> the ticks of its OPTs
+    update_tick: dict[tuple[int, int, int], set[int]] = {}
     for t, tick in enumerate(table.ticks):
         for w, entries in tick.items():
             for it, op in entries:
                 if op.kind in COMPUTE_KINDS:
                     when[op._replace(mb=it * m + op.mb)] = (w, t)
                 elif op.kind is Kind.OPT:
-                    update_tick.setdefault((op.stage, it), set()).add(t)
+                    update_tick.setdefault((op.stage, it, op.mb), set()).add(t)
     T = len(table.ticks)
 
     def last_use(op_kinds: tuple[Kind, ...], stage: int, mb: int, rep: int) -> tuple[Worker, int]:
@@ -249,10 +251,11 @@ def build_plan(
             recv[act][index[dest], t, via] = slot
     update = np.zeros((n, T), np.int32)
     updates = np.zeros(T, bool)
-    for (s, it), ticks in update_tick.items():
+    for (s, it, j), ticks in update_tick.items():
         if len(ticks) > 1:
+            of = f"stage {s} in iteration {it}" + (f", microbatch {j}," if j >= 0 else "")
             raise ScheduleError(
-                f"the OPTs of stage {s} in iteration {it} run in ticks {sorted(ticks)}: "
+                f"the OPTs of {of} run in ticks {sorted(ticks)}: "
                 "a stage's replicas must step in one tick (their gradients are reduced there)"
             )
         (t,) = ticks

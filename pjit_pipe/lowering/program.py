@@ -27,6 +27,7 @@ from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
+from pjit_pipe.lowering.async_weights import async_weights_for
 from pjit_pipe.lowering.global_norm import count_norm_calls
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.optimizer import stage0_avals
@@ -87,6 +88,8 @@ def lower(
     shared: Mapping[str, Sequence[int]] | None = None,
     split_backward: bool = True,
     ticks: PackedTicks | None = None,
+    async_weights: str | None = None,
+    staleness_offset: int = 0,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -113,6 +116,9 @@ def lower(
     `ticks` is the tick table to run, for `iterations` iterations (build it with
     `pjit_pipe.passes.pack_ticks.pack_ticks`); None runs one op per device per
     tick (`PackedTicks.one_op_per_tick`).
+    An asynchronous schedule (async-1f1b) takes `async_weights` "predict"
+    (default), "stash" or "latest" and `staleness_offset` (see async_weights.py);
+    its train_step then runs iterations*m optimizer steps, one per microbatch.
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
@@ -145,6 +151,9 @@ def lower(
                 f"ticks must be a PackedTicks (pack_ticks), got {type(ticks).__name__}"
             )
         ticks.check()
+    weights = async_weights_for(
+        schedule, async_weights, optimizer, stages.param_avals, remat, loss, staleness_offset
+    )
     program = TickProgram(
         schedule,
         stages,
@@ -155,6 +164,7 @@ def lower(
         loss=loss,
         rng_impls=impls,
         ticks=ticks,
+        weights=weights,
     )
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):

@@ -297,6 +297,15 @@ class PipelineStep:
         self._compiled_device[donate] = lowered.compile()
         return time.perf_counter() - start
 
+    def async_weight_bytes(self) -> int:
+        """Bytes each device holds for the extra weight copies of an asynchronous
+        schedule (predict: the last update; stash: one version per residual slot);
+        0 for a synchronous one."""
+        low = self._low
+        if low.weights is None:
+            return 0
+        return low.weights.extra_bytes(low.param_spec, (low.step_plan or low.plan).res_slots)
+
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the compiled value_and_grad program."""
         if self._compiled_vg is None:

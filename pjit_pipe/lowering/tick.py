@@ -28,6 +28,7 @@ from jax import lax
 
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering.async_weights import AsyncWeights
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
@@ -54,12 +55,14 @@ class TickProgram:
         loss: LossLayout,
         rng_impls: dict[str, Any] | None = None,
         ticks: PackedTicks | None = None,
+        weights: AsyncWeights | None = None,
     ):
         self.sched = schedule
         self.st = stages
         self.loss = loss  # what the last stage's loss vector holds (stages.loss_fn = loss.vector)
         # Stream name -> key impl when steps take rngs (the batch is then (x, key data)).
         self.rng_impls = rng_impls
+        self.weights = weights  # an asynchronous schedule's weight policy (async_weights.py)
         self.topo = topology
         self.iterations = iterations
         keyed = rng_impls is not None  # every op reads its microbatch's keys
@@ -154,13 +157,15 @@ class TickProgram:
     # have to return a zero gradient and zero residuals on the ticks that make
     # none, one parameter-sized memory pass per tick.
 
-    def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow):
-        """One tick: this device's F, B and W lanes, then every ppermute of the plan."""
+    def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow, back_params=None):
+        """One tick: this device's F, B and W lanes, then every ppermute of the plan.
+        B and W read `back_params` when given (asynchronous weights), else `params`."""
         ops = self.ops
         act = self.msg_spec.zeros()  # the activation this tick sends (F)
         grad = self.msg_spec.zeros()  # the input gradient this tick sends (B or BW)
         loss = ops.no_loss()
         args = (params, x, y, msgs)
+        back_args = args if back_params is None else (back_params, x, y, msgs)
 
         def dispatch(group: OpGroup, lane: OpRow, *operands):
             ids, fns = group
@@ -185,7 +190,7 @@ class TickProgram:
         if ops.input_grads[0]:
 
             def input_grad(grad, res):
-                grad, put, _ = dispatch(ops.input_grads, row.b, *args, res)
+                grad, put, _ = dispatch(ops.input_grads, row.b, *back_args, res)
                 res = dict(res)
                 for k, (cots, off) in put.items():  # a split stage's site cotangents
                     res[k] = lax.dynamic_update_slice(res[k], cots[None], (row.b.res_r, off))
@@ -200,7 +205,7 @@ class TickProgram:
             def weight_grad(grad, acc, group=group):
                 # A W sends nothing (its message is zeros); a BW's tick has no B (the lane
                 # rule), so the gradient channel holds one of them: their sum.
-                msg, dpar, _ = dispatch(group, row.w, *args, res)
+                msg, dpar, _ = dispatch(group, row.w, *back_args, res)
                 return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
 
             grad, grads[c] = lax.cond(

@@ -16,7 +16,10 @@ optimum of small cases, to check the greedy against.
 Memory: packing keeps each worker's program order, so the activation memory
 (and any --mem-limit the schedule was built under) is unchanged. OPTs and
 the iteration barrier follow the rule of ir/ticks.py, so staggered schedules
-keep their placement.
+keep their placement. An asynchronous schedule (async-1f1b) is not packed:
+its table must run each worker's ops in their exact stream order (which
+weights a forward reads depends on the OPTs before it), so `pack_ticks`
+returns its unpacked table.
 """
 
 from __future__ import annotations
@@ -266,7 +269,8 @@ def pack_ticks(
     the schedule's own peak (the largest worker's): one SPMD program sizes every
     device's residual store for the largest, so the packed program then holds no
     more activations than the unpacked one. A larger limit (math.inf: none)
-    trades memory for speed (`PackedTicks.peak_memory` tells what a table holds)."""
+    trades memory for speed (`PackedTicks.peak_memory` tells what a table holds).
+    An asynchronous schedule gets its unpacked table (module docstring)."""
     if not isinstance(iterations, int) or iterations < 1:
         raise ScheduleError(f"iterations must be a positive integer, got {iterations!r}")
     costs = costs or Costs()
@@ -275,6 +279,8 @@ def pack_ticks(
         mem_limit = largest_peak(schedule)
     # The unpacked table is a candidate too: packing never makes a schedule slower.
     best = PackedTicks.one_op_per_tick(schedule, iterations)
+    if schedule.asynchronous:
+        return best
     best_price = packed_time(best, costs)
     for rule, overtaking_w in ((r, o) for r in RULES for o in (True, False)):
         table = _Greedy(sched, costs, iterations, mem_limit, overtaking_w).run(rule)

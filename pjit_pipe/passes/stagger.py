@@ -46,6 +46,8 @@ def stagger(schedule: Schedule) -> Schedule:
     only when their programs differ, as after re-routing), OPTs are moved one at a
     time and an OPT whose move would deadlock stays where it was.
     """
+    if schedule.asynchronous:
+        return schedule  # it already steps each stage after every backward, with no barrier
     opts = [
         (w, op) for w in schedule.alive_workers for op in schedule.program(w) if op.kind is Kind.OPT
     ]

@@ -12,6 +12,7 @@ Kinds, their chunk counts and what they need (m microbatches, P stages):
   zb-h2             chunks 1; peak memory <= 2P
   zb-v              chunks 2; peak memory <= P; order found for the given costs
   auto              any chunks (default 1); mem_limit >= 1; costs-aware search
+  async-1f1b        chunks 1; m >= P; no flush, an OPT after every BW (PipeDream)
 
 A fixed kind given a mem_limit below its own peak memory raises ScheduleError
 (that peak is the kind's exact minimum) rather than returning another schedule.
@@ -25,6 +26,7 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.schedules.asynchronous import async_one_f_one_b
 from pjit_pipe.schedules.auto import OBJECTIVES, Objective, auto
 from pjit_pipe.schedules.classic import gpipe, one_f_one_b
 from pjit_pipe.schedules.common import check_positive
@@ -33,7 +35,7 @@ from pjit_pipe.schedules.interleaved import interleaved_1f1b
 from pjit_pipe.schedules.zbv import zb_v
 from pjit_pipe.schedules.zero_bubble import zb_h1, zb_h2
 
-KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "auto")
+KINDS = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-h2", "zb-v", "auto", "async-1f1b")
 
 # Chunks per position when none are asked for (interleaved-1f1b takes any >= 2, auto any).
 DEFAULT_CHUNKS = {
@@ -44,6 +46,7 @@ DEFAULT_CHUNKS = {
     "zb-h2": 1,
     "zb-v": 2,
     "auto": 1,
+    "async-1f1b": 1,
 }
 
 _GENERATORS: dict[str, Callable[[int, int, int, int, Costs], Schedule]] = {
@@ -53,6 +56,7 @@ _GENERATORS: dict[str, Callable[[int, int, int, int, Costs], Schedule]] = {
     "zb-h1": lambda P, m, v, D, costs: zb_h1(P, m, D),
     "zb-h2": lambda P, m, v, D, costs: zb_h2(P, m, D),
     "zb-v": lambda P, m, v, D, costs: zb_v(P, m, D, costs),
+    "async-1f1b": lambda P, m, v, D, costs: async_one_f_one_b(P, m, D),
 }
 
 

@@ -42,6 +42,11 @@ def search_reroutes(
     schedule, relabelled (unless the time limit cuts their searches at
     different points).
     """
+    if base.asynchronous:
+        raise ScheduleError(
+            f"failed workers with schedule {base.kind} are not supported yet: re-routing "
+            "rebuilds a synchronous iteration; use a synchronous kind such as 1f1b or zb-h1"
+        )
     stages, kind = base.stages, base.kind
     target = lower_bound(stages, base.microbatches, base.replicas, pattern, costs, base.chunks)
     limit = default_limit(base, mem_limit)
