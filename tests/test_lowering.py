@@ -26,6 +26,12 @@ WIDTHS = (6, 9, 4, 7, 5, 8, 6, 7, 5)  # stage s maps WIDTHS[s] -> WIDTHS[s + 1]
 CHUNKED = {"interleaved-1f1b": 2, "zb-v": 2}
 # async-1f1b steps once per microbatch: tests/test_async_lowering.py checks it.
 SYNC_KINDS = tuple(k for k in KINDS if k != "async-1f1b")
+# Every kind on one replica (1x4) and on two (2x4); the 2x2 mesh (another stage
+# count) for the kinds whose layout depends on it (chunked, V-shaped) and 1f1b.
+KIND_MESHES = [(k, m) for k in SYNC_KINDS for m in ((1, 4), (2, 4))] + [
+    (k, (2, 2)) for k in ("1f1b", "interleaved-1f1b", "zb-v")
+]
+KIND_MESH_IDS = [f"{k}-{d}x{p}" for k, (d, p) in KIND_MESHES]
 
 
 def tiny_model(num_stages: int, seed: int = 0):
@@ -126,16 +132,14 @@ def check_value_and_grad(sched, D: int, P: int, remat: bool = False):
     assert_trees_close(grads, ref_grads)
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 2), (2, 4)], ids=["1x4", "2x2", "2x4"])
-@pytest.mark.parametrize("kind", SYNC_KINDS)
+@pytest.mark.parametrize(("kind", "mesh_shape"), KIND_MESHES, ids=KIND_MESH_IDS)
 def test_value_and_grad_matches_unpipelined(kind, mesh_shape):
     D, P = mesh_shape
     sched, _ = schedule_or_skip(kind, P, 4, D)
     check_value_and_grad(sched, D, P)
 
 
-@pytest.mark.parametrize("mesh_shape", [(1, 4), (2, 2), (2, 4)], ids=["1x4", "2x2", "2x4"])
-@pytest.mark.parametrize("kind", SYNC_KINDS)
+@pytest.mark.parametrize(("kind", "mesh_shape"), KIND_MESHES, ids=KIND_MESH_IDS)
 def test_adam_steps_match_unpipelined(kind, mesh_shape):
     (D, P), m = mesh_shape, 4
     sched, v = schedule_or_skip(kind, P, m, D)
