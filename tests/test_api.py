@@ -219,7 +219,7 @@ def test_train_refuses_a_failure_plan_before_compiling(capsys, extra, words):
 
 
 def test_a_plan_that_keeps_a_replica_of_each_stage_is_accepted():
-    from pjit_pipe.cli.train import check_failure_plan
+    from pjit_pipe.cli.train_args import check_failure_plan
 
     # 1:0 fails, comes back, then 0:0 fails: stage 0 always has a live replica.
     check_failure_plan({1: [(1, 0)], 3: [(0, 0)]}, {3: [(1, 0)]}, 2, 2, steps=5)

@@ -140,15 +140,13 @@ def test_no_import_cycle() -> None:
         pytest.fail("modules that import each other: " + " -> ".join(cycle.args[1]))
 
 
-# The layers whose modules are held to the size limit (the others are being split elsewhere).
-SIZED_LAYERS = ("ir", "simulator", "passes", "schedules")
 MAX_LINES = 400
 
 
-def test_core_modules_stay_readable() -> None:
+def test_modules_stay_readable() -> None:
     too_long = {
         name: n
         for name, path in all_modules().items()
-        if layer(name) in SIZED_LAYERS and (n := len(path.read_text().splitlines())) > MAX_LINES
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not too_long, f"modules over {MAX_LINES} lines (split them): {too_long}"

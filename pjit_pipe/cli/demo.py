@@ -13,7 +13,8 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pjit_pipe.cli.train import ensure_host_devices, mesh_arg
+from pjit_pipe.cli.train import ensure_host_devices
+from pjit_pipe.cli.train_args import mesh_arg
 
 GANTT_FILE = "demo_schedule.png"
 REROUTED_FILE = "demo_rerouted.png"

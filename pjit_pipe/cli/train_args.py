@@ -1,0 +1,205 @@
+"""The arguments of `pjit-pipe train`: parsers, help texts and the check of a
+failure plan, kept apart from the training loop (train.py) they configure.
+
+Nothing here imports JAX: the CLI parses and checks everything before the
+device count is fixed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+MODELS = ("gpt-tiny", "mlp")
+
+
+def mesh_arg(text: str) -> tuple[int, int]:
+    """Parse DxP (data replicas x pipeline stages), e.g. 2x4."""
+    match = re.fullmatch(r"(\d+)x(\d+)", text.strip())
+    if not match or min(int(g) for g in match.groups()) < 1:
+        raise argparse.ArgumentTypeError(f"expected DxP with positive integers, got {text!r}")
+    return int(match[1]), int(match[2])
+
+
+def step_workers_arg(text: str) -> dict[int, list[tuple[int, int]]]:
+    """Parse STEP:R:S[,STEP:R:S...] (worker (R, S) at step STEP) into {step: [(R, S), ...]}."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for token in filter(None, (t.strip() for t in text.split(","))):
+        match = re.fullmatch(r"(\d+):(\d+):(\d+)", token)
+        if not match:
+            raise argparse.ArgumentTypeError(
+                f"expected STEP:R:S[,STEP:R:S...] with non-negative integers, got {token!r}"
+            )
+        step, r, s = map(int, match.groups())
+        out.setdefault(step, []).append((r, s))
+    return out
+
+
+def check_failure_plan(
+    fail: dict[int, list[tuple[int, int]]],
+    rejoin: dict[int, list[tuple[int, int]]],
+    data: int,
+    stages: int,
+    steps: int,
+) -> None:
+    """Refuse, before anything compiles, a plan of failures and rejoins that cannot
+    run: a worker outside the DxP mesh, a failure after the last step, a rejoin
+    of a worker that is not down then, or every replica of a stage down at once.
+
+    Plays the plan step by step as `InjectedFailures` does: the rejoins of step
+    k happen before it starts, its failures during it.
+    """
+    from pjit_pipe.cli import UsageError
+
+    for option, events in (("--fail", fail), ("--rejoin", rejoin)):
+        for step, workers in sorted(events.items()):
+            for r, s in workers:
+                if r >= data or s >= stages:
+                    raise UsageError(
+                        f"{option}: worker {r}:{s} at step {step} is outside the mesh "
+                        f"{data}x{stages} (R < {data}, S < {stages})"
+                    )
+            if step >= steps:
+                raise UsageError(
+                    f"{option}: step {step} is past the last step ({steps} steps run steps "
+                    f"0-{steps - 1}); use a step below {steps} or raise --steps"
+                )
+    down: set[tuple[int, int]] = set()
+    for step in sorted({*fail, *rejoin}):
+        for r, s in rejoin.get(step, []):
+            if (r, s) not in down:
+                raise UsageError(
+                    f"--rejoin: worker {r}:{s} is not down before step {step} (it never failed, "
+                    "or already rejoined); rejoin only a worker that --fail took down earlier"
+                )
+            down.discard((r, s))
+        down |= set(fail.get(step, []))
+        for s in range(stages):
+            if all((r, s) in down for r in range(data)):
+                raise UsageError(
+                    f"--fail: at step {step} every replica of stage {s} is down, so its "
+                    f"parameters are lost; keep one of the {data} workers R:{s} alive"
+                )
+
+
+def add_training_args(parser: argparse.ArgumentParser) -> None:
+    """Options shared by `train` and `demo`."""
+    from pjit_pipe.cli.schedule import positive_float, positive_int
+    from pjit_pipe.schedules import KINDS
+
+    parser.add_argument(
+        "--model",
+        choices=MODELS,
+        default="gpt-tiny",
+        help="the example model: a tiny character-level GPT on a bundled text, or a "
+        "residual MLP regressing a random teacher (default gpt-tiny)",
+    )
+    parser.add_argument(
+        "--mesh",
+        type=mesh_arg,
+        default=(1, 4),
+        metavar="DxP",
+        help="D data-parallel replicas x P pipeline stages (default 1x4); needs D*P devices",
+    )
+    parser.add_argument(
+        "--schedule",
+        choices=KINDS,
+        default="1f1b",
+        metavar="KIND",
+        help=f"pipeline schedule, one of {', '.join(KINDS)} (default 1f1b)",
+    )
+    parser.add_argument(
+        "--microbatches",
+        type=positive_int,
+        default=4,
+        metavar="M",
+        help="microbatches per replica per step (default 4)",
+    )
+    parser.add_argument(
+        "--chunks",
+        type=positive_int,
+        default=None,
+        metavar="V",
+        help="chunks (virtual stages) per device; default: the kind's own (2 for zb-v "
+        "and interleaved-1f1b, else 1)",
+    )
+    parser.add_argument(
+        "--batch",
+        type=positive_int,
+        default=None,
+        metavar="B",
+        help="global batch, a multiple of D*M (default 2*D*M)",
+    )
+    parser.add_argument(
+        "--steps", type=positive_int, default=100, metavar="N", help="steps to run (default 100)"
+    )
+    parser.add_argument(
+        "--lr", type=positive_float, default=3e-3, help="Adam learning rate (default 3e-3)"
+    )
+    parser.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="seed of the parameters and the data: a run is repeatable (default 0)",
+    )
+    parser.add_argument(
+        "--async-weights",
+        choices=("predict", "stash", "latest"),
+        default=None,
+        help="--schedule async-1f1b only: the weights its stale forwards read: predict "
+        "(PipeOptim's weight prediction, the default), stash (PipeDream's weight "
+        "stashing) or latest; each of the M microbatches of a step is one Adam update",
+    )
+
+
+def add_failure_args(parser: argparse.ArgumentParser) -> None:
+    """Injected failures and rejoins, and how many failures to precompile for."""
+    from pjit_pipe.cli.schedule import nonneg_int
+
+    parser.add_argument(
+        "--fail",
+        type=step_workers_arg,
+        default={},
+        metavar="STEP:R:S[,...]",
+        help="worker (R, S) dies during step STEP (the step is retried on its peers)",
+    )
+    parser.add_argument(
+        "--rejoin",
+        type=step_workers_arg,
+        default={},
+        metavar="STEP:R:S[,...]",
+        help="worker (R, S) is back before step STEP",
+    )
+    parser.add_argument(
+        "--precompile",
+        type=nonneg_int,
+        default=None,
+        metavar="K",
+        help="compile variants for up to K failed workers in the background "
+        "(default 1 with --fail, else 0)",
+    )
+    parser.add_argument(
+        "--cache-dir",
+        default=None,
+        metavar="DIR",
+        help="keep compiled programs here, so a later run loads them instead of compiling",
+    )
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    """Where to save checkpoints (and resume from), and how often."""
+    from pjit_pipe.cli.schedule import positive_int
+
+    parser.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        metavar="DIR",
+        help="save checkpoints here (orbax); a DIR holding one resumes after its latest step",
+    )
+    parser.add_argument(
+        "--checkpoint-every",
+        type=positive_int,
+        default=100,
+        metavar="N",
+        help="save every N steps and at the end (default 100)",
+    )
