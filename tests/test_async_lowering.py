@@ -63,11 +63,10 @@ def test_staleness_is_read_from_the_schedule():
     assert [staleness(flat, p) for p in range(4)] == [0, 0, 0, 0]
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("mode", ["predict", "stash", "latest"])
-def test_zero_staleness_is_per_microbatch_sgd(problem, mode):
-    fns, params, batches, opt, (ref_params, ref_losses) = problem
-    sched = async_one_f_one_b(P, M, stale=False)
+def train_iterations(problem, sched, mode: str, ticks=None):
+    """(compiled step, parameters, per-iteration losses) after the ITERS iterations of
+    `problem`'s batches, run in one call of `sched` lowered with `mode` weights."""
+    fns, params, batches, opt, _ = problem
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
     step = lower(
         sched,
@@ -79,8 +78,17 @@ def test_zero_staleness_is_per_microbatch_sgd(problem, mode):
         optimizer=opt,
         iterations=ITERS,
         async_weights=mode,
+        ticks=ticks,
     )
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
+    return step, got, losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["predict", "stash", "latest"])
+def test_zero_staleness_is_per_microbatch_sgd(problem, mode):
+    *_, (ref_params, ref_losses) = problem
+    _, got, losses = train_iterations(problem, async_one_f_one_b(P, M, stale=False), mode)
     np.testing.assert_allclose(np.asarray(losses), ref_losses, rtol=1e-5)
     assert_trees_close(got, ref_params)
 
@@ -142,20 +150,10 @@ def test_stale_weights_follow_the_schedule(problem, mode):
     """With real staleness (s = 1 on stage 0), each mode reads the weights it should."""
     fns, params, batches, opt, _ = problem
     sched = make_schedule("async-1f1b", P, M)
-    xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
-    step = lower(
-        sched,
-        fns,
-        xent,
-        mesh_of(1, P),
-        params,
-        *batches[0],
-        optimizer=opt,
-        iterations=ITERS,
-        async_weights=mode,
-        ticks=pack_ticks(sched, Costs(1, 2, 1), ITERS),  # the frontend's path: checked table
+    # the frontend's path: a packed (checked) table
+    step, got, losses = train_iterations(
+        problem, sched, mode, pack_ticks(sched, Costs(1, 2, 1), ITERS)
     )
-    got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     # the extra copies: predict keeps the last update, stash a version per in-flight slot
     row = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params[0]))
     copies = step.async_weight_bytes() / row
