@@ -21,39 +21,13 @@ import numpy as np
 import optax
 import pytest
 from jax.sharding import Mesh
+from test_lowering import CLASSES, MB, SEQ, VOCAB, tiny_model
 
 import pjit_pipe as pp
 from pjit_pipe.lowering import lower
 from pjit_pipe.schedules import make_schedule
 
-VOCAB, SEQ, CLASSES, MB = 13, 3, 5, 2
-WIDTHS = (6, 9, 4, 7, 5)  # stage s maps WIDTHS[s] -> WIDTHS[s + 1]
 MATRIX = [(D, kind) for D in (2, 1) for kind in ("1f1b", "zb-h1")]
-
-
-def tiny_model(num_stages: int = 4, seed: int = 0):
-    """Embedding stage, dense stages of uneven widths, a classifier head."""
-    keys = iter(jax.random.split(jax.random.key(seed), 2 * num_stages + 2))
-    fns, params = [], []
-    for s in range(num_stages):
-        d_in, d_out = WIDTHS[s], WIDTHS[s + 1]
-        if s == 0:
-            p = {"emb": jax.random.normal(next(keys), (VOCAB, d_out))}
-        else:
-            p = {
-                "w": jax.random.normal(next(keys), (d_in, d_out)) / np.sqrt(d_in),
-                "b": 0.1 * jax.random.normal(next(keys), (d_out,)),
-            }
-        if s == num_stages - 1:
-            p["head"] = jax.random.normal(next(keys), (d_out, CLASSES))
-        params.append(p)
-
-        def fn(p, a, first=s == 0, last=s == num_stages - 1):
-            h = jnp.tanh(p["emb"][a].mean(axis=1)) if first else jnp.tanh(a @ p["w"] + p["b"])
-            return h @ p["head"] if last else h
-
-        fns.append(fn)
-    return fns, params
 
 
 def batch(n: int, seed: int):
@@ -192,7 +166,7 @@ def test_clip_by_global_norm_with_two_chunks_per_device():
 
 
 def test_global_norm_clip_refused_in_the_staggered_loop():
-    fns, params = tiny_model()  # refused before anything compiles
+    fns, params = tiny_model(4)  # refused before anything compiles
     x, y = batch(4 * MB, seed=3)
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
     with pytest.raises(ValueError, match="clip_by_global_norm"):
