@@ -15,7 +15,7 @@ from __future__ import annotations
 import atexit
 import threading
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +28,7 @@ from pjit_pipe.ir.failures import FailurePattern, enumerate_patterns
 from pjit_pipe.ir.ops import Worker
 
 DownWorkers = frozenset[Worker]  # the failed workers a variant is compiled for
+COMPILE_THREADS = 2  # concurrent variant compiles: tracing holds the GIL, XLA does not
 
 
 @dataclass(frozen=True)
@@ -106,15 +107,20 @@ class Variants:
         )
         sets = [p.failed for p in patterns]
 
+        def compile_one(failed: DownWorkers) -> None:
+            if self._stop.is_set():
+                return
+            future, mine = self._claim(failed)
+            if mine:
+                self._build(failed, future)
+                if on_done is not None and future.exception() is None:
+                    on_done(future.result())
+
         def work() -> None:
-            for failed in sets:
-                if self._stop.is_set():
-                    return
-                future, mine = self._claim(failed)
-                if mine:
-                    self._build(failed, future)
-                    if on_done is not None and future.exception() is None:
-                        on_done(future.result())
+            # XLA compiles outside the GIL, so two compiles overlap one's tracing
+            # with the other's codegen.
+            with ThreadPoolExecutor(COMPILE_THREADS, "pjit_pipe-compile") as pool:
+                list(pool.map(compile_one, sets))
 
         if not background:
             work()
