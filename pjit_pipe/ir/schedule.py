@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
@@ -77,7 +78,7 @@ class Schedule:
             for i, op in enumerate(self.program(w)):
                 yield w, i, op
 
-    @property
+    @functools.cached_property  # a scan of every op; the schedule is frozen
     def asynchronous(self) -> bool:
         """Whether OPTs step per microbatch (asynchronous 1F1B): no iteration boundary is a
         flush; see `pjit_pipe.ir.engine.stream_order` for how iterations then overlap."""
