@@ -15,6 +15,7 @@ import optax
 import pytest
 from jax.sharding import Mesh
 
+from pjit_pipe.errors import BatchError, CutError, MeshError
 from pjit_pipe.ir.ops import BW, B, F, W
 from pjit_pipe.ir.schedule import ScheduleError, interleaved_layout, v_layout
 from pjit_pipe.lowering import lower
@@ -265,11 +266,11 @@ def test_bad_inputs_are_rejected_before_compiling():
     fns, params = tiny_model(4)
     x, y = batch(16, seed=1)
     sched = make_schedule("1f1b", 4, 4)
-    with pytest.raises(ValueError, match="does not match"):
+    with pytest.raises(MeshError, match="does not match"):
         lower(sched, fns, xent, mesh_of(2, 4), params, x, y)
-    with pytest.raises(ValueError, match="not divisible"):
+    with pytest.raises(BatchError, match="not divisible"):
         lower(sched, fns, xent, mesh_of(1, 4), params, x[:14], y[:14])
-    with pytest.raises(ValueError, match="one entry per virtual stage"):
+    with pytest.raises(CutError, match="one entry per virtual stage"):
         lower(sched, fns[:3], xent, mesh_of(1, 4), params[:3], x, y)
     broken = sched.replace(programs={**sched.programs, (0, 0): sched.programs[(0, 0)][1:]})
     with pytest.raises(ScheduleError):

@@ -23,8 +23,9 @@ import numpy as np
 import optax
 from jax.sharding import Mesh
 
+from pjit_pipe.errors import BatchError, CutError, MeshError, OptimizerError, OptionError
 from pjit_pipe.ir.ops import Kind
-from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.async_weights import async_weights_for
@@ -47,29 +48,31 @@ def _abstract(tree: Any) -> Any:
 
 def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> None:
     if not isinstance(schedule, Schedule):
-        raise ValueError(f"schedule must be a pjit_pipe Schedule, got {type(schedule).__name__}")
+        raise ScheduleError(f"schedule must be a pjit_pipe Schedule, got {type(schedule).__name__}")
     validate(schedule)
     if tuple(mesh.axis_names) != AXES:
-        raise ValueError(f"mesh axes must be {AXES}, got {tuple(mesh.axis_names)}")
+        raise MeshError(
+            f"mesh axes must be {AXES} (pjit_pipe.make_mesh builds one), got {tuple(mesh.axis_names)}"
+        )
     shape = (mesh.shape["data"], mesh.shape["stage"])
     if shape != (schedule.replicas, schedule.stages):
-        raise ValueError(
+        raise MeshError(
             f"mesh (data, stage) = {shape} does not match the schedule's "
             f"(replicas, stages) = {(schedule.replicas, schedule.stages)}"
         )
     S = schedule.num_virtual_stages
     if len(stage_fns) != S or len(stage_params) != S:
-        raise ValueError(
+        raise CutError(
             f"stage_fns and stage_params need one entry per virtual stage (stages*chunks = {S}), "
             f"got {len(stage_fns)} and {len(stage_params)}"
         )
     lead = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves((x, y))}
     n = schedule.replicas * schedule.microbatches
     if len(lead) != 1 or None in lead:
-        raise ValueError(f"x and y leaves must share one leading batch dimension, got {lead}")
+        raise BatchError(f"x and y leaves must share one leading batch dimension, got {lead}")
     (batch,) = lead
     if batch % n:
-        raise ValueError(f"global batch {batch} is not divisible by replicas*microbatches = {n}")
+        raise BatchError(f"global batch {batch} is not divisible by replicas*microbatches = {n}")
 
 
 def lower(
@@ -143,11 +146,11 @@ def lower(
             split,
         )
     if not isinstance(iterations, int) or iterations < 1:
-        raise ValueError(f"iterations must be a positive integer, got {iterations!r}")
+        raise OptionError(f"iterations must be a positive integer, got {iterations!r}")
     topology = Topology.of(mesh, schedule.failed)
     if ticks is not None:
         if not isinstance(ticks, PackedTicks):
-            raise ValueError(
+            raise OptionError(
                 f"ticks must be a PackedTicks (pack_ticks), got {type(ticks).__name__}"
             )
         ticks.check()
@@ -168,7 +171,7 @@ def lower(
     )
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):
-        raise ValueError(
+        raise OptimizerError(
             "optimizer: it takes a norm of the whole update tree (optax.clip_by_global_norm "
             "or another optax.tree.norm / optax.global_norm user), which needs every "
             "stage's gradients before any stage steps; a staggered schedule or "
