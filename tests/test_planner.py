@@ -23,6 +23,7 @@ from pjit_pipe.planner import (
 )
 from pjit_pipe.planner.exact import exact_plan
 from pjit_pipe.planner.profile import SHIPPED
+from pjit_pipe.planner.random_instance import random_instance
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator import simulate
 
@@ -159,22 +160,6 @@ def test_cost_model_closed_forms():
     )
 
 
-def _random_instance(seed: int):
-    """8 layers, 4 devices with asymmetric links and speeds."""
-    rng = np.random.default_rng(seed)
-    layers = [
-        {
-            "f": float(rng.uniform(1, 10)),
-            "b": float(rng.uniform(1, 20)),
-            "act_bytes": float(rng.uniform(1e6, 5e7)),
-            "param_bytes": float(rng.uniform(1e6, 1e8)),
-        }
-        for _ in range(8)
-    ]
-    bandwidth = rng.uniform(1e9, 2e10, size=(4, 4)).tolist()
-    return _toy(layers, bandwidth, memory=4e9, speed=rng.uniform(0.5, 2, size=4).tolist())
-
-
 def _write_instance(tmp_path, profile, devices) -> list[str]:
     """Write the instance as JSON files; return the `plan` arguments that read them."""
     fields = ("f", "b", "w", "act_bytes", "param_bytes")
@@ -189,9 +174,11 @@ def _write_instance(tmp_path, profile, devices) -> list[str]:
     return ["plan", "--profile", str(tmp_path / "p.json"), "--devices", str(tmp_path / "d.json")]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# seed 27: the best simulated plan of the pool is a local optimum three moves from the
+# optimum (2.4% off) and the runner-up one swap from it; the climb restarts from the pool
+@pytest.mark.parametrize("seed", [0, 1, 2, 27])
 def test_fast_planner_within_one_percent_of_exact(seed, tmp_path, capsys):
-    profile, devices = _random_instance(seed)
+    profile, devices = random_instance(seed)
     base = [*_write_instance(tmp_path, profile, devices), "--microbatches", "4"]
     assert main([*base, "--json"]) == 0
     fast = json.loads(capsys.readouterr().out)
@@ -209,7 +196,7 @@ def test_fast_planner_within_one_percent_of_exact(seed, tmp_path, capsys):
 
 
 def test_infeasible_memory_names_the_smallest_need(tmp_path, capsys):
-    profile, devices = _random_instance(3)
+    profile, devices = random_instance(3)
     base = [*_write_instance(tmp_path, profile, devices), "--microbatches", "4"]
     dev = json.loads((tmp_path / "d.json").read_text())
     (tmp_path / "d.json").write_text(json.dumps(dev | {"memory": 1e6}))
