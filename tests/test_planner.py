@@ -22,6 +22,7 @@ from pjit_pipe.planner import (
     shipped_profile,
 )
 from pjit_pipe.planner.exact import exact_plan
+from pjit_pipe.planner.probe import fit_bandwidth
 from pjit_pipe.planner.profile import SHIPPED
 from pjit_pipe.planner.random_instance import random_instance
 from pjit_pipe.schedules import make_schedule
@@ -275,3 +276,35 @@ def test_plan_text_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.startswith("plan: 2 stages x 2 replicas") and "stage 1: layers" in text
     assert out.stat().st_size > 10_000
+
+
+def test_probe_bandwidth_fit_removes_the_dispatch_latency():
+    sizes = [1e6, 4e6, 16e6]
+    times = [2e-4 + s / 5e9 for s in sizes]  # 0.2 ms latency, 5 GB/s
+    assert fit_bandwidth(sizes, times) == pytest.approx(5e9)
+    # flat or falling times (latency-bound tiny buffers): the largest size's bytes / time
+    assert fit_bandwidth([64, 256], [1e-3, 1e-3]) == pytest.approx(256 / 1e-3)
+
+
+def test_probe_writes_devices_that_plan_reads(tmp_path, capsys):
+    """`pjit-pipe probe` on the 8 CPU devices (one program per size, 56 pairs each),
+    then `plan --devices` on its output."""
+    out = tmp_path / "devices.json"
+    assert main(["probe", "--sizes", "256,4096", "--repeats", "1", "--out", str(out)]) == 0
+    assert "8 cpu devices" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    devices = devices_from_json(data)  # the planner's own validation accepts it
+    bw = np.array(data["bandwidth"])
+    off = ~np.eye(8, dtype=bool)
+    assert bw.shape == (8, 8) and (np.diag(bw) == 0).all() and (bw[off] > 0).all()
+    assert np.isfinite(bw).all() and (devices.memory > 0).all()
+    profile = tmp_path / "p.json"
+    profile.write_text(
+        json.dumps({"layers": [{"f": 1.0, "b": 2.0, "act_bytes": 1e3, "param_bytes": 1e3}] * 4})
+    )
+    assert (
+        main(["plan", "--profile", str(profile), "--devices", str(out), "-m", "4", "--json"]) == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    used = [d for row in plan["mapping"] for d in row]
+    assert len(set(used)) == len(used) and all(0 <= d < 8 for d in used)
