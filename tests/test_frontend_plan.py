@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import pytest
 
 import pjit_pipe as pp
+from models import GPT, GPTConfig, lm_loss
 from pjit_pipe.errors import MeshError, OptionError
 from pjit_pipe.frontend import cut_module
 from pjit_pipe.frontend.cut import layer_cut
-from pjit_pipe.frontend.plan import profile_model
-from pjit_pipe.planner import Plan
+from pjit_pipe.frontend.plan import profile_model, scaled
+from pjit_pipe.planner import CostModel, Plan, plan_model
 from tests.test_frontend import compose, rel_err
 
 
@@ -94,3 +95,52 @@ def test_plan_pipeline_profiles_the_layers_and_plans_them():
     pm = pp.pipeline(model, microbatches=4, plan=plan)
     cut = pm.cut(params, jnp.ones((16, 3)))
     assert rel_err(compose(cut, params, x), model.apply(params, x)) < 1e-6
+
+
+@pytest.mark.slow
+def test_auto_plan_on_the_tiny_gpt_matches_jax():
+    """plan="auto" on the 8 CPU devices: profile, probe and plan at the first step,
+    one pipeline compile, gradients equal to jax.value_and_grad."""
+    model = GPT(GPTConfig.tiny())
+    tokens = jax.random.randint(jax.random.key(1), (16, 33), 0, 96)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    pm = pp.pipeline(model, microbatches=2, plan="auto")
+    assert pm.plan is None
+    with pytest.raises(AttributeError, match="made at first use"):
+        pm.mesh  # noqa: B018
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    loss, grads = pm.value_and_grad(lm_loss)(params, x, y)
+    ref_loss, ref_grads = jax.value_and_grad(lambda p: lm_loss(model.apply(p, x), y))(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-4
+    # the plan is the planner's for the same profile, devices and replica count
+    auto, plan = pm.auto_plan, pm.plan
+    assert len(auto.profile) == 7 and auto.rows == 8  # 16 rows / (D=1 x 2 microbatches)
+    assert set(auto.periods) == {1, 2, 4, 8}  # every D that divides the batch
+    profile = scaled(auto.profile, 1 / plan.replicas)
+    expected = plan_model(CostModel(profile, auto.devices, 2), replicas=plan.replicas)
+    assert expected.plan == plan and expected.period == min(p for p in auto.periods.values() if p)
+    # ... and it is what runs: its cut, mesh and kind
+    assert pm.schedule.kind == plan.schedule
+    assert pm.mesh.devices.tolist() == pp.make_mesh(mapping=plan.mapping).devices.tolist()
+    assert len(pm.cut(params, x).keys) == plan.num_stages
+    assert pm.describe(params, x).startswith(f"plan='auto': {plan.replicas} x {plan.num_stages}")
+
+
+def test_auto_plan_refuses_options_it_cannot_honour():
+    model = tower()
+    with pytest.raises(OptionError, match=r"schedule: plan='auto' .* 'zb-v' is not one"):
+        pp.pipeline(model, microbatches=4, plan="auto", schedule="zb-v")
+    with pytest.raises(MeshError, match="stages: 3 differs from the mesh's stage axis"):
+        pp.pipeline(model, microbatches=4, plan="auto", stages=3, mesh=pp.make_mesh(stage=2))
+    with pytest.raises(OptionError, match="failed: plan='auto' chooses the mesh"):
+        pp.pipeline(model, microbatches=4, plan="auto", failed=[(0, 1)])
+    with pytest.raises(OptionError, match="stages: 9 stages need more than the 8 devices"):
+        pp.pipeline(model, microbatches=4, plan="auto", stages=9)
+    with pytest.raises(OptionError, match="plan: expected 'auto'"):
+        pp.pipeline(model, microbatches=4, plan="fast")
+    with pytest.raises(OptionError, match="remat: expected True or False"):
+        pp.pipeline(model, microbatches=4, plan="auto", remat="yes")
+    # a given Plan with a mesh on other devices than its mapping's
+    with pytest.raises(MeshError, match="differ from the plan's mapping"):
+        pp.pipeline(model, microbatches=4, plan=PLAN, mesh=pp.make_mesh(data=1, stage=2))

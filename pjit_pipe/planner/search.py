@@ -44,7 +44,7 @@ TOP_CANDIDATES = 4  # candidates (best proxy first) always priced by the simulat
 POOL_OPS = 50_000  # ... and more of them while their simulations stay within this many ops
 ALL_SHAPES_UP_TO = 8  # devices; beyond, a free search keeps to shapes with D * P = N
 MAX_SWAP_PASSES = 32  # improving swaps per swap search
-ENUMERATE_PLACEMENTS = 5040  # shapes with at most this many device permutations try them all
+ENUMERATE_PLACEMENTS = 720  # shapes with at most this many device permutations try them all
 PER_SHAPE = 24  # candidates kept per shape
 LINK_WEIGHTS = (0.5, 0.0)  # the partition proxy's k (pjit_pipe.planner.partition)
 CLIMBS = 3  # hill climbs, each from the best simulated plan of a different shape
