@@ -12,7 +12,6 @@ import json
 from pathlib import Path
 
 from pjit_pipe.cli.schedule import positive_int
-from pjit_pipe.planner.probe import CPU_SIZES, REPEATS, SIZES
 
 
 def _sizes(text: str) -> list[int]:
@@ -28,7 +27,7 @@ def _sizes(text: str) -> list[int]:
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    """Add the `probe` subcommand."""
+    """Add the `probe` subcommand (JAX is imported only when it runs)."""
     p = subparsers.add_parser(
         "probe",
         help="measure the local devices' link bandwidths and memory for `plan --devices`",
@@ -41,11 +40,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--sizes",
         type=_sizes,
         metavar="BYTES,...",
-        help=f"bytes per transfer (default: {','.join(str(s) for s in SIZES)}; "
-        f"on CPU {','.join(str(s) for s in CPU_SIZES)})",
+        help="bytes per transfer (default: 1, 4 and 16 MiB; on CPU 1 and 16 KiB)",
     )
     p.add_argument(
-        "--repeats", type=positive_int, default=REPEATS, metavar="R", help="timed runs per size"
+        "--repeats", type=positive_int, default=5, metavar="R", help="timed runs per pair and size"
     )
     p.set_defaults(run=run)
 
