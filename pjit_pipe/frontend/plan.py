@@ -123,7 +123,7 @@ def planned_options(
     gave must agree with it."""
     if not isinstance(plan, Plan):
         raise OptionError(
-            f"plan: expected a pjit_pipe.planner.Plan (from pjit_pipe.plan_pipeline or "
+            f"plan: expected 'auto' or a pjit_pipe.planner.Plan (from pjit_pipe.plan_pipeline or "
             f"the planner), got {type(plan).__name__}"
         )
     for name, given, planned in (
