@@ -137,3 +137,19 @@ def test_auto_plan_refuses_options_it_cannot_honour():
     # a given Plan with a mesh on other devices than its mapping's
     with pytest.raises(MeshError, match="differ from the plan's mapping"):
         pp.pipeline(model, microbatches=4, plan=PLAN, mesh=pp.make_mesh(data=1, stage=2))
+
+
+def test_auto_plan_on_a_given_mesh_keeps_to_its_devices_and_shape():
+    """mesh= with plan="auto": its 2 devices are planned over (probed as the pool)
+    and its 1 x 2 shape is fixed; the plan's mapping indexes jax.devices()."""
+    model, x = tower(), jax.random.normal(jax.random.key(1), (8, 3))
+    devices = jax.devices()
+    mesh = pp.make_mesh(data=1, stage=2, devices=[devices[6], devices[3]])
+    pm = pp.pipeline(model, microbatches=4, plan="auto", mesh=mesh)
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    planned = pm.plan_for(params, x)  # plans without compiling a pipeline
+    assert pm.auto_plan.pool == (devices[6], devices[3])
+    assert pm.auto_plan.periods.keys() == {1} and pm.auto_plan.rows == 2
+    assert pm.plan.replicas == 1 and pm.plan.num_stages == 2
+    assert sorted(pm.plan.mapping[0]) == [3, 6]
+    assert set(planned.mesh.devices.flat) == {devices[3], devices[6]}
