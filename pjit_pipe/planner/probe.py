@@ -100,15 +100,18 @@ def probe_devices(
     Compiles one program per size.
     """
     devices = list(jax.devices() if devices is None else devices)
+    n = len(devices)
+    if n == 0:
+        raise DevicesError("probe: no devices given")
     if sizes is None:
         sizes = CPU_SIZES if devices[0].platform == "cpu" else SIZES
-    n = len(devices)
-    if n < 2:
-        raise DevicesError(f"probe: needs at least 2 devices to time a link, got {n}")
     if not sizes or any(int(s) < 4 for s in sizes):
         raise DevicesError(f"probe: sizes must be byte counts >= 4, got {list(sizes)}")
     if repeats < 1:
         raise DevicesError(f"probe: repeats must be >= 1, got {repeats}")
+    memory = np.array([_memory(d, n) for d in devices])
+    if n == 1:  # no link to time
+        return Devices(bandwidth=np.full((1, 1), np.inf), memory=memory, speed=np.ones(1))
     pairs = [(i, j) for i in range(n) for j in range(n) if i != j]
     mesh = Mesh(np.array(devices), (AXIS,))
     run = _pair_program(mesh, pairs)
@@ -123,8 +126,4 @@ def probe_devices(
     bandwidth = np.full((n, n), np.inf)
     for k, (i, j) in enumerate(pairs):
         bandwidth[i, j] = fit_bandwidth([4 * c for c in elems], times[k])
-    return Devices(
-        bandwidth=bandwidth,
-        memory=np.array([_memory(d, n) for d in devices]),
-        speed=np.ones(n),
-    )
+    return Devices(bandwidth=bandwidth, memory=memory, speed=np.ones(n))

@@ -189,6 +189,11 @@ class Searcher:
                 if found is None:
                     break
                 new_cuts = found[0]
+                # the DP's cut on this mapping competes too: the swaps improve the
+                # proxy, which can rank a worse simulated period first
+                score = self.score(new_cuts, mapping, peaks, link_weight)
+                if np.isfinite(score):
+                    out.add(Candidate(new_cuts, tuple(map(tuple, mapping)), score))
                 mapping, score = self.improve_mapping(new_cuts, mapping, peaks, link_weight)
                 out.add(Candidate(new_cuts, tuple(map(tuple, mapping)), score))
                 if new_cuts == cuts:
