@@ -123,6 +123,8 @@ def test_auto_plan_refuses_options_it_cannot_honour():
         pp.pipeline(model, microbatches=4, plan="auto", schedule="zb-v")
     with pytest.raises(MeshError, match="stages: 3 differs from the mesh's stage axis"):
         pp.pipeline(model, microbatches=4, plan="auto", stages=3, mesh=pp.make_mesh(stage=2))
+    with pytest.raises(MeshError, match="mesh: expected a"):
+        pp.pipeline(model, microbatches=4, plan="auto", mesh=jax.devices())
     with pytest.raises(OptionError, match="failed: plan='auto' chooses the mesh"):
         pp.pipeline(model, microbatches=4, plan="auto", failed=[(0, 1)])
     with pytest.raises(OptionError, match="stages: 9 stages need more than the 8 devices"):

@@ -20,6 +20,7 @@ from jax.sharding import Mesh
 
 from pjit_pipe.errors import MeshError, OptimizerError, OptionError
 from pjit_pipe.frontend.adapters import as_model
+from pjit_pipe.frontend.mesh import AXES
 from pjit_pipe.frontend.plan import AutoPlan, auto_plan
 from pjit_pipe.frontend.rngs import with_step_rngs
 from pjit_pipe.frontend.train_step import TrainStep
@@ -51,6 +52,13 @@ def check_auto_options(
         raise OptionError(
             "failed: plan='auto' chooses the mesh at first use, so its workers are not known "
             "yet; run the planned pipeline's with_failures([...]) after its first step"
+        )
+    if mesh is not None and (
+        not isinstance(mesh, Mesh) or tuple(getattr(mesh, "axis_names", ())) != AXES
+    ):
+        raise MeshError(
+            f"mesh: expected a {AXES} mesh from pjit_pipe.make_mesh(data=D, stage=P), got "
+            f"{type(mesh).__name__}; with plan='auto' its devices are planned over"
         )
     if mesh is not None and stages is not None and mesh.shape["stage"] != stages:
         raise MeshError(
