@@ -8,13 +8,16 @@ For every shape D x P that fits the devices (or the one asked for):
    row-major (a replica's stages are neighbours on the chain) and column-major
    (a stage's replicas are neighbours).
 2. Alternation. The partition DP (`pjit_pipe.planner.partition`) cuts the
-   layers for the current mapping; a swap search then exchanges pairs of
-   devices (placed or unused) while the proxy period plus the largest
-   all-reduce improves; repeat until the cut stops changing.
-3. Pricing. The best shapes by proxy are priced by the event simulator under
-   every schedule kind that fits memory (or the one asked for); the best is
-   then improved by hill climbing on the simulated period: moving a cut by one
-   layer, or swapping two devices, while it helps and the budget lasts.
+   layers for the current mapping (a candidate); a swap search then exchanges
+   pairs of devices (placed or unused) while the proxy period plus the
+   largest all-reduce improves (another candidate); repeat until the cut
+   stops changing.
+3. Pricing. The best candidates by proxy are priced by the event simulator
+   under every schedule kind that fits memory (or the one asked for); the
+   best of each of the best shapes is then improved by hill climbing on the
+   simulated period (moving a cut by one layer, swapping two devices, another
+   kind), restarting at a local optimum from that shape's next priced plans,
+   then from random kicks, while the budget lasts.
 
 The objective is the time per replica's microbatch: period / D. With D fixed it
 is the period; when the replicas are free it compares shapes that process
