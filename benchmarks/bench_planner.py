@@ -22,7 +22,6 @@ random 8-layer, 4-device instances with asymmetric links.
 from __future__ import annotations
 
 import argparse
-import json
 import time
 
 import numpy as np
@@ -32,13 +31,12 @@ from pjit_pipe.planner import (
     Plan,
     Searcher,
     cluster,
-    devices_from_json,
-    parse_profile,
     shipped_profile,
 )
 from pjit_pipe.planner.cost import peak_inflight
 from pjit_pipe.planner.exact import exact_plan
 from pjit_pipe.planner.partition import even_cuts, positions
+from pjit_pipe.planner.random_instance import random_instance
 
 MODELS = ("vgg-19", "bert-24", "gnmt-16")
 SHAPES = ((1, 16), (2, 8))
@@ -74,24 +72,8 @@ def baselines(searcher: Searcher, D: int, P: int, m: int) -> dict[str, float | N
 def fast_vs_exact(instances: int) -> list[float]:
     gaps = []
     for seed in range(instances):
-        rng = np.random.default_rng(seed)
-        layers = [
-            {
-                "f": float(rng.uniform(1, 10)),
-                "b": float(rng.uniform(1, 20)),
-                "act_bytes": float(rng.uniform(1e6, 5e7)),
-                "param_bytes": float(rng.uniform(1e6, 1e8)),
-            }
-            for _ in range(8)
-        ]
-        devices = devices_from_json(
-            {
-                "bandwidth": rng.uniform(1e9, 2e10, size=(4, 4)).tolist(),
-                "memory": 4e9,
-                "speed": rng.uniform(0.5, 2, size=4).tolist(),
-            }
-        )
-        model = CostModel(parse_profile(json.dumps({"layers": layers})), devices, 4)
+        profile, devices = random_instance(seed)
+        model = CostModel(profile, devices, 4)
         fast = Searcher(model).search()
         exact, _ = exact_plan(model)
         gaps.append((fast.period / fast.plan.replicas) / (exact.period / exact.plan.replicas) - 1)

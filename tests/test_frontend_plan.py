@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import pytest
 
 import pjit_pipe as pp
+from models import GPT, GPTConfig, lm_loss
 from pjit_pipe.errors import MeshError, OptionError
 from pjit_pipe.frontend import cut_module
 from pjit_pipe.frontend.cut import layer_cut
-from pjit_pipe.frontend.plan import profile_model
-from pjit_pipe.planner import Plan
+from pjit_pipe.frontend.plan import profile_model, scaled
+from pjit_pipe.planner import CostModel, Plan, plan_model
 from tests.test_frontend import compose, rel_err
 
 
@@ -66,20 +67,6 @@ def test_a_plan_sets_cut_mesh_and_schedule():
 
 
 @pytest.mark.slow
-def test_a_planned_pipeline_matches_jax():
-    model = tower()
-    x = jax.random.normal(jax.random.key(1), (8, 3))
-    y = jax.random.normal(jax.random.key(2), (8, 2))
-    pm = pp.pipeline(model, microbatches=4, plan=PLAN)
-    params = jax.jit(pm.init)(jax.random.key(0), x)
-    mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
-    loss, grads = pm.value_and_grad(mse)(params, x, y)
-    ref_loss, ref_grads = jax.value_and_grad(lambda p: mse(model.apply(p, x), y))(params)
-    assert rel_err(loss, ref_loss) < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
-
-
-@pytest.mark.slow
 def test_plan_pipeline_profiles_the_layers_and_plans_them():
     model, x = tower(), jax.random.normal(jax.random.key(1), (2, 3))
     params = jax.jit(model.init)(jax.random.key(0), x)
@@ -94,3 +81,77 @@ def test_plan_pipeline_profiles_the_layers_and_plans_them():
     pm = pp.pipeline(model, microbatches=4, plan=plan)
     cut = pm.cut(params, jnp.ones((16, 3)))
     assert rel_err(compose(cut, params, x), model.apply(params, x)) < 1e-6
+
+
+@pytest.mark.slow
+def test_auto_plan_on_the_tiny_gpt_matches_jax():
+    """plan="auto" on the 8 CPU devices: profile, probe and plan at the first step,
+    one pipeline compile, gradients equal to jax.value_and_grad."""
+    model = GPT(GPTConfig.tiny())
+    tokens = jax.random.randint(jax.random.key(1), (16, 33), 0, 96)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    pm = pp.pipeline(model, microbatches=2, plan="auto")
+    assert pm.plan is None
+    with pytest.raises(AttributeError, match="made at first use"):
+        pm.mesh  # noqa: B018
+    params = jax.jit(pm.init)(jax.random.key(0), x)
+    loss, grads = pm.value_and_grad(lm_loss)(params, x, y)
+    ref = jax.jit(jax.value_and_grad(lambda p: lm_loss(model.apply(p, x), y)))
+    ref_loss, ref_grads = ref(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-4
+    # the plan is the planner's for the same profile, devices and replica count
+    auto, plan = pm.auto_plan, pm.plan
+    assert len(auto.profile) == 7 and auto.rows == 8  # 16 rows / (D=1 x 2 microbatches)
+    # the 4 identical blocks are timed once (one compile), so their times are equal
+    assert auto.profile.names[1:5] == tuple(f"blocks_{k}" for k in range(4))
+    assert len(set(auto.profile.f[1:5].tolist())) == 1
+    assert set(auto.periods) == {1, 2, 4, 8}  # every D that divides the batch
+    profile = scaled(auto.profile, 1 / plan.replicas)
+    expected = plan_model(CostModel(profile, auto.devices, 2), replicas=plan.replicas)
+    assert expected.plan == plan and expected.period == min(p for p in auto.periods.values() if p)
+    # ... and it is what runs: its cut, mesh and kind
+    assert pm.schedule.kind == plan.schedule
+    assert pm.mesh.devices.tolist() == pp.make_mesh(mapping=plan.mapping).devices.tolist()
+    assert len(pm.cut(params, x).keys) == plan.num_stages
+    assert pm.describe(params, x).startswith(f"plan='auto': {plan.replicas} x {plan.num_stages}")
+
+
+def test_auto_plan_refuses_options_it_cannot_honour():
+    model = tower()
+    with pytest.raises(OptionError, match=r"schedule: plan='auto' .* 'zb-v' is not one"):
+        pp.pipeline(model, microbatches=4, plan="auto", schedule="zb-v")
+    with pytest.raises(MeshError, match="stages: 3 differs from the mesh's stage axis"):
+        pp.pipeline(model, microbatches=4, plan="auto", stages=3, mesh=pp.make_mesh(stage=2))
+    with pytest.raises(MeshError, match="mesh: expected a"):
+        pp.pipeline(model, microbatches=4, plan="auto", mesh=jax.devices())
+    with pytest.raises(OptionError, match="failed: plan='auto' chooses the mesh"):
+        pp.pipeline(model, microbatches=4, plan="auto", failed=[(0, 1)])
+    with pytest.raises(OptionError, match="stages: 9 stages need more than the 8 devices"):
+        pp.pipeline(model, microbatches=4, plan="auto", stages=9)
+    with pytest.raises(OptionError, match="plan: expected 'auto'"):
+        pp.pipeline(model, microbatches=4, plan="fast")
+    with pytest.raises(OptionError, match="remat: expected True or False"):
+        pp.pipeline(model, microbatches=4, plan="auto", remat="yes")
+    # as a class decorator, each instance is planned at its own first use
+    Tower = pp.pipeline(microbatches=4, plan="auto")(nn.Sequential)
+    assert Tower([nn.Dense(2)]).plan is None
+    # a given Plan with a mesh on other devices than its mapping's
+    with pytest.raises(MeshError, match="differ from the plan's mapping"):
+        pp.pipeline(model, microbatches=4, plan=PLAN, mesh=pp.make_mesh(data=1, stage=2))
+
+
+def test_auto_plan_on_a_given_mesh_keeps_to_its_devices_and_shape():
+    """mesh= with plan="auto": its 2 devices are planned over (probed as the pool)
+    and its 1 x 2 shape is fixed; the plan's mapping indexes jax.devices()."""
+    model, x = tower(), jax.random.normal(jax.random.key(1), (8, 3))
+    devices = jax.devices()
+    mesh = pp.make_mesh(data=1, stage=2, devices=[devices[6], devices[3]])
+    pm = pp.pipeline(model, microbatches=4, plan="auto", mesh=mesh)
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    planned = pm.plan_for(params, x)  # plans without compiling a pipeline
+    assert pm.auto_plan.pool == (devices[6], devices[3])
+    assert pm.auto_plan.periods.keys() == {1} and pm.auto_plan.rows == 2
+    assert pm.plan.replicas == 1 and pm.plan.num_stages == 2
+    assert sorted(pm.plan.mapping[0]) == [3, 6]
+    assert set(planned.mesh.devices.flat) == {devices[3], devices[6]}

@@ -22,7 +22,9 @@ from pjit_pipe.planner import (
     shipped_profile,
 )
 from pjit_pipe.planner.exact import exact_plan
+from pjit_pipe.planner.probe import fit_bandwidth
 from pjit_pipe.planner.profile import SHIPPED
+from pjit_pipe.planner.random_instance import random_instance
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator import simulate
 
@@ -159,22 +161,6 @@ def test_cost_model_closed_forms():
     )
 
 
-def _random_instance(seed: int):
-    """8 layers, 4 devices with asymmetric links and speeds."""
-    rng = np.random.default_rng(seed)
-    layers = [
-        {
-            "f": float(rng.uniform(1, 10)),
-            "b": float(rng.uniform(1, 20)),
-            "act_bytes": float(rng.uniform(1e6, 5e7)),
-            "param_bytes": float(rng.uniform(1e6, 1e8)),
-        }
-        for _ in range(8)
-    ]
-    bandwidth = rng.uniform(1e9, 2e10, size=(4, 4)).tolist()
-    return _toy(layers, bandwidth, memory=4e9, speed=rng.uniform(0.5, 2, size=4).tolist())
-
-
 def _write_instance(tmp_path, profile, devices) -> list[str]:
     """Write the instance as JSON files; return the `plan` arguments that read them."""
     fields = ("f", "b", "w", "act_bytes", "param_bytes")
@@ -189,9 +175,11 @@ def _write_instance(tmp_path, profile, devices) -> list[str]:
     return ["plan", "--profile", str(tmp_path / "p.json"), "--devices", str(tmp_path / "d.json")]
 
 
-@pytest.mark.parametrize("seed", [0, 1, 2])
+# seed 27: the best simulated plan of the pool is a local optimum three moves from the
+# optimum (2.4% off) and the runner-up one swap from it; the climb restarts from the pool
+@pytest.mark.parametrize("seed", [0, 1, 2, 27])
 def test_fast_planner_within_one_percent_of_exact(seed, tmp_path, capsys):
-    profile, devices = _random_instance(seed)
+    profile, devices = random_instance(seed)
     base = [*_write_instance(tmp_path, profile, devices), "--microbatches", "4"]
     assert main([*base, "--json"]) == 0
     fast = json.loads(capsys.readouterr().out)
@@ -209,7 +197,7 @@ def test_fast_planner_within_one_percent_of_exact(seed, tmp_path, capsys):
 
 
 def test_infeasible_memory_names_the_smallest_need(tmp_path, capsys):
-    profile, devices = _random_instance(3)
+    profile, devices = random_instance(3)
     base = [*_write_instance(tmp_path, profile, devices), "--microbatches", "4"]
     dev = json.loads((tmp_path / "d.json").read_text())
     (tmp_path / "d.json").write_text(json.dumps(dev | {"memory": 1e6}))
@@ -288,3 +276,35 @@ def test_plan_text_and_plot(tmp_path, capsys):
     text = capsys.readouterr().out
     assert text.startswith("plan: 2 stages x 2 replicas") and "stage 1: layers" in text
     assert out.stat().st_size > 10_000
+
+
+def test_probe_bandwidth_fit_removes_the_dispatch_latency():
+    sizes = [1e6, 4e6, 16e6]
+    times = [2e-4 + s / 5e9 for s in sizes]  # 0.2 ms latency, 5 GB/s
+    assert fit_bandwidth(sizes, times) == pytest.approx(5e9)
+    # flat or falling times (latency-bound tiny buffers): the largest size's bytes / time
+    assert fit_bandwidth([64, 256], [1e-3, 1e-3]) == pytest.approx(256 / 1e-3)
+
+
+def test_probe_writes_devices_that_plan_reads(tmp_path, capsys):
+    """`pjit-pipe probe` on the 8 CPU devices (one program per size, 56 pairs each),
+    then `plan --devices` on its output."""
+    out = tmp_path / "devices.json"
+    assert main(["probe", "--sizes", "256,4096", "--repeats", "1", "--out", str(out)]) == 0
+    assert "8 cpu devices" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    devices = devices_from_json(data)  # the planner's own validation accepts it
+    bw = np.array(data["bandwidth"])
+    off = ~np.eye(8, dtype=bool)
+    assert bw.shape == (8, 8) and (np.diag(bw) == 0).all() and (bw[off] > 0).all()
+    assert np.isfinite(bw).all() and (devices.memory > 0).all()
+    profile = tmp_path / "p.json"
+    profile.write_text(
+        json.dumps({"layers": [{"f": 1.0, "b": 2.0, "act_bytes": 1e3, "param_bytes": 1e3}] * 4})
+    )
+    assert (
+        main(["plan", "--profile", str(profile), "--devices", str(out), "-m", "4", "--json"]) == 0
+    )
+    plan = json.loads(capsys.readouterr().out)
+    used = [d for row in plan["mapping"] for d in row]
+    assert len(set(used)) == len(used) and all(0 <= d < 8 for d in used)

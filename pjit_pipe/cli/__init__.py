@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 # One line per subcommand module: add yours here.
-SUBCOMMANDS = ("schedule", "train", "demo", "plan")
+SUBCOMMANDS = ("schedule", "train", "demo", "plan", "probe")
 
 
 class UsageError(Exception):

@@ -35,8 +35,9 @@ class Devices:
         return len(self.memory)
 
     def to_json(self) -> dict:
+        """The JSON form; the diagonal (ignored on reading) is written as 0, not infinity."""
         return {
-            "bandwidth": self.bandwidth.tolist(),
+            "bandwidth": np.where(np.eye(len(self), dtype=bool), 0.0, self.bandwidth).tolist(),
             "memory": self.memory.tolist(),
             "speed": self.speed.tolist(),
         }

@@ -8,13 +8,16 @@ For every shape D x P that fits the devices (or the one asked for):
    row-major (a replica's stages are neighbours on the chain) and column-major
    (a stage's replicas are neighbours).
 2. Alternation. The partition DP (`pjit_pipe.planner.partition`) cuts the
-   layers for the current mapping; a swap search then exchanges pairs of
-   devices (placed or unused) while the proxy period plus the largest
-   all-reduce improves; repeat until the cut stops changing.
-3. Pricing. The best shapes by proxy are priced by the event simulator under
-   every schedule kind that fits memory (or the one asked for); the best is
-   then improved by hill climbing on the simulated period: moving a cut by one
-   layer, or swapping two devices, while it helps and the budget lasts.
+   layers for the current mapping (a candidate); a swap search then exchanges
+   pairs of devices (placed or unused) while the proxy period plus the
+   largest all-reduce improves (another candidate); repeat until the cut
+   stops changing.
+3. Pricing. The best candidates by proxy are priced by the event simulator
+   under every schedule kind that fits memory (or the one asked for); the
+   best of each of the best shapes is then improved by hill climbing on the
+   simulated period (moving a cut by one layer, swapping two devices, another
+   kind), restarting at a local optimum from that shape's next priced plans,
+   then from random kicks, while the budget lasts.
 
 The objective is the time per replica's microbatch: period / D. With D fixed it
 is the period; when the replicas are free it compares shapes that process
@@ -44,7 +47,7 @@ TOP_CANDIDATES = 4  # candidates (best proxy first) always priced by the simulat
 POOL_OPS = 50_000  # ... and more of them while their simulations stay within this many ops
 ALL_SHAPES_UP_TO = 8  # devices; beyond, a free search keeps to shapes with D * P = N
 MAX_SWAP_PASSES = 32  # improving swaps per swap search
-ENUMERATE_PLACEMENTS = 5040  # shapes with at most this many device permutations try them all
+ENUMERATE_PLACEMENTS = 720  # shapes with at most this many device permutations try them all
 PER_SHAPE = 24  # candidates kept per shape
 LINK_WEIGHTS = (0.5, 0.0)  # the partition proxy's k (pjit_pipe.planner.partition)
 CLIMBS = 3  # hill climbs, each from the best simulated plan of a different shape
@@ -189,6 +192,11 @@ class Searcher:
                 if found is None:
                     break
                 new_cuts = found[0]
+                # the DP's cut on this mapping competes too: the swaps improve the
+                # proxy, which can rank a worse simulated period first
+                score = self.score(new_cuts, mapping, peaks, link_weight)
+                if np.isfinite(score):
+                    out.add(Candidate(new_cuts, tuple(map(tuple, mapping)), score))
                 mapping, score = self.improve_mapping(new_cuts, mapping, peaks, link_weight)
                 out.add(Candidate(new_cuts, tuple(map(tuple, mapping)), score))
                 if new_cuts == cuts:
@@ -249,18 +257,31 @@ class Searcher:
         return out
 
     def climb(
-        self, start: Evaluation, budget: int, kinds: list[str], vary: str = "all"
+        self,
+        start: Evaluation,
+        budget: int,
+        kinds: list[str],
+        vary: str = "all",
+        restarts: tuple[Evaluation, ...] = (),
     ) -> Evaluation:
         """Iterated local search on the simulated period.
 
-        First-improvement hill climbing over `neighbours`; at a local optimum,
-        a kick (a random mapping move from the best plan, re-cut by the DP
-        unless vary="mapping"; seeded, so the search is deterministic) restarts
-        it, until `budget` simulations are spent. vary="cuts" only climbs.
+        First-improvement hill climbing over `neighbours`; at a local optimum it
+        restarts from the next of `restarts` (already simulated plans, best
+        first) not yet visited, then, once they are used up, from a kick (a
+        random mapping move from the best plan, re-cut by the DP unless
+        vary="mapping"; seeded, so the search is deterministic), until `budget`
+        simulations are spent. vary="cuts" only climbs.
+
+        The restarts matter: the runner-up of the pool is often one move from
+        the optimum when the best is a local optimum far from it (the proxy
+        ranks by 1F1B's steady state; the simulator prices the kind's own
+        bubbles), and a random kick rarely finds that move.
         """
         rng = np.random.default_rng(0)
         best = current = start
         seen = {start.plan}
+        pending = list(restarts)
         while budget > 0:
             improved = False
             for cand in self.neighbours(current.plan, kinds, vary):
@@ -277,6 +298,11 @@ class Searcher:
             if self.objective(current) < self.objective(best):
                 best = current
             if improved:
+                continue
+            pending = [ev for ev in pending if ev.plan not in seen]
+            if pending:
+                current = pending.pop(0)
+                seen.add(current.plan)
                 continue
             moves = self.mapping_moves(best.plan) if vary != "cuts" else []
             if not moves:
@@ -342,16 +368,19 @@ class Searcher:
         evaluated = sorted((e for e in evaluated if e.feasible), key=self.objective)
         if not evaluated:
             raise PlanError("no plan fits in memory")
-        starts, shapes_seen = [], set()
+        by_shape: dict[tuple[int, int], list[Evaluation]] = {}
         for ev in evaluated:  # climb from the best plan of each of the best shapes
-            shape = (ev.plan.replicas, ev.plan.num_stages)
-            if shape not in shapes_seen and len(starts) < CLIMBS:
-                shapes_seen.add(shape)
-                starts.append(ev)
+            by_shape.setdefault((ev.plan.replicas, ev.plan.num_stages), []).append(ev)
+        starts = list(by_shape.values())[:CLIMBS]
         best = min(
             (
-                self.climb(ev, self.climb_budget(ev.plan, climb_ops) // len(starts), kinds)
-                for ev in starts
+                self.climb(
+                    pool[0],
+                    self.climb_budget(pool[0].plan, climb_ops) // len(starts),
+                    kinds,
+                    restarts=tuple(pool[1:]),
+                )
+                for pool in starts
             ),
             key=self.objective,
         )
