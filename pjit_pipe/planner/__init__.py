@@ -24,6 +24,7 @@ from pjit_pipe.planner.devices import (
     devices_from_json,
     load_devices,
 )
+from pjit_pipe.planner.memory_bound import smallest_memory
 from pjit_pipe.planner.profile import (
     Profile,
     ProfileError,
@@ -31,7 +32,7 @@ from pjit_pipe.planner.profile import (
     parse_profile,
     shipped_profile,
 )
-from pjit_pipe.planner.search import Searcher, smallest_memory
+from pjit_pipe.planner.search import Searcher
 
 
 def plan_model(
