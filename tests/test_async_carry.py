@@ -1,62 +1,132 @@
-"""Asynchronous 1F1B across compiled calls: the carrying program (lowering/async_carry.py)."""
+"""Asynchronous 1F1B across compiled calls: the carrying program (lowering/async_carry.py).
+
+N carrying calls and a flush run each worker's ops in the order of one call of
+N iterations, so they must give its parameters and per-batch losses; with a
+message crossing the window's end (remat) they must match the op-by-op host
+replay of asynchronous training (tests/test_async_lowering.py).
+"""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import pjit_pipe as pp
+from models import ResidualMLP, mse_loss
+from pjit_pipe.errors import OptionError, StateError
 from pjit_pipe.lowering import lower
+from pjit_pipe.runtime.checkpoint import CheckpointError, Checkpoints
 from pjit_pipe.schedules import make_schedule
-from tests.test_lowering import MB, assert_trees_close, batch, mesh_of, tiny_model, xent
+from tests.test_async_lowering import M as ASYNC_M
+from tests.test_async_lowering import host_async_training
+from tests.test_async_lowering import problem as problem_p2  # noqa: F401 (a fixture)
+from tests.test_lowering import assert_trees_close, mesh_of, xent
 
 P, M, CALLS = 4, 4, 3
 
 
-@pytest.fixture(scope="module")
-def problem():
-    fns, params = tiny_model(P)
-    batches = [batch(M * MB, seed=70 + i) for i in range(CALLS)]
-    return fns, params, batches, optax.adam(0.02)
-
-
-def lowered(problem, mode, iterations):
-    fns, params, batches, opt = problem
-    sched = make_schedule("async-1f1b", P, M)
-    return lower(
-        sched,
-        fns,
-        xent,
-        mesh_of(1, P),
-        params,
-        *batches[0],
-        optimizer=opt,
-        iterations=iterations,
-        async_weights=mode,
-    )
-
-
-@pytest.mark.parametrize("mode", ["stash"])
-def test_calls_and_drain_equal_one_call_of_n_iterations(problem, mode):
-    _, params, batches, _ = problem
-    ref = lowered(problem, mode, CALLS)
-    xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
-    want, _, want_losses = ref.train_step(params, ref.init_opt_state(params), xs, ys)
-
-    step = lowered(problem, mode, 1)
+def carry_and_drain(step, params, batches):
+    """(per-stage params, loss of each batch) after one carrying call per batch and a drain."""
     dev_params, dev_opt = step.layout.from_stages(params, step.init_opt_state(params))
     in_flight, losses = None, []
     for x, y in batches:
         dev_params, dev_opt, in_flight, loss = step.carry_train_step(
             dev_params, dev_opt, in_flight, x, y
         )
+        assert in_flight is not None
         losses.append(float(loss))
     dev_params, dev_opt, in_flight, loss = step.carry_train_step(
         dev_params, dev_opt, in_flight, drain=True
     )
-    losses.append(float(loss))
-    assert in_flight is None and np.isnan(losses[0])
-    np.testing.assert_allclose(losses[1:], np.asarray(want_losses), rtol=1e-5)
+    assert in_flight is None and np.isnan(losses[0])  # the first call finishes no batch
     got, _ = step.layout.to_stages(dev_params, dev_opt)
+    return got, [*losses[1:], float(loss)]
+
+
+def test_calls_and_flush_equal_one_call_of_n_iterations(tmp_path):
+    """1x4, stash (the versions in flight move with their residual slots), through
+    the frontend's carrying TrainStep; the state in flight is refused by a
+    checkpoint and by a draining step."""
+    rng = np.random.default_rng(0)
+    batches = [
+        (rng.normal(size=(8, 16)).astype(np.float32), rng.normal(size=(8, 8)).astype(np.float32))
+        for _ in range(CALLS)
+    ]
+    optimizer = optax.adam(0.02)
+    pm = pp.pipeline(
+        ResidualMLP(n_layers=2),
+        stages=P,
+        microbatches=M,
+        schedule="async-1f1b",
+        async_weights="stash",
+        mesh=pp.make_mesh(data=1, stage=P),
+        optimizer=optimizer,
+    )
+    params = pm.init(jax.random.key(0), batches[0][0])
+    carrying = pm.train_step(mse_loss, carry=True)
+    state, losses = carrying.init(params, batches[0]), []
+    for b in batches:
+        state, loss = carrying(state, b)
+        losses.append(float(loss))
+    assert np.isnan(losses[0]) and state.in_flight is not None and state.step == CALLS
+    with pytest.raises(CheckpointError, match="in flight"):
+        Checkpoints(tmp_path).save(state, force=True)
+    with pytest.raises(StateError, match="flush"):
+        pm.train_step(mse_loss)(state, batches[0])
+    state, loss = carrying.flush(state)
+    assert state.in_flight is None and carrying.flush(state) == (state, None)
+
+    cut = pm.cut(params, batches[0][0])
+    ref = lower(
+        pm.schedule,
+        cut.stage_fns(),
+        mse_loss,
+        pm.mesh,
+        cut.split(params),
+        *batches[0],
+        optimizer=optimizer,
+        iterations=CALLS,
+        async_weights="stash",
+    )
+    xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
+    stage_params = cut.split(params)
+    want, _, want_losses = ref.train_step(stage_params, ref.init_opt_state(stage_params), xs, ys)
+    np.testing.assert_allclose([*losses[1:], float(loss)], np.asarray(want_losses), rtol=1e-5)
+    assert_trees_close(cut.split(state.params), want)
+    program = pm.program(params, *batches[0], mse_loss)[1]
+    window = program._carrying.window
+    assert window.period == 2 * M  # one F and one BW per microbatch: no bubble
+    assert np.any(window.res_moves[..., 0] != window.res_moves[..., 1])
+
+    with pytest.raises(OptionError, match="asynchronous schedule"):
+        pp.pipeline(ResidualMLP(), stages=2, microbatches=2, optimizer=optimizer).train_step(
+            mse_loss, carry=True
+        )
+
+
+@pytest.mark.slow
+def test_carried_messages_and_prediction_follow_the_host_arithmetic(problem_p2):  # noqa: F811
+    """P=2 with remat: an activation crosses the window's end (a message slot
+    move), and predict carries its last update u across calls."""
+    fns, params, batches, opt, _ = problem_p2
+    sched = make_schedule("async-1f1b", 2, ASYNC_M)
+    step = lower(
+        sched,
+        fns,
+        xent,
+        mesh_of(1, 2),
+        params,
+        *batches[0],
+        optimizer=opt,
+        remat=True,
+        async_weights="predict",
+    )
+    got, losses = carry_and_drain(step, params, batches)
+    window = step._carrying.window
+    assert np.any(window.msg_moves[..., 0] != window.msg_moves[..., 1])
+    want, want_losses = host_async_training(fns, params, opt, batches, sched, "predict")
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
     assert_trees_close(got, want)
