@@ -161,6 +161,11 @@ class TrainStep:
     def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
         """Compile ahead of time for states like this one and batches shaped like
         `batch` (arrays or ShapeDtypeStructs); returns the seconds it took."""
+        if self.carry:
+            raise StateError(
+                "compile: a carrying step (carry=True) compiles on its first call; "
+                "call it instead, or compile a step without carry"
+            )
         step, _ = self._program(state.view.variables, batch)
         sharding = NamedSharding(self.pipelined.device_mesh, PartitionSpec())
         x, y = jax.tree.map(
