@@ -8,6 +8,8 @@ replay of asynchronous training (tests/test_async_lowering.py).
 
 from __future__ import annotations
 
+import json
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +18,7 @@ import pytest
 
 import pjit_pipe as pp
 from models import ResidualMLP, mse_loss
+from pjit_pipe.cli import main
 from pjit_pipe.errors import OptionError, StateError
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.lowering import lower
@@ -202,3 +205,15 @@ def test_window_plan_delivers_every_tensor(P, m, D, remat):
     sched = make_schedule("async-1f1b", P, m, replicas=D)
     ops = sum(op.kind is not Kind.OPT for w in sched.alive_workers for op in sched.program(w))
     assert replay(sched, remat, calls=3) == 3 * ops
+
+
+@pytest.mark.slow
+def test_cli_train_carries_between_steps_and_flushes_at_checkpoints(capsys, tmp_path):
+    argv = ["train", "--model", "mlp", "--mesh", "1x2", "--schedule", "async-1f1b"]
+    argv += ["--microbatches", "2", "--json", "--checkpoint-dir", str(tmp_path)]
+    assert main([*argv, "--checkpoint-every", "2", "--steps", "3"]) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    # a step's record comes once its batch has finished: in order, every step once
+    assert [r["step"] for r in records] == [0, 1, 2]
+    assert all(np.isfinite(r["loss"]) for r in records)
+    assert Checkpoints(tmp_path).latest_step() == 3  # saved flushed, at steps 2 and 3

@@ -82,7 +82,7 @@ class StageOptimizer:
                 "inside the loop (a staggered or re-routed schedule, iterations > 1) does "
                 "not support them yet; untie them or train on an unstaggered schedule"
             )
-        plan = plan or prog.step_plan
+        plan = prog.step_plan if plan is None else plan
         v, iterations = prog.sched.chunks, prog.iterations
         count = prog.sched.replicas * prog.sched.microbatches
         msgs, res, grads = prog.empty(plan)
