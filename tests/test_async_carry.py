@@ -26,10 +26,9 @@ from pjit_pipe.lowering.plan import LANE_OF
 from pjit_pipe.lowering.steady_window import CURRENT, PREVIOUS, steady_window
 from pjit_pipe.runtime.checkpoint import CheckpointError, Checkpoints
 from pjit_pipe.schedules import make_schedule
+from tests.test_async_lowering import ITERS, host_async_training
 from tests.test_async_lowering import M as ASYNC_M
-from tests.test_async_lowering import host_async_training
-from tests.test_async_lowering import problem as problem_p2  # noqa: F401 (a fixture)
-from tests.test_lowering import assert_trees_close, mesh_of, xent
+from tests.test_lowering import MB, assert_trees_close, batch, mesh_of, tiny_model, xent
 
 P, M, CALLS = 4, 4, 3
 
@@ -114,10 +113,12 @@ def test_calls_and_flush_equal_one_call_of_n_iterations(tmp_path):
 
 
 @pytest.mark.slow
-def test_carried_messages_and_prediction_follow_the_host_arithmetic(problem_p2):  # noqa: F811
+def test_carried_messages_and_prediction_follow_the_host_arithmetic():
     """P=2 with remat: an activation crosses the window's end (a message slot
     move), and predict carries its last update u across calls."""
-    fns, params, batches, opt, _ = problem_p2
+    fns, params = tiny_model(2)
+    batches = [batch(ASYNC_M * MB, seed=40 + i) for i in range(ITERS)]
+    opt = optax.sgd(0.3, momentum=0.9)
     sched = make_schedule("async-1f1b", 2, ASYNC_M)
     step = lower(
         sched,
