@@ -3,7 +3,9 @@
 N carrying calls and a flush run each worker's ops in the order of one call of
 N iterations, so they must give its parameters and per-batch losses; with a
 message crossing the window's end (remat) they must match the op-by-op host
-replay of asynchronous training (tests/test_async_lowering.py).
+replay of asynchronous training (tests/test_async_lowering.py). Without a
+compile, a replay of the window's plan on labels checks that every op of
+several calls reads the tensor it needs; the CLI carries between steps.
 """
 
 from __future__ import annotations
@@ -51,6 +53,7 @@ def carry_and_drain(step, params, batches):
     return got, [*losses[1:], float(loss)]
 
 
+@pytest.mark.filterwarnings("ignore:.*imbalanced")  # ResidualMLP's 4-stage cut
 def test_calls_and_flush_equal_one_call_of_n_iterations(tmp_path):
     """1x4, stash (the versions in flight move with their residual slots), through
     the frontend's carrying TrainStep; the state in flight is refused by a
