@@ -4,7 +4,13 @@
    zb-h1 (their optimizer staggered) at P=4 and 8, m=2P, costs 1,1,1 and 1,2,1;
    event-driven, and the lockstep tick table the frontend compiles (packed by
    `pack_ticks`; async-1f1b is not packed), run over several back-to-back iterations.
-2. Convergence: the tiny GPT on the bundled corpus on a 1x4 mesh, m=4, with
+2. Carrying across calls: the lockstep time of one compiled call (one batch) of
+   async-1f1b that drains (fills and drains its pipeline) against one that
+   carries its in-flight microbatches (runs the steady window,
+   lowering/async_carry.py), and the measured wall time of a compiled step of
+   the tiny GPT on 1x4 for 1f1b, zb-h1, async draining and async carrying,
+   in one run (`--calls` timed calls each, taking turns).
+3. Convergence: the tiny GPT on the bundled corpus on a 1x4 mesh, m=4, with
    adam and with SGD-momentum: synchronous 1f1b against async-1f1b with
    `latest`, `stash` and `predict` weights, at the same samples (every step
    one global batch; async takes m updates per step, one per microbatch) and
@@ -17,6 +23,7 @@ The learning rate is injected (optax.inject_hyperparams) so one compiled
 program per (schedule, optimizer) serves every rate and seed.
 
 Run: python benchmarks/bench_async.py [--steps N] [--seeds K] [--plot FILE.png]
+    [--calls N] [--skip-convergence]
 The defaults are a short run for a 2-core machine; the full study is
     python benchmarks/bench_async.py --steps 300 --seeds 3
 """
@@ -41,11 +48,13 @@ import pjit_pipe as pp
 from models import GPT, GPTConfig, lm_loss
 from models.text import CharCorpus
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering import lower
+from pjit_pipe.lowering.steady_window import steady_window
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator.simulate import simulate
+from pjit_pipe.simulator.simulate import packed_time, simulate
 
 P, M, BATCH = 4, 4, 16
 # Iterations per compiled call: asynchronous 1F1B runs without a flush inside a
@@ -85,6 +94,71 @@ def throughput() -> None:
                 print(
                     f"{stages:>2} {tag:>7} {kind:>11} {costs.ideal(sched):>6g} {event:>7.2f} {lock:>9.2f}"
                 )
+
+
+def carrying_periods() -> None:
+    """Lockstep time of one compiled call of async-1f1b (one batch): the draining
+    program fills and drains its pipeline, the carrying one runs the steady window."""
+    print("async-1f1b, lockstep time of one call: draining (fill + drain) vs carrying (window)")
+    print(f"{'P':>2} {'costs':>7} {'ideal':>6} {'draining':>9} {'carrying':>9} {'ratio':>6}")
+    for stages in (4, 8):
+        m = 2 * stages
+        sched = make_schedule("async-1f1b", stages, m)
+        window = steady_window(sched, False, tuple(sched.alive_workers))
+        for costs in (Costs(1, 1, 1), Costs(1, 2, 1)):
+            drain = packed_time(PackedTicks.one_op_per_tick(sched, 1), costs)
+            carry = packed_time(PackedTicks(sched, 1, window.ticks), costs)
+            tag = f"{costs.f:g},{costs.b:g},{costs.w:g}"
+            print(
+                f"{stages:>2} {tag:>7} {costs.ideal(sched):>6g} {drain:>9g} {carry:>9g}"
+                f" {carry / drain:>6.2f}"
+            )
+
+
+def compiled_step_times(calls: int) -> None:
+    """Wall time of one compiled step (one global batch) of the tiny GPT, 1x4, adam,
+    through the frontend: 1f1b and zb-h1, async-1f1b draining and carrying. The
+    runs take turns call by call, so load on the machine hits them alike."""
+    corpus = CharCorpus.load()
+    config = GPTConfig.tiny(vocab=corpus.vocab)
+    mesh = pp.make_mesh(data=1, stage=P)
+    rng = np.random.default_rng(0)
+    batches = [corpus.batch(rng, BATCH, config.seq_len) for _ in range(calls + 2)]
+    params = GPT(config).init(jax.random.key(0), batches[0][0])
+    runs = {}
+    for name, kind, carry in (
+        ("1f1b", "1f1b", False),
+        ("zb-h1", "zb-h1", False),
+        ("async draining", "async-1f1b", False),
+        ("async carrying", "async-1f1b", True),
+    ):
+        pm = pp.pipeline(
+            GPT(config),
+            stages=P,
+            microbatches=M,
+            schedule=kind,
+            mesh=mesh,
+            optimizer=optax.adam(1e-3),
+        )
+        step = pm.train_step(lm_loss, carry=carry)
+        state = step.init(params, batches[0])
+        for b in batches[:2]:  # compile, then one warm call
+            state, loss = step(state, b)
+        jax.block_until_ready((state, loss))
+        runs[name] = [step, state, []]
+    for b in batches[2:]:
+        for run in runs.values():
+            step, state, times = run
+            start = time.perf_counter()
+            state, loss = step(state, b)
+            jax.block_until_ready((state, loss))
+            times.append(time.perf_counter() - start)
+            run[1] = state
+    base = statistics.median(runs["1f1b"][2])
+    print(f"compiled step time, tiny GPT 1x{P}, m={M}, batch {BATCH}, median of {calls} (CPU):")
+    for name, (_, _, times) in runs.items():
+        t = statistics.median(times)
+        print(f"  {name:>14}: {1e3 * t:7.1f} ms  ({t / base:.2f}x 1f1b)")
 
 
 def with_rate(opt_state, rate: float):
@@ -194,8 +268,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seeds", type=int, default=1)
     parser.add_argument("--plot", default=None, help="loss-curve picture (.png)")
     parser.add_argument("--skip-convergence", action="store_true")
+    parser.add_argument("--calls", type=int, default=20, help="timed calls per step kind")
     args = parser.parse_args(argv)
     throughput()
+    carrying_periods()
+    compiled_step_times(args.calls)
     if not args.skip_convergence:
         convergence(args.steps, args.seeds, args.plot)
 

@@ -123,7 +123,8 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     With on_compiled(variant), failure variants are compiled before training
     starts, calling it after each; otherwise in the background. With
     args.checkpoint_dir, resume from its latest checkpoint (if any) and save
-    every args.checkpoint_every steps and at the end."""
+    every args.checkpoint_every steps and at the end. async-1f1b without failures
+    carries its microbatches from step to step (`train_carrying`)."""
     data, stages = args.mesh
     fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
     ensure_host_devices(data * stages)
@@ -176,6 +177,9 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         params = start_from.params if isinstance(start_from, pp.TrainState) else start_from
         pm.measure_costs(params, x, y, task.loss_fn)
         show_costs(pm, args.json)
+    if args.schedule == "async-1f1b" and not fail and not rejoin:
+        state = train_carrying(args, pm, task, start_from, (x, y), checkpoints, on_step, batch)
+        return pm, state, task
     state = trainer.init(
         start_from,
         (x, y),
@@ -207,6 +211,54 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         if checkpoints is not None:
             checkpoints.close()  # waits for the last save
     return pm, state, task
+
+
+def train_carrying(
+    args: argparse.Namespace,
+    pm: Any,
+    task: Task,
+    start_from: Any,
+    batch: tuple[Any, Any],
+    checkpoints: Any,
+    on_step: Any,
+    rows: int,
+) -> Any:
+    """`train` for async-1f1b without failures: steps carry their microbatches in
+    flight (lowering/async_carry.py), so the pipeline never drains between steps.
+    A step's record comes when its batch has finished, after the next step's call
+    (`seconds`: that call's time); the pipeline is flushed before each checkpoint
+    and at the end. Returns the final state."""
+    import pjit_pipe as pp
+
+    step_fn = pm.train_step(task.loss_fn, carry=True)
+    if isinstance(start_from, pp.TrainState):
+        state, _ = step_fn.adopt(start_from, batch)
+    else:
+        state = step_fn.init(start_from, batch)
+
+    def finished(step: int, loss: Any, start: float) -> None:
+        seconds = time.perf_counter() - start
+        on_step(StepRecord(step, float(loss), seconds, rows * task.tokens_per_example, [], []))
+
+    try:
+        for step in range(state.step, args.steps):
+            start, filling = time.perf_counter(), state.in_flight is None
+            state, loss = step_fn(state, batch)
+            if not filling:  # the previous step's batch finished in this call
+                finished(step - 1, loss, start)
+            position = task.position()  # before the batch of the next step
+            batch = task.next_batch()
+            last = state.step == args.steps
+            if last or (checkpoints is not None and state.step % checkpoints.every == 0):
+                start = time.perf_counter()
+                state, loss = step_fn.flush(state)
+                finished(step, loss, start)
+                if checkpoints is not None:
+                    checkpoints.save(state, position, force=last)
+    finally:
+        if checkpoints is not None:
+            checkpoints.close()
+    return state
 
 
 def show_costs(pm: Any, as_json: bool) -> None:

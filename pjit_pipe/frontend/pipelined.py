@@ -324,15 +324,16 @@ class Pipelined:
         the batch of a step, and value_and_grad's parameters."""
         return jax.device_put(tree, NamedSharding(self.device_mesh, PartitionSpec()))
 
-    def train_step(self, loss_fn: LossFn, donate: bool = True) -> TrainStep:
+    def train_step(self, loss_fn: LossFn, donate: bool = True, carry: bool = False) -> TrainStep:
         """A training step for `loss_fn` with the pipeline's optax optimizer; with
-        `donate` each step consumes the state it is given (its memory is reused)."""
+        `donate` each step consumes the state it is given (its memory is reused);
+        with `carry` (async-1f1b) steps do not drain the pipeline (see TrainStep)."""
         if self.optimizer is None:
             raise OptimizerError(
                 "train_step needs an optax optimizer: pass pipeline(..., "
                 "optimizer=optax.adam(1e-3)) (any optax transformation)"
             )
-        return TrainStep(self, loss_fn, donate)
+        return TrainStep(self, loss_fn, donate, carry)
 
 
 @contextlib.contextmanager

@@ -85,8 +85,11 @@ class TrainState:
     device_params: per dtype, a (devices, v, L) buffer sharded by its leading
         axis: row i holds device i's chunks' parameters, flattened and padded.
     device_opt: the same for each chunk's optax state.
-    step: number of optimizer steps taken.
+    step: number of optimizer steps taken (asynchronous schedules: batches fed).
     view: how to read the buffers as the module's trees (static).
+    in_flight: the microbatches still in flight after a carrying step of an
+        asynchronous schedule (lowering/async_carry.py), None when none are:
+        `params` then lacks their updates until `TrainStep.flush`.
 
     `params` and `opt_state` give the module-layout view (see the module doc).
     """
@@ -95,6 +98,7 @@ class TrainState:
     device_opt: Buffers
     step: int = flax.struct.field(pytree_node=False, default=0)
     view: StateView | None = flax.struct.field(pytree_node=False, default=None)
+    in_flight: Any = None
 
     @property
     def params(self) -> Any:

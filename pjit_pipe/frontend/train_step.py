@@ -10,11 +10,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from pjit_pipe.errors import RngError, StateError
 from pjit_pipe.frontend.rngs import step_rngs
 from pjit_pipe.frontend.state import StateView, TrainState
 
 if TYPE_CHECKING:
     from pjit_pipe.frontend.pipelined import LossFn, Pipelined
+    from pjit_pipe.lowering.step import PipelineStep
 
 
 class TrainStep:
@@ -24,12 +26,28 @@ class TrainStep:
     frontend/state.py): the compiled step takes and returns each device's own
     rows, donated unless `donate` is False. A state from another pipeline
     (another mesh, a failure variant) is moved into this layout first.
+
+    With `carry` (async-1f1b only) a step does not drain the pipeline: the
+    microbatches in flight at its end stay in `state.in_flight` and the next
+    step goes on from them (lowering/async_carry.py). Its loss is then the
+    previous step's batch's (NaN at the first step), and `flush(state)`
+    finishes the microbatches in flight: call it before reading exact
+    parameters, saving a checkpoint or switching programs.
     """
 
-    def __init__(self, pipelined: Pipelined, loss_fn: LossFn, donate: bool = True):
+    def __init__(
+        self, pipelined: Pipelined, loss_fn: LossFn, donate: bool = True, carry: bool = False
+    ):
         self.pipelined = pipelined
         self.loss_fn = loss_fn
         self.donate = donate
+        if carry:
+            from pjit_pipe.lowering.async_carry import check_carry  # the compiler: on first use
+
+            check_carry(pipelined.schedule, rngs=False)
+        self.carry = carry
+        # The program of each state view this step has carried microbatches in (flush runs it).
+        self._carried_by: dict[StateView, PipelineStep] = {}
 
     def _program(
         self, params: Any, batch: tuple[Any, Any], rngs: Any = None
@@ -78,6 +96,11 @@ class TrainStep:
     ) -> tuple[TrainState, int]:
         if state.view is view:
             return state, 0
+        if state.in_flight is not None:
+            raise StateError(
+                "state: it has microbatches in flight in another program's layout (a "
+                "carrying async-1f1b step); call that step's flush(state) first"
+            )
         try:
             params, opt, moved = view.layout.relayout(
                 state.view.layout, state.device_params, state.device_opt, unavailable
@@ -97,14 +120,52 @@ class TrainStep:
         step, view = self._program(state.view.variables, batch, rngs)
         state, _ = self._into(view, state)
         x, y = self.pipelined.place(batch)
+        if self.carry:
+            if rngs is not None:
+                raise RngError(
+                    "rngs: a carrying step (carry=True) with per-microbatch rngs (dropout) "
+                    "is not supported yet; make the model deterministic or drop carry"
+                )
+            params, opt, in_flight, loss = step.carry_train_step(
+                state.device_params, state.device_opt, state.in_flight, x, y, donate=self.donate
+            )
+            self._carried_by[view] = step
+            return TrainState(params, opt, state.step + 1, view, in_flight), loss
+        if state.in_flight is not None:
+            raise StateError(
+                "state: it has microbatches in flight (from a carrying step, "
+                "train_step(..., carry=True)); call that step's flush(state) first"
+            )
         params, opt, loss = step.device_train_step(
             state.device_params, state.device_opt, x, y, self.donate, rngs
         )
         return TrainState(params, opt, state.step + 1, view), loss
 
+    def flush(self, state: TrainState) -> tuple[TrainState, jax.Array | None]:
+        """Finish the microbatches in flight (a carrying step's drain): (the state
+        with exact parameters and nothing in flight, the mean loss of the last
+        step's batch); (state, None) when nothing is in flight."""
+        if state.in_flight is None:
+            return state, None
+        step = self._carried_by.get(state.view)
+        if step is None:
+            raise StateError(
+                "flush: this state's microbatches in flight were not carried by this "
+                "TrainStep; flush with the step that made the state"
+            )
+        params, opt, _, loss = step.carry_train_step(
+            state.device_params, state.device_opt, state.in_flight, drain=True, donate=self.donate
+        )
+        return TrainState(params, opt, state.step, state.view), loss
+
     def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
         """Compile ahead of time for states like this one and batches shaped like
         `batch` (arrays or ShapeDtypeStructs); returns the seconds it took."""
+        if self.carry:
+            raise StateError(
+                "compile: a carrying step (carry=True) compiles on its first call; "
+                "call it instead, or compile a step without carry"
+            )
         step, _ = self._program(state.view.variables, batch)
         sharding = NamedSharding(self.pipelined.device_mesh, PartitionSpec())
         x, y = jax.tree.map(

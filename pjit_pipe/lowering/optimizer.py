@@ -27,7 +27,7 @@ from jax import lax
 
 from pjit_pipe.lowering.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
-from pjit_pipe.lowering.plan import TickRow
+from pjit_pipe.lowering.plan import TickPlan, TickRow
 from pjit_pipe.lowering.tick import TickProgram
 
 
@@ -54,6 +54,8 @@ class StageOptimizer:
         rows: TickRow,
         updates: jax.Array,
         pos: jax.Array,
+        plan: TickPlan | None = None,
+        in_flight: tuple[Buffers, Buffers, Buffers, jax.Array] | None = None,
     ):
         """Several iterations with each stage's optimizer step inside the tick loop.
 
@@ -66,6 +68,11 @@ class StageOptimizer:
         A weighted loss divides a chunk's gradients by its iteration's total
         weight at its step: every last-stage F of an iteration precedes every
         W of it, so the psum of the loss vectors then holds the whole weight.
+
+        `plan` (default: the program's) and `in_flight` run a steady-state window
+        of an asynchronous program (async_carry.py): the loop starts from the
+        given (message store, residual store, weight-policy buffers, per-iteration
+        loss vectors) and returns (params, opt state, those four at its end).
         """
         prog = self.prog
         if prog.shared is not None:
@@ -75,7 +82,8 @@ class StageOptimizer:
                 "inside the loop (a staggered or re-routed schedule, iterations > 1) does "
                 "not support them yet; untie them or train on an unstaggered schedule"
             )
-        plan, v, iterations = prog.step_plan, prog.sched.chunks, prog.iterations
+        plan = prog.step_plan if plan is None else plan
+        v, iterations = prog.sched.chunks, prog.iterations
         count = prog.sched.replicas * prog.sched.microbatches
         msgs, res, grads = prog.empty(plan)
         weights = prog.weights
@@ -84,6 +92,8 @@ class StageOptimizer:
         wcarry = weights.init(params, plan.res_slots) if weights else {}
         # Per iteration, this device's summed loss vectors (see loss.py): (iterations, size).
         losses = jnp.zeros((iterations, prog.loss.size), jnp.float32)
+        if in_flight is not None:
+            msgs, res, wcarry, losses = in_flight
         # Per chunk, the optimizer steps taken so far: the iteration of its next step. (v,)
         done = jnp.zeros((v,), jnp.int32)
 
@@ -128,7 +138,9 @@ class StageOptimizer:
             return (msgs, res, grads, losses, params, opt, done, wcarry), None
 
         carry = (msgs, res, grads, losses, params, opt, done, wcarry)
-        (*_, losses, params, opt, _, _), _ = lax.scan(tick, carry, (rows, updates))
+        (msgs, res, _, losses, params, opt, _, wcarry), _ = lax.scan(tick, carry, (rows, updates))
+        if in_flight is not None:
+            return params, opt, (msgs, res, wcarry, losses)
         return params, opt, prog.loss.loss(lax.psum(losses, prog.topo.axes), count)
 
     def optimizer_step(self, opt_spec: FlatSpec, params, grads, opt, pos: jax.Array):

@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.lowering.async_carry import CarryingStep, InFlight
 from pjit_pipe.lowering.device_state import DeviceLayout
 from pjit_pipe.lowering.optimizer import StageOptimizer
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
@@ -69,6 +70,7 @@ class PipelineStep:
         }
         self._compiled_device: dict[bool, Any] = {}
         self._compiled_vg = None
+        self._carrying: CarryingStep | None = None  # built by carry_train_step
 
     @property
     def mesh(self) -> Mesh:
@@ -296,6 +298,34 @@ class PipelineStep:
         lowered = self._device_steps[donate].lower(*self.layout.avals(), *batch)
         self._compiled_device[donate] = lowered.compile()
         return time.perf_counter() - start
+
+    def carry_train_step(
+        self,
+        params: Buffers,
+        opt: Buffers,
+        in_flight: InFlight | None,
+        x: Any = None,
+        y: Any = None,
+        drain: bool = False,
+        donate: bool = True,
+    ) -> tuple[Buffers, Buffers, InFlight | None, jax.Array | None]:
+        """device_train_step of an asynchronous schedule that carries the microbatches
+        in flight from one call to the next (see async_carry.py): each call runs one
+        steady-state window on this call's batch.
+
+        Returns (params, opt, in flight, loss). Pass in_flight=None to start (the
+        pipeline fills) and the returned one to the next call; `drain=True` (no
+        batch) finishes every microbatch in flight and returns in_flight=None. The
+        loss is the mean loss of the previous call's batch, whose microbatches all
+        finished in this call: NaN for a first call, None for a drain with nothing
+        in flight. N calls and a drain equal one call of iterations=N."""
+        if self.layout is None:
+            raise ValueError("carry_train_step needs lower(..., optimizer=an optax transformation)")
+        if not drain and (x is None or y is None):
+            raise ValueError("carry_train_step: pass this call's batch x and y (or drain=True)")
+        if self._carrying is None:
+            self._carrying = CarryingStep(self._low, self._stepper, self._opt_spec)
+        return self._carrying(params, opt, in_flight, x, y, drain, donate)
 
     def async_weight_bytes(self) -> int:
         """Bytes each device holds for the extra weight copies of an asynchronous

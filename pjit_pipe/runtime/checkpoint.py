@@ -86,6 +86,11 @@ class Checkpoints:
         the background."""
         if not force and state.step % self.every:
             return False
+        if state.in_flight is not None:
+            raise CheckpointError(
+                "save: the state has microbatches in flight (a carrying async-1f1b step), "
+                "which a checkpoint does not hold; save train_step.flush(state)[0] instead"
+            )
         if self.manager.latest_step() == state.step:
             return False  # already saved (e.g. the periodic save of the last step)
         module = state.module_state()
