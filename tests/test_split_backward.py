@@ -30,7 +30,7 @@ def test_w_holds_one_contraction_per_weight_matmul():
     loss = LossLayout(lambda out, y: jnp.mean(out**2)).vector  # the lowering's last-stage form
     split = StageVjp(fns, loss, stage_params, aval, aval, split=(1,))
     fused = StageVjp(fns, loss, stage_params, aval, aval)
-    res = split.res_spec.zeros()
+    res = split.zero_residuals()
     w = jax.make_jaxpr(lambda p, r: split.weight_grad(1, p, r))(params, res)
     forward = jax.make_jaxpr(lambda p, a: block.apply(p, a))(params, x)
     einsums = 2  # attention's q.k and p.v: no weight, no contraction in W
@@ -38,7 +38,7 @@ def test_w_holds_one_contraction_per_weight_matmul():
     assert weight_matmuls == 4
     assert count_primitives(w.jaxpr, "dot_general") == weight_matmuls
     # The old W re-ran the whole pullback: every input-gradient contraction too.
-    old = fused.res_spec.zeros()
+    old = fused.zero_residuals()
     g = jnp.ones(x.shape)
     old_w = jax.make_jaxpr(lambda p, r: fused.pullback(1, p, r)(g)[0])(params, old)
     assert count_primitives(old_w.jaxpr, "dot_general") > 2 * weight_matmuls
