@@ -257,7 +257,8 @@ def build_plan(
         col["g_slot"][d, t] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)
         key = (op.stage, op.mb, op.replica)
         col["res_w" if op.kind is Kind.F else "res_r"][d, t] = res_slot.get(key, R)
-        col["bres_w" if op.kind is Kind.F else "bres_r"][d, t] = bres_slot.get(key, RB)
+        if op.kind is not Kind.W:  # W reads only the W-pool
+            col["bres_w" if op.kind is Kind.F else "bres_r"][d, t] = bres_slot.get(key, RB)
         col["iteration"][d, t] = op.mb // m
     self_slot = {act: np.full((n, T), K, np.int32) for act in (True, False)}
     recv = {
