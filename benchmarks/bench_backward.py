@@ -283,11 +283,16 @@ def compiled_stores() -> None:
         return a
 
     x = jax.random.normal(jax.random.key(1), (m * rows, width))
+    y = jnp.zeros((m * rows,), jnp.int32)
+
+    def loss(out, y):
+        return jnp.mean(out**2) + 0.0 * y.sum()
+
     mesh = pp.make_mesh(data=1, stage=P)
     row = lambda spec: sum(n * np.dtype(k).itemsize for k, n in spec.sizes.items())  # noqa: E731
     print(f"  compiled, {P} stages of 4 tanh denses width {width}, m={m} x {rows} rows:")
     for kind in ("1f1b", "zb-h1"):
-        step = lower(make_schedule(kind, P, m), [dense_stack] * P, mse, mesh, params, x, x)
+        step = lower(make_schedule(kind, P, m), [dense_stack] * P, loss, mesh, params, x, y)
         plan, st = step._low.plan, step._low.st
         w_pool, b_pool = plan.res_slots * row(st.w_spec), plan.bres_slots * row(st.b_spec)
         temp = step.memory_analysis().temp_size_in_bytes
