@@ -5,14 +5,22 @@
    of the residuals F stored. "before": W re-runs the stage pullback (the old
    split); "after": B stores the site cotangents and W transposes only the
    parameter-reading ops (split_backward.py). Ratios are over the fused BW of
-   the same run. Targets: after B+W <= 1.10x BW, after W <= 0.6x BW.
+   the same run. Targets: after B+W <= 1.10x BW, after W <= 0.6x BW. XLA's
+   flop and bytes-accessed counts of the compiled functions are printed too:
+   they do not depend on machine load, so they show whether B+W does more
+   work than BW or only takes longer.
 2. A 1x2 pipeline whose second stage holds all the work (the first is cut off
    by a `pp.boundary` marker), m=16: zb-h1 over 1f1b, before and after
    (target after <= 1.05).
 3. The tiny GPT on 2x4, m=8: `auto` scheduled with measured costs against
    every fixed kind (step time).
+4. Memory (no timing): per stage of the tiny GPT and the residual MLP cut
+   into 4, the bytes one microbatch holds in the B-pool (vjp residuals, freed
+   by B) and the W-pool (W's operands + the cotangents B stores, freed by W),
+   over the fused BW's residual bytes: what the memory units F +1, B -1/2,
+   W -1/2 say the split holds after F (1) and after B (1/2).
 
-Run: python benchmarks/bench_backward.py [--repeats N] [--quick]
+Run: python benchmarks/bench_backward.py [--repeats N] [--quick] [--part 1..4]
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from bench_lowering import median_times
 import pjit_pipe as pp
 from models.gpt import GPT, Block, GPTConfig, lm_loss
 from models.mlp import ResidualBlock
+from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.stages import StageVjp
 
 
@@ -54,26 +63,34 @@ class Blocks(nn.Module):
 
 
 def _stage_ops(stages: StageVjp, s: int, params, act, y):
-    """Jitted F, B, W, BW of stage s (s in the middle of a 3-stage chain)."""
+    """Jitted F, B, W, BW of stage s (s in the middle of a 3-stage chain), each as
+    (jitted function, its arguments)."""
     g = jnp.ones(stages.act_avals[s + 1].shape, stages.act_avals[s + 1].dtype)
     _, res = jax.jit(lambda p, a: stages.forward_with_residuals(s, p, a, None))(params, act)
     if s in stages.split:
         b = jax.jit(lambda p, r: stages.input_grad(s, p, r, g))
         _, cots = b(params, res)
         off = stages.cot_offset(s)
-        res_b = {k: v.at[off[k] : off[k] + cots[k].shape[0]].set(cots[k]) for k, v in res.items()}
+        kept = {k: v.at[off[k] : off[k] + cots[k].shape[0]].set(cots[k]) for k, v in res.w.items()}
         w = jax.jit(lambda p, r: stages.weight_grad(s, p, r))
         bw = jax.jit(lambda p, r: stages.fused_grad(s, p, r, g))
         return {
-            "B": lambda: b(params, res),
-            "W": lambda: w(params, res_b),
-            "BW": lambda: bw(params, res),
+            "B": (b, (params, res)),
+            "W": (w, (params, res._replace(w=kept))),
+            "BW": (bw, (params, res)),
         }
     pull = lambda p, r: stages.pullback(s, p, r)(g)  # noqa: E731
     b = jax.jit(lambda p, r: pull(p, r)[1])
     w = jax.jit(lambda p, r: pull(p, r)[0])
     bw = jax.jit(pull)
-    return {"B": lambda: b(params, res), "W": lambda: w(params, res), "BW": lambda: bw(params, res)}
+    return {op: (f, (params, res)) for op, f in (("B", b), ("W", w), ("BW", bw))}
+
+
+def _xla_cost(f, args) -> tuple[float, float]:
+    """XLA's (flops, bytes accessed) of the compiled `f(*args)`: noise-free, unlike time."""
+    cost = f.lower(*args).compile().cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
+    return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
 
 
 def stage_costs(name: str, module: nn.Module, x: jax.Array, repeats: int) -> dict[str, float]:
@@ -81,22 +98,25 @@ def stage_costs(name: str, module: nn.Module, x: jax.Array, repeats: int) -> dic
     params = module.init(jax.random.key(0), x)
     fns = [lambda p, a: a * p, lambda p, a: module.apply(p, a), lambda p, a: a * p]
     stage_params = [jnp.ones(()), params, jnp.ones(())]
-    loss = lambda out, y: jnp.mean(out**2)  # noqa: E731
+    loss = LossLayout(lambda out, y: jnp.mean(out**2)).vector  # the lowering's last-stage form
     x_aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
-    fs = {}
+    fs, flops = {}, {}
     for tag, split in (("before", ()), ("after", (1,))):
         stages = StageVjp(fns, loss, stage_params, x_aval, x_aval, split)
-        for op, f in _stage_ops(stages, 1, params, x, None).items():
-            fs[f"{tag} {op}"] = f
+        for op, (f, args) in _stage_ops(stages, 1, params, x, None).items():
+            fs[f"{tag} {op}"] = lambda f=f, args=args: f(*args)
+            flops[f"{tag} {op}"] = _xla_cost(f, args)
     med = median_times(fs, repeats)
-    bw = med["before BW"]
+    bw, (bw_flops, bw_bytes) = med["before BW"], flops["before BW"]
     print(f"  {name}:")
     for tag in ("before", "after"):
         b, w, fused = (med[f"{tag} {k}"] for k in ("B", "W", "BW"))
+        (fb, bb), (fw, bwb) = flops[f"{tag} B"], flops[f"{tag} W"]
         print(
             f"    {tag:6s} B {b * 1e3:7.2f} ms  W {w * 1e3:7.2f} ms  B+W {(b + w) * 1e3:7.2f} ms"
             f"  BW {fused * 1e3:7.2f} ms   B/BW {b / bw:.2f}  W/BW {w / bw:.2f}"
-            f"  (B+W)/BW {(b + w) / bw:.2f}"
+            f"  (B+W)/BW {(b + w) / bw:.2f}   flops: W/BW {fw / bw_flops:.2f}"
+            f"  (B+W)/BW {(fb + fw) / bw_flops:.2f}   bytes: (B+W)/BW {(bb + bwb) / bw_bytes:.2f}"
         )
     return med
 
@@ -141,6 +161,11 @@ def mse(out, y):
 
 
 def heavy_second_stage(repeats: int, quick: bool) -> None:
+    import math
+
+    from pjit_pipe.ir.costs import Costs
+    from pjit_pipe.lowering import lower
+    from pjit_pipe.passes.pack_ticks import pack_ticks
     from pjit_pipe.schedules import make_schedule
 
     m, mb = 16, 16 if quick else 64
@@ -151,30 +176,35 @@ def heavy_second_stage(repeats: int, quick: bool) -> None:
     params = model.init(jax.random.key(2), x)
     pm = pp.pipeline(model, stages=2, microbatches=m, schedule="1f1b", mesh=mesh)
     cut = pm.cut(params, x)
-    from pjit_pipe.lowering import lower
+    sp = cut.split(params)
 
-    fs = {}
-    for kind in ("1f1b", "zb-h1"):
-        for tag, split in (("before", False), ("after", True)):
-            if kind == "1f1b" and not split:
-                continue  # 1f1b runs BW only: the same program either way
-            step = lower(
-                make_schedule(kind, 2, m),
-                cut.stage_fns(),
-                mse,
-                mesh,
-                cut.split(params),
-                x,
-                y,
-                split_backward=split,
-            )
-            sp = cut.split(params)
-            fs[f"{kind} {tag}"] = lambda step=step, sp=sp: step.value_and_grad(sp, x, y)
+    fs, ticks = {}, {}
+    # "packed": the tick table the frontend compiles (pack_ticks, unit costs, the
+    # schedule's own memory peak); "few ticks": packed with a price per tick (c=1)
+    # and no memory bound, so a tick holds F, B and W; the others run one op per
+    # device per tick.
+    few = Costs(f=(0.1, 1), b=(0.1, 1), w=(0.1, 1), c=1.0)
+    variants = [
+        ("1f1b", "", True, None),
+        ("1f1b", "packed", True, {}),
+        ("1f1b", "few ticks", True, {"costs": few, "mem_limit": math.inf}),
+        ("zb-h1", "before", False, None),
+        ("zb-h1", "after", True, None),
+        ("zb-h1", "packed", True, {}),
+        ("zb-h1", "few ticks", True, {"costs": few, "mem_limit": math.inf}),
+    ]
+    for kind, tag, split, packing in variants:
+        sched = make_schedule(kind, 2, m)
+        table = None if packing is None else pack_ticks(sched, **packing)
+        step = lower(sched, cut.stage_fns(), mse, mesh, sp, x, y, split_backward=split, ticks=table)
+        name = f"{kind} {tag}".strip()
+        fs[name] = lambda step=step: step.value_and_grad(sp, x, y)
+        ticks[name] = step._low.plan.ticks
     med = median_times(fs, repeats)
-    base = med["1f1b after"]
+    base = med["1f1b"]
     print(f"2. Heavy second stage, mesh 1x2, m={m} x {mb} rows:")
     for name, t in med.items():
-        print(f"    {name:14s} {t * 1e3:8.2f} ms   over 1f1b {t / base:.2f}")
+        print(f"    {name:14s} {t * 1e3:8.2f} ms   over 1f1b {t / base:.2f}   {ticks[name]} ticks")
 
 
 def auto_vs_fixed(repeats: int, quick: bool) -> None:
@@ -214,13 +244,86 @@ def auto_vs_fixed(repeats: int, quick: bool) -> None:
         )
 
 
+def split_bytes(name: str, model: nn.Module, loss_fn, x: jax.Array, y: jax.Array, m: int) -> None:
+    """Print part 4's per-stage byte ratios for `model` cut into 4 stages."""
+    params = model.init(jax.random.key(2), x)
+    cut = pp.pipeline(model, stages=4, microbatches=m, schedule="1f1b").cut(params, x)
+    mb = lambda a: jax.ShapeDtypeStruct((a.shape[0] // m, *a.shape[1:]), a.dtype)  # noqa: E731
+    args = (cut.stage_fns(), LossLayout(loss_fn).vector, cut.split(params), mb(x), mb(y))
+    fused, split = StageVjp(*args), StageVjp(*args, split=range(1, 4))
+    print(f"  {name}, {x.shape[0] // m} rows per microbatch:")
+    for s in range(1, 4):
+        base = fused.residual_bytes(s)["b"]
+        got = split.residual_bytes(s)
+        after_f = (got["b"] + got["w_operands"]) / base
+        after_b = (got["w_operands"] + got["cotangents"]) / base
+        print(
+            f"    stage {s}: fused {base / 1024:7.1f} KiB   B-pool {got['b'] / base:.2f}"
+            f"  W operands {got['w_operands'] / base:.2f}  cotangents {got['cotangents'] / base:.2f}"
+            f"   held after F {after_f:.2f} (units: 1)  after B {after_b:.2f} (units: 0.5)"
+        )
+
+
+def compiled_stores() -> None:
+    """Residual stores and temp bytes of the compiled 1f1b and zb-h1 programs of
+    tests/test_lowering.py::test_memory_follows_the_schedule's model (P=4, m=16)."""
+    import numpy as np
+
+    from pjit_pipe.lowering import lower
+    from pjit_pipe.schedules import make_schedule
+
+    P, m, width, rows = 4, 16, 64, 512
+    keys = iter(jax.random.split(jax.random.key(0), 4 * P))
+    params = [{"w": [jax.random.normal(next(keys), (width, width)) / 8 for _ in range(4)]}]
+    params *= P
+
+    def dense_stack(p, a):
+        for w in p["w"]:
+            a = jnp.tanh(a @ w)
+        return a
+
+    x = jax.random.normal(jax.random.key(1), (m * rows, width))
+    y = jnp.zeros((m * rows,), jnp.int32)
+
+    def loss(out, y):
+        return jnp.mean(out**2) + 0.0 * y.sum()
+
+    mesh = pp.make_mesh(data=1, stage=P)
+    row = lambda spec: sum(n * np.dtype(k).itemsize for k, n in spec.sizes.items())  # noqa: E731
+    print(f"  compiled, {P} stages of 4 tanh denses width {width}, m={m} x {rows} rows:")
+    for kind in ("1f1b", "zb-h1"):
+        step = lower(make_schedule(kind, P, m), [dense_stack] * P, loss, mesh, params, x, y)
+        plan, st = step._low.plan, step._low.st
+        w_pool, b_pool = plan.res_slots * row(st.w_spec), plan.bres_slots * row(st.b_spec)
+        temp = step.memory_analysis().temp_size_in_bytes
+        print(
+            f"    {kind:6s} W-pool {plan.res_slots} slots {w_pool / 2**20:5.2f} MiB"
+            f"  B-pool {plan.bres_slots} slots {b_pool / 2**20:5.2f} MiB"
+            f"  compiled temp {temp / 2**20:6.2f} MiB"
+        )
+
+
+def memory(quick: bool) -> None:
+    from models.mlp import ResidualMLP
+
+    print("4. Bytes per microbatch of a split stage over the fused BW's residuals:")
+    m = 8
+    config = GPTConfig.tiny()
+    x = jax.random.randint(jax.random.key(0), (m * 2, config.seq_len), 0, config.vocab)
+    split_bytes("tiny GPT", GPT(config), lm_loss, x, jnp.roll(x, -1, axis=1), m)
+    mlp = ResidualMLP(d_model=256, hidden=1024, n_layers=8, d_out=8)
+    x = jax.random.normal(jax.random.key(0), (m * 64, 32))
+    split_bytes("residual MLP d=256", mlp, mse, x, jnp.zeros((m * 64, 8)), m)
+    compiled_stores()
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer kinds")
-    ap.add_argument("--part", type=int, choices=(1, 2, 3), action="append")
+    ap.add_argument("--part", type=int, choices=(1, 2, 3, 4), action="append")
     args = ap.parse_args(argv)
-    parts = args.part or (1, 2, 3)
+    parts = args.part or (1, 2, 3, 4)
     print(f"device: {jax.devices()[0].device_kind} ({jax.default_backend()})")
     if 1 in parts:
         per_stage(args.repeats, args.quick)
@@ -228,6 +331,8 @@ def main(argv: list[str] | None = None) -> None:
         heavy_second_stage(args.repeats, args.quick)
     if 3 in parts:
         auto_vs_fixed(args.repeats, args.quick)
+    if 4 in parts:
+        memory(args.quick)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,8 @@ from pjit_pipe.ir import (
     validate,
 )
 from pjit_pipe.ir.lockstep import tick_table
+from pjit_pipe.ir.memory import DESIGN_UNITS, StoredBytes, stored_peak, stored_trace
+from pjit_pipe.schedules import make_schedule
 from pjit_pipe.schedules.classic import gpipe, one_f_one_b
 from pjit_pipe.simulator import simulate
 
@@ -108,6 +110,24 @@ def test_classic_memory_closed_forms(P, m):
     for p in range(P):
         assert max(memory_trace(g, Worker(0, p))) == m
         assert max(memory_trace(o, Worker(0, p))) == min(P - p, m)
+
+
+def test_stored_bytes_price_what_each_op_frees():
+    """DESIGN_UNITS is memory_trace's pricing (times v); a split stage whose B stores
+    more cotangents than it frees holds more after B than after F."""
+    for kind, P, m in (("1f1b", 4, 8), ("zb-h1", 4, 8), ("zb-v", 4, 8), ("gpipe", 3, 4)):
+        sched = make_schedule(kind, P, m)
+        units = dict.fromkeys(range(sched.num_virtual_stages), DESIGN_UNITS)
+        for w in sched.workers:
+            scaled = [x / sched.chunks for x in stored_trace(sched, w, units)]
+            assert scaled == pytest.approx(memory_trace(sched, w))
+    split = {0: StoredBytes(until_b=0, until_w=5), 1: StoredBytes(until_b=2, until_w=1, from_b=3)}
+    s = two_stage(*GOOD)
+    assert stored_trace(s, Worker(0, 0), split) == [5, 5, 0, 0]
+    assert stored_trace(s, Worker(0, 1), split) == [3, 4, 0, 0]
+    assert stored_peak(s, split) == {Worker(0, 0): 5, Worker(0, 1): 4}
+    fused = s.replace(programs={**s.programs, Worker(0, 1): [F(1, 0), BW(1, 0), OPT(1)]})
+    assert stored_trace(fused, Worker(0, 1), {1: StoredBytes(0, 3)}) == [3, 0, 0]
 
 
 @pytest.mark.parametrize(("P", "m", "f", "b", "w", "c"), [(4, 8, 1, 1, 1, 0), (3, 5, 2, 3, 1, 0.5)])

@@ -10,10 +10,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from models.gpt import Block
+from pjit_pipe.ir.ops import Kind
+from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering import lower
 from pjit_pipe.lowering.loss import LossLayout
+from pjit_pipe.lowering.plan import build_plan
 from pjit_pipe.lowering.split_backward import SplitBackward, count_primitives
 from pjit_pipe.lowering.stages import StageVjp
 from pjit_pipe.schedules import make_schedule
@@ -30,7 +34,7 @@ def test_w_holds_one_contraction_per_weight_matmul():
     loss = LossLayout(lambda out, y: jnp.mean(out**2)).vector  # the lowering's last-stage form
     split = StageVjp(fns, loss, stage_params, aval, aval, split=(1,))
     fused = StageVjp(fns, loss, stage_params, aval, aval)
-    res = split.res_spec.zeros()
+    res = split.zero_residuals()
     w = jax.make_jaxpr(lambda p, r: split.weight_grad(1, p, r))(params, res)
     forward = jax.make_jaxpr(lambda p, a: block.apply(p, a))(params, x)
     einsums = 2  # attention's q.k and p.v: no weight, no contraction in W
@@ -38,7 +42,7 @@ def test_w_holds_one_contraction_per_weight_matmul():
     assert weight_matmuls == 4
     assert count_primitives(w.jaxpr, "dot_general") == weight_matmuls
     # The old W re-ran the whole pullback: every input-gradient contraction too.
-    old = fused.res_spec.zeros()
+    old = fused.zero_residuals()
     g = jnp.ones(x.shape)
     old_w = jax.make_jaxpr(lambda p, r: fused.pullback(1, p, r)(g)[0])(params, old)
     assert count_primitives(old_w.jaxpr, "dot_general") > 2 * weight_matmuls
@@ -94,3 +98,44 @@ def test_direct_parameter_output_gets_its_gradient():
     got = sb.weight_grads(p, stored, cots)
     want = jax.vjp(lambda p: fn(p, a, None), p)[1](g)[0]
     np.testing.assert_allclose(got["s"], want["s"])
+
+
+@pytest.mark.parametrize("kind", ["zb-h1", "zb-h2"])
+def test_b_pool_row_lives_from_f_to_b_and_w_pool_row_to_w(kind):
+    """The tick plan (no compile): a split stage's B reads the B-pool slot its F
+    wrote and frees it there, W reads the W-pool slot (B wrote its cotangents
+    there); the first stage's W reads its F's W-pool slot; no slot is written
+    while a microbatch still needs it."""
+    P, m = 4, 8
+    sched = make_schedule(kind, P, m)
+    table = PackedTicks.one_op_per_tick(sched)
+    plan = build_plan(table, False, sched.alive_workers, split=range(1, P))
+    lanes = (plan.rows.f, plan.rows.b, plan.rows.w)
+    kinds = {i + 1: k for i, k in enumerate(plan.branches)}
+    for d in range(len(sched.alive_workers)):
+        live = {"b": {}, "w": {}}  # pool -> slot -> (stage, F's tick) of the row in it
+        for t in range(plan.ticks):
+            for row in lanes:
+                branch = int(row.branch[d, t])
+                if not branch:
+                    continue
+                kind_, s = kinds[branch]
+                if kind_ is Kind.F:
+                    for pool, slot in (("w", row.res_w[d, t]), ("b", row.bres_w[d, t])):
+                        if pool == "b" and s == 0:
+                            assert slot == plan.bres_slots  # scratch: stage 0 is not split
+                            continue
+                        assert int(slot) not in live[pool], (t, pool, slot, live[pool])
+                        live[pool][int(slot)] = (s, t)
+                    continue
+                w_slot, b_slot = int(row.res_r[d, t]), int(row.bres_r[d, t])
+                assert live["w"][w_slot][0] == s
+                if kind_ is Kind.B:
+                    if s > 0:
+                        assert live["b"][b_slot][0] == s
+                        del live["b"][b_slot]  # B frees its B-pool row
+                else:
+                    assert b_slot == plan.bres_slots  # W never reads the B-pool
+                    del live["w"][w_slot]
+        assert not live["b"] and not live["w"]
+    assert plan.bres_slots < plan.res_slots

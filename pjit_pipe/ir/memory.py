@@ -10,6 +10,8 @@ scheduler and pass that tracks memory uses `MEMORY_DELTA` and `limit_units`.
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from dataclasses import dataclass
 
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import Schedule
@@ -48,3 +50,51 @@ def peak_memory(schedule: Schedule) -> dict[Worker, float]:
 def largest_peak(schedule: Schedule) -> float:
     """The largest worker's peak: what one SPMD program sizes every device's residual store for."""
     return max(peak_memory(schedule).values(), default=0.0)
+
+
+@dataclass(frozen=True)
+class StoredBytes:
+    """What one microbatch of one virtual stage really stores, and which op frees it.
+
+    `MEMORY_DELTA` prices every stage alike: F stores one unit, B and W free
+    half each. A split backward (lowering/split_backward.py) stores more, and
+    not in halves: its vjp residuals live from F to B (`until_b`), W's data
+    operands from F to W (`until_w`), and the cotangents B stores for W from B
+    to W (`from_b`); in real models B stores more than it frees. Any unit will
+    do (bytes, or the stage's fused residuals); `DESIGN_UNITS` is
+    `MEMORY_DELTA`'s pricing. A stage whose B is empty (the first) stores
+    everything until W.
+    """
+
+    until_b: float
+    until_w: float
+    from_b: float = 0.0
+
+    def delta(self, kind: Kind) -> float:
+        """Change of the stage's stored memory when it runs an op of `kind`."""
+        return {
+            Kind.F: self.until_b + self.until_w,
+            Kind.B: self.from_b - self.until_b,
+            Kind.W: -(self.until_w + self.from_b),
+            Kind.BW: -(self.until_b + self.until_w),
+        }.get(kind, 0.0)
+
+
+DESIGN_UNITS = StoredBytes(until_b=0.5, until_w=0.5)
+
+
+def stored_trace(
+    schedule: Schedule, worker: Worker, stored: Mapping[int, StoredBytes]
+) -> list[float]:
+    """`worker`'s stored memory after each op of its program, each virtual stage s
+    priced by `stored[s]` (DESIGN_UNITS everywhere gives `memory_trace` times v)."""
+    total, out = 0.0, []
+    for op in schedule.program(worker):
+        total += stored[op.stage].delta(op.kind)
+        out.append(total)
+    return out
+
+
+def stored_peak(schedule: Schedule, stored: Mapping[int, StoredBytes]) -> dict[Worker, float]:
+    """Each worker's peak of `stored_trace` (0 for failed workers)."""
+    return {w: max(stored_trace(schedule, w, stored), default=0.0) for w in schedule.workers}

@@ -6,7 +6,10 @@ most one op of each, in that order): which branch to run (idle, or F/B/W/BW
 of one virtual stage), the microbatch, and the buffer slots it reads and
 writes. Slots are assigned here, on the host, by interval allocation over the
 tick timeline, so buffers are sized by the in-flight peak and not by the
-number of microbatches. Messages travel on two channels, activations (made by
+number of microbatches. Stored values sit in two residual pools with their
+own slots (stages.py): a split stage's B-pool row lives from F to B, and
+W-pool rows live from F to the stage's last backward op (W or BW), so B
+frees what only B reads. Messages travel on two channels, activations (made by
 F) and input gradients (made by B or BW): each leaves its device in the tick
 that makes it and lands in a slot of the receiver's message store at the end
 of that tick. Each ppermute carries one channel along one (replica, position)
@@ -21,7 +24,7 @@ replica's microbatches is fed that replica's data.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -43,8 +46,10 @@ class OpRow(NamedTuple):
     mb: Any  # row of the device's input list (`TickPlan.inputs`) the op reads
     in_slot: Any  # message slot of the op's input activation
     g_slot: Any  # message slot of the op's output gradient (B, W, BW)
-    res_w: Any  # residual slot F writes
-    res_r: Any  # residual slot B, W, BW read (B also writes its cotangents there)
+    res_w: Any  # W-pool slot F writes (lives to the stage's last backward op)
+    res_r: Any  # W-pool slot B (a split stage's cotangents), W and BW use
+    bres_w: Any  # B-pool slot F writes (a split stage's vjp residuals)
+    bres_r: Any  # B-pool slot B and BW read
     iteration: Any  # the op's iteration (multi-iteration programs)
 
 
@@ -78,7 +83,8 @@ class TickPlan:
     inputs: int32 (devices, L, 3), the (iteration, replica, microbatch)
         triples whose input or label each device reads; `rows.mb` indexes
         this list.
-    msg_slots / res_slots: message store size (scratch excluded), residual store size.
+    msg_slots / res_slots / bres_slots: message store size (scratch
+        excluded), W-pool and B-pool residual store sizes.
     act_shifts / grad_shifts: for each ppermute of the activation / gradient
         channel, the (replica, position) shift and its (source, dest) pairs of
         device indices.
@@ -90,6 +96,7 @@ class TickPlan:
     inputs: np.ndarray
     msg_slots: int
     res_slots: int
+    bres_slots: int
     act_shifts: Shifts
     grad_shifts: Shifts
     branches: tuple[tuple[Kind, int], ...]
@@ -122,9 +129,12 @@ def build_plan(
     remat: bool,
     devices: Sequence[Worker],
     every_stage_reads: bool = False,
+    split: Collection[int] = (),
 ) -> TickPlan:
     """Assign branches and buffer slots to the ops of `table`; `devices` are the
-    live workers in row order.
+    live workers in row order; `split` the virtual stages with a split backward
+    (their B frees their B-pool slot; every stage's last backward op frees its
+    W-pool slot).
 
     With `every_stage_reads`, every stage's ops index the device's input list
     (per-microbatch random keys), not only the first and last stage's.
@@ -187,6 +197,7 @@ def build_plan(
 
     msg_alloc = {w: _Slots() for w in devices}
     res_alloc = {w: _Slots() for w in devices}
+    bres_alloc = {w: _Slots() for w in devices}
     msg_slot: dict[tuple[str, int, int, int], int] = {}
     arrivals: list[tuple[Worker, int, bool, int | None, int]] = []  # dest, tick, act, shift, slot
     for op, src, t, dest, last in sorted(messages, key=lambda m: m[2]):
@@ -197,14 +208,20 @@ def build_plan(
         arrivals.append((dest, t, act, via, slot))
 
     res_slot: dict[tuple[int, int, int], int] = {}
+    bres_slot: dict[tuple[int, int, int], int] = {}
     if not remat:
         for op, (w, t) in sorted(when.items(), key=lambda kv: kv[1][1]):
             if op.kind is Kind.F:
-                _, last = last_use((Kind.W, Kind.BW), op.stage, op.mb, op.replica)
-                res_slot[(op.stage, op.mb, op.replica)] = res_alloc[w].take(t, last, strict=True)
+                key = (op.stage, op.mb, op.replica)
+                _, last = last_use((Kind.B, Kind.W, Kind.BW), *key)
+                res_slot[key] = res_alloc[w].take(t, last, strict=True)
+                if op.stage in split:
+                    _, last = last_use((Kind.B, Kind.BW), *key)
+                    bres_slot[key] = bres_alloc[w].take(t, last, strict=True)
 
     K = max((len(a.free_from) for a in msg_alloc.values()), default=0)
     R = max((len(a.free_from) for a in res_alloc.values()), default=0)
+    RB = max((len(a.free_from) for a in bres_alloc.values()), default=0)
     # Each device's inputs: the (iteration, replica, microbatch) its first and
     # last virtual stages read, in order of first use.
     local: dict[Worker, dict[tuple[int, int], int]] = {w: {} for w in devices}
@@ -229,6 +246,8 @@ def build_plan(
         col["g_slot"][:] = K
         col["res_w"][:] = R
         col["res_r"][:] = R
+        col["bres_w"][:] = RB
+        col["bres_r"][:] = RB
         lanes[lane] = col
     for op, (w, t) in when.items():
         d, col = index[w], lanes[LANE_OF[op.kind]]
@@ -236,8 +255,10 @@ def build_plan(
         col["mb"][d, t] = local[w].get((op.replica, op.mb), 0)
         col["in_slot"][d, t] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
         col["g_slot"][d, t] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)
-        res = res_slot.get((op.stage, op.mb, op.replica), R)
-        col["res_w" if op.kind is Kind.F else "res_r"][d, t] = res
+        key = (op.stage, op.mb, op.replica)
+        col["res_w" if op.kind is Kind.F else "res_r"][d, t] = res_slot.get(key, R)
+        if op.kind is not Kind.W:  # W reads only the W-pool
+            col["bres_w" if op.kind is Kind.F else "bres_r"][d, t] = bres_slot.get(key, RB)
         col["iteration"][d, t] = op.mb // m
     self_slot = {act: np.full((n, T), K, np.int32) for act in (True, False)}
     recv = {
@@ -278,6 +299,7 @@ def build_plan(
         inputs=inputs,
         msg_slots=K,
         res_slots=R,
+        bres_slots=RB,
         act_shifts=act_shifts,
         grad_shifts=grad_shifts,
         branches=tuple(branches),

@@ -7,22 +7,32 @@ arrays are not stored but re-read from the parameter buffer (parameters do not
 change within an iteration), so weights are never copied per microbatch.
 
 Stages listed in `split` (those the schedule runs as separate B and W, except
-the first, whose B is empty) use the split backward of `split_backward.py`:
-their residual row holds the vjp residuals w.r.t. (input, site
-perturbations), the data operands W reads, and the site cotangents that B
-writes into the same row; W then reads only the last two.
+the first, whose B is empty) use the split backward of `split_backward.py`.
+Stored values live in two pools with their own slots, so each is freed by
+the last op that reads it:
+
+- the B-pool row (split stages only): the vjp residuals w.r.t. (input, site
+  perturbations), written by F and read by B (or BW), which frees it;
+- the W-pool row: a split stage's data operands W reads (written by F) and
+  site cotangents (written by B); any other stage's vjp residuals. The
+  stage's last backward op (W or BW) frees it.
+
+A stage that is not split (a fused BW, or the first stage, whose W does the
+whole backward) thus uses one pool, the one freed last, whatever the pool
+its neighbours use: one SPMD program sizes each pool by its busiest device.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from pjit_pipe.errors import LossFnError
+from pjit_pipe.ir.memory import StoredBytes
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.split_backward import SplitBackward
 
@@ -32,12 +42,20 @@ from pjit_pipe.lowering.split_backward import SplitBackward
 SAVE_DOTS = jax.checkpoint_policies.dots_saveable
 
 
+class Residuals(NamedTuple):
+    """One microbatch's stored rows (or a store of them, with a leading slot axis)."""
+
+    b: Buffers  # B-pool: a split stage's vjp residuals, F -> B
+    w: Buffers  # W-pool: a split stage's W operands (F) and cotangents (B), any other
+    #             stage's vjp residuals; freed by the stage's W or BW
+
+
 class StageVjp:
     """Forward/backward of every virtual stage, with residual packing.
 
     After `__init__` (an abstract pass over the stage chain), `act_avals[s]` is
-    the input of stage s, `res[s]` the layout of its stored residuals, and
-    `res_spec` the flat residual buffers shared by all stages.
+    the input of stage s, and `b_spec` / `w_spec` the flat B-pool / W-pool rows
+    shared by all stages (a stage's tree number s in each).
     """
 
     def __init__(
@@ -81,7 +99,7 @@ class StageVjp:
         }
         self.res_treedef: list[Any] = []
         self.res_where: list[list[tuple[str, int]]] = []
-        stored = []
+        stored, kept = [], []
         for s in range(self.S):
             box: dict[str, Any] = {}
 
@@ -98,12 +116,18 @@ class StageVjp:
                 )
             self.res_where.append(box["where"])
             self.res_treedef.append(box["treedef"])
-            if s in self.split:  # + W's data operands and the site cotangents B writes
-                sb = self.splitters[s]
-                leaves = [leaves, sb.stored, sb.perturbations, pads[s]]
-            stored.append(leaves)
+            # A split stage also keeps W's data operands and the site cotangents B
+            # writes (padded to `cot_width`).
+            sb = self.splitters.get(s)
+            stored.append(leaves if sb else [])
+            kept.append([sb.stored, sb.perturbations, pads[s]] if sb else leaves)
         self.loss_aval = loss
-        self.res_spec = FlatSpec(stored)
+        self.b_spec = FlatSpec(stored)
+        self.w_spec = FlatSpec(kept)
+
+    def zero_residuals(self, *lead: int) -> Residuals:
+        """Empty B-pool and W-pool stores with leading dimensions `lead`."""
+        return Residuals(self.b_spec.zeros(*lead), self.w_spec.zeros(*lead))
 
     def forward(self, s: int, p: Any, a: Any, y: Any) -> Any:
         out = self.fns[s](p, a)
@@ -145,22 +169,23 @@ class StageVjp:
             out, pull = jax.vjp(fwd, p, a)
         return out, pull
 
-    def forward_with_residuals(self, s: int, p: Any, a: Any, y: Any) -> tuple[Any, Buffers]:
-        """F: the stage output and its packed non-parameter residuals."""
+    def forward_with_residuals(self, s: int, p: Any, a: Any, y: Any) -> tuple[Any, Residuals]:
+        """F: the stage output and its packed B-pool and W-pool rows."""
         out, _, where, stored = self._vjp_parts(s, p, a, y)
         if where != self.res_where[s]:
             raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
-        if s in self.split:
-            (out, operands), sb = out, self.splitters[s]
-            pads = [jnp.zeros(k, key) for key, k in self._pad_sizes(s).items()]
-            stored = [stored, operands, sb.zero_perturbations(), pads]
-        return out, self.res_spec.pack(s, stored)
+        if s not in self.split:
+            return out, Residuals(self.b_spec.pack(s, []), self.w_spec.pack(s, stored))
+        (out, operands), sb = out, self.splitters[s]
+        pads = [jnp.zeros(k, key) for key, k in self._pad_sizes(s).items()]
+        kept = [operands, sb.zero_perturbations(), pads]
+        return out, Residuals(self.b_spec.pack(s, stored), self.w_spec.pack(s, kept))
 
-    def pullback(self, s: int, p: Any, res: Buffers) -> Callable:
-        """The stage's vjp function rebuilt from stored residuals and current parameters
-        (a split stage's: w.r.t. its input and site perturbations)."""
-        stored = self.res_spec.unpack(s, res)
-        stored = jax.tree.leaves(stored[0] if s in self.split else stored)
+    def pullback(self, s: int, p: Any, res: Residuals) -> Callable:
+        """The stage's vjp function rebuilt from its stored residuals and current
+        parameters (a split stage's: w.r.t. its input and site perturbations)."""
+        spec, row = (self.b_spec, res.b) if s in self.split else (self.w_spec, res.w)
+        stored = jax.tree.leaves(spec.unpack(s, row))
         param_leaves = jax.tree.leaves(p)
         leaves = [param_leaves[i] if src == "param" else stored[i] for src, i in self.res_where[s]]
         return jax.tree.unflatten(self.res_treedef[s], leaves)
@@ -171,9 +196,9 @@ class StageVjp:
 
     # ---- the split backward (stages in `split`) ----
 
-    def input_grad(self, s: int, p: Any, res: Buffers, g: Any) -> tuple[Any, Buffers]:
+    def input_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Buffers]:
         """B: (input gradient, per dtype the site cotangents as one flat slice of
-        width `cot_width`, to be written at `cot_offset(s)` of the residual row)."""
+        width `cot_width`, to be written at `cot_offset(s)` of the W-pool row)."""
         dinput, cots = self.pullback(s, p, res)(g)
         flat = {}
         for key, width in self.cot_width.items():
@@ -183,22 +208,22 @@ class StageVjp:
         return dinput, flat
 
     def cot_offset(self, s: int) -> dict[str, int]:
-        """Where stage s's cotangent slice starts in its residual row, per dtype."""
-        n = len(self.res_spec.slots[s]) - len(self.splitters[s].perturbations) - len(self.cot_width)
+        """Where stage s's cotangent slice starts in its W-pool row, per dtype."""
+        n = len(self.splitters[s].stored)
         first: dict[str, int] = {}
-        for key, start, _ in self.res_spec.slots[s][n:]:
+        for key, start, _ in self.w_spec.slots[s][n:]:
             first.setdefault(key, start)
         return first
 
-    def weight_grad(self, s: int, p: Any, res: Buffers) -> Any:
-        """W: the parameter gradient from the row's data operands and cotangents."""
-        _, operands, cots, _ = self.res_spec.unpack(s, res)
+    def weight_grad(self, s: int, p: Any, res: Residuals) -> Any:
+        """W: the parameter gradient from the W-pool row's data operands and cotangents."""
+        operands, cots, _ = self.w_spec.unpack(s, res.w)
         return self.splitters[s].weight_grads(p, operands, cots)
 
-    def fused_grad(self, s: int, p: Any, res: Buffers, g: Any) -> tuple[Any, Any]:
+    def fused_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
         """BW of a split stage: B then W without storing the cotangents."""
         dinput, cots = self.pullback(s, p, res)(g)
-        _, operands, _, _ = self.res_spec.unpack(s, res)
+        operands, _, _ = self.w_spec.unpack(s, res.w)
         return self.splitters[s].weight_grads(p, operands, cots), dinput
 
     def _cotangent_sizes(self, s: int) -> dict[str, int]:
@@ -213,13 +238,21 @@ class StageVjp:
         return {k: w - mine.get(k, 0) for k, w in self.cot_width.items()}
 
     def residual_bytes(self, s: int) -> dict[str, int]:
-        """Bytes of one microbatch's stored buffers of stage s, by role: `b` (read
-        only by B), `w_operands` (stored at F for W) and `cotangents` (written by B
-        for W); a stage that is not split stores only `b`."""
+        """Bytes of one microbatch's stored buffers of stage s, by role: `b` (vjp
+        residuals), `w_operands` (stored at F for W) and `cotangents` (written by
+        B for W, with their padding); a stage that is not split stores only `b`."""
         nbytes = lambda avals: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(avals))  # noqa: E731
-        avals = jax.tree.unflatten(self.res_spec.treedefs[s], self.res_spec.avals[s])
         if s not in self.split:
-            return {"b": nbytes(avals), "w_operands": 0, "cotangents": 0}
-        b, operands, cots, pads = avals
-        cots = [cots, pads]
-        return {"b": nbytes(b), "w_operands": nbytes(operands), "cotangents": nbytes(cots)}
+            return {"b": nbytes(self.w_spec.avals[s]), "w_operands": 0, "cotangents": 0}
+        b = nbytes(self.b_spec.avals[s])
+        operands, cots, pads = jax.tree.unflatten(self.w_spec.treedefs[s], self.w_spec.avals[s])
+        return {"b": b, "w_operands": nbytes(operands), "cotangents": nbytes([cots, pads])}
+
+    def stored_bytes(self, s: int) -> StoredBytes:
+        """Stage s's bytes per microbatch by the op that frees them (ir/memory.py):
+        a split stage's B-pool row until B, W operands until W, cotangents from B
+        to W; any other stage's row until its last backward op."""
+        got = self.residual_bytes(s)
+        if s not in self.split:
+            return StoredBytes(until_b=0, until_w=got["b"])
+        return StoredBytes(got["b"], got["w_operands"], got["cotangents"])

@@ -10,8 +10,11 @@ over the live replicas of each stage.
 Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
 - message store: (K + 1, message size) per dtype, the activations and
   gradients received and not yet read; slot K is scratch (no message);
-- residual store: (R, residual size) per dtype, each in-flight microbatch's
-  saved forward values from its F to its last W/BW (empty with remat);
+- residual stores (`stages.Residuals`): the B-pool, (RB, row size) per
+  dtype, a split stage's vjp residuals from its F to its B; the W-pool,
+  (R, row size) per dtype, a split stage's W operands (from F) and site
+  cotangents (from B), any other stage's vjp residuals, until the stage's
+  W/BW; both empty with remat;
 - gradient accumulators: per chunk, the chunk's parameter tree (or one flat
   (L,) row when the positions' stages differ in shape), summed over W/BW;
 - loss: (loss vector size,), the sum of this device's last-stage loss shares.
@@ -34,7 +37,7 @@ from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.plan import OpRow, TickPlan, TickRow, build_plan
 from pjit_pipe.lowering.shared import SharedGrads
-from pjit_pipe.lowering.stages import StageVjp
+from pjit_pipe.lowering.stages import Residuals, StageVjp
 from pjit_pipe.lowering.tick_ops import OpGroup, StageOps
 from pjit_pipe.lowering.topology import Topology
 
@@ -76,13 +79,15 @@ class TickProgram:
             )
         self.ticks = ticks  # the table this program runs (its iteration 0 for value_and_grad)
         first = ticks if iterations == 1 else ticks.first_iteration()
-        self.plan: TickPlan = build_plan(first, remat, topology.workers, keyed)
+        self.plan: TickPlan = build_plan(first, remat, topology.workers, keyed, stages.split)
         # Staggered or multi-iteration training runs the optimizer inside the loop.
         self.stepping = schedule.staggered or iterations > 1
         self.step_plan: TickPlan | None = None
         if self.stepping:
             self.step_plan = (
-                self.plan if iterations == 1 else build_plan(ticks, remat, topology.workers, keyed)
+                self.plan
+                if iterations == 1
+                else build_plan(ticks, remat, topology.workers, keyed, stages.split)
             )
         self.remat = remat
         self.param_spec = FlatSpec(stages.param_avals)
@@ -121,12 +126,14 @@ class TickProgram:
             out.append(self.param_spec.unpack(self.held[0][c], row) if uniform else row)
         return out
 
-    def empty(self, plan: TickPlan) -> tuple[Buffers, Buffers, list[Any]]:
-        """(message store with its scratch slot, residual store, gradient accumulators)."""
-        K, R = plan.msg_slots, plan.res_slots
+    def empty(self, plan: TickPlan) -> tuple[Buffers, Residuals, list[Any]]:
+        """(message store with its scratch slot, residual stores, gradient accumulators)."""
+        K, R, RB = plan.msg_slots, plan.res_slots, plan.bres_slots
         return (
             self.msg_spec.zeros(K + 1),
-            {} if self.remat else self.st.res_spec.zeros(R),
+            Residuals({}, {})
+            if self.remat
+            else Residuals(self.st.b_spec.zeros(RB), self.st.w_spec.zeros(R)),
             self.zero_grads(),
         )
 
@@ -181,7 +188,10 @@ class TickProgram:
 
             def forward(act, res, loss):
                 act, res_out, loss = dispatch(ops.forwards, row.f, *args, res)
-                res = {k: b.at[row.f.res_w].set(res_out[k]) for k, b in res.items()}
+                res = Residuals(
+                    {k: b.at[row.f.bres_w].set(res_out.b[k]) for k, b in res.b.items()},
+                    {k: b.at[row.f.res_w].set(res_out.w[k]) for k, b in res.w.items()},
+                )
                 return act, res, loss
 
             act, res, loss = lax.cond(
@@ -191,10 +201,10 @@ class TickProgram:
 
             def input_grad(grad, res):
                 grad, put, _ = dispatch(ops.input_grads, row.b, *back_args, res)
-                res = dict(res)
+                kept = dict(res.w)
                 for k, (cots, off) in put.items():  # a split stage's site cotangents
-                    res[k] = lax.dynamic_update_slice(res[k], cots[None], (row.b.res_r, off))
-                return grad, res
+                    kept[k] = lax.dynamic_update_slice(kept[k], cots[None], (row.b.res_r, off))
+                return grad, res._replace(w=kept)
 
             grad, res = lax.cond(taken(ops.input_grads, row.b), input_grad, lambda *a: a, grad, res)
         grads = list(grads)

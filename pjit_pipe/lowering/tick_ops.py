@@ -1,10 +1,10 @@
 """The compute a tick can run: one function per (op kind, virtual stage) the plan uses.
 
 Each function takes (chunk params, batch, labels, message store, residual
-store, its lane's row of the tick, plan.OpRow) and returns (outgoing message, residual row or parameter
-gradient, loss share). They are grouped by what they write, because the tick
+stores (stages.Residuals), its lane's row of the tick, plan.OpRow) and returns (outgoing message,
+residual rows or parameter gradient, loss share). They are grouped by what they write, because the tick
 body (tick.py) runs each group as its own two-way `lax.cond`: all F (they
-write the residual store), all B (they write their cotangents there), and the
+write the residual stores), all B (they write their cotangents to the W-pool), and the
 W/BW of each chunk (they add into that chunk's gradient accumulator).
 """
 
@@ -23,7 +23,7 @@ from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.rng import microbatch_rngs
-from pjit_pipe.lowering.stages import StageVjp
+from pjit_pipe.lowering.stages import Residuals, StageVjp
 
 OpGroup = tuple[list[int], list[Callable]]  # (branch ids, their op functions)
 
@@ -93,7 +93,7 @@ class StageOps:
             if kind is Kind.F:
                 a = stage_input(x, msgs, row)
                 if self.remat:
-                    out, res_out = st.forward(s, p, a, y_mb), {}
+                    out, res_out = st.forward(s, p, a, y_mb), Residuals({}, {})
                 else:
                     out, res_out = st.forward_with_residuals(s, p, a, y_mb)
                 if s == S - 1:
@@ -103,10 +103,10 @@ class StageOps:
                 g = self.loss.seed(self.scale)
             else:
                 g = self.msg_spec.unpack_grad(s, store_row(msgs, row.g_slot))
-            r = store_row(res, row.res_r)
-            # B's residual write: a split stage's cotangents at their offset; any other
+            r = Residuals(store_row(res.b, row.bres_r), store_row(res.w, row.res_r))
+            # B's W-pool write: a split stage's cotangents at their offset; any other
             # stage's B rewrites what is there (a B group of several stages needs one shape).
-            put = {k: (res[k][row.res_r, :w], 0) for k, w in st.cot_width.items()}
+            put = {k: (res.w[k][row.res_r, :w], 0) for k, w in st.cot_width.items()}
             if s in st.split:  # see split_backward.py
                 if kind is Kind.B:
                     dinput, cots = st.input_grad(s, p, r, g)
