@@ -57,6 +57,7 @@ from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.lowering.optimizer import StageOptimizer
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.plan import TickRow
+from pjit_pipe.lowering.stages import Residuals
 from pjit_pipe.lowering.steady_window import CURRENT, PREVIOUS, steady_window
 from pjit_pipe.lowering.tick import TickProgram
 
@@ -104,7 +105,8 @@ class CarryingStep:
     def empty(self, x: Any, y: Any) -> InFlight:
         """Nothing in flight, on the devices; per device (leading axis), the carried buffers:
         msgs: per dtype (K + 1, message size), messages sent and not read (K is scratch);
-        res: per dtype (R, residual size), the in-flight microbatches' residuals;
+        res: Residuals of per-dtype (slots, size) stores, the in-flight microbatches'
+            residuals (all in the W-pool: a fused BW frees them);
         weights: the weight policy's buffers (predict: u, (v, L); stash: (R + 1, v, L));
         loss: (loss vector size,), this device's partial loss of the batch in flight;
         x, y: (Lc, microbatch rows, ...), that batch's rows the next window reads."""
@@ -187,7 +189,9 @@ class CarryingStep:
             params, opt, (msgs, res, weights, losses) = self.stepper.stepping_loop(
                 self.opt_spec, params, opt, x, y, rows, ups, pos, win.plan, flight
             )
-            msgs, res = _move(msgs, mm), _move(res, rm)
+            # Only the W-pool holds in-flight rows: async-1f1b runs fused BWs, so its
+            # B-pool is empty (steady_window checks).
+            msgs, res = _move(msgs, mm), Residuals(res.b, _move(res.w, rm))
             if stash:  # each version sits in its microbatch's residual slot
                 weights = _move(weights, rm)
             done = low.loss.loss(lax.psum(losses[PREVIOUS], low.topo.axes), count)

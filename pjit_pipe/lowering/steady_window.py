@@ -206,6 +206,11 @@ def _moves(
                 for store, slots, when in reads:
                     if when < boundary:
                         moves[store][d].add((int(slots[d, t]), int(slots[d, t - period])))
+    if plan.bres_slots:
+        raise ScheduleError(
+            "carrying microbatches across calls needs fused backwards (BW): a split "
+            "stage's B-pool residuals are not carried; use iterations=N calls"
+        )
     scratch = {"msg": plan.msg_slots, "res": plan.res_slots}
     out = []
     for store, per_device in moves.items():
