@@ -235,15 +235,38 @@ class TickProgram:
                 return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
 
             grad, grads[c] = self.lane(group, row.w, weight_grad, grad, grads[c])
-        for msg, self_slot, shifts, recv in (
-            (act, row.self_act, plan.act_shifts, row.recv_act),
-            (grad, row.self_grad, plan.grad_shifts, row.recv_grad),
+        if len(plan.sends) == 1:
+            received = self.send(plan, plan.sends[0], act, grad)
+        else:  # only the ppermutes some device uses in this tick
+            branches = [functools.partial(self.send, plan, s) for s in plan.sends]
+            received = lax.switch(row.sends, branches, act, grad)
+        for msg, self_slot, got, recv in (
+            (act, row.self_act, received[0], row.recv_act),
+            (grad, row.self_grad, received[1], row.recv_grad),
         ):
             msgs = {k: b.at[self_slot].set(msg[k]) for k, b in msgs.items()}
-            for i, (_, pairs) in enumerate(shifts):
-                got = lax.ppermute(msg, self.topo.axes, perm=pairs)
-                msgs = {k: b.at[recv[i]].set(got[k]) for k, b in msgs.items()}
+            for i, m in enumerate(got):
+                msgs = {k: b.at[recv[i]].set(m[k]) for k, b in msgs.items()}
         return msgs, res, grads, loss
+
+    def send(self, plan: TickPlan, which: tuple[tuple[int, ...], tuple[int, ...]], act, grad):
+        """Per channel, what each of its ppermutes delivers to this device: the
+        ppermutes in `which` (activation, gradient indices) run, the others give
+        zeros (their receive slots are then the scratch slot)."""
+        out = []
+        for msg, shifts, run in (
+            (act, plan.act_shifts, which[0]),
+            (grad, plan.grad_shifts, which[1]),
+        ):
+            out.append(
+                [
+                    lax.ppermute(msg, self.topo.axes, perm=pairs)
+                    if i in run
+                    else self.msg_spec.zeros()
+                    for i, (_, pairs) in enumerate(shifts)
+                ]
+            )
+        return tuple(out)
 
     def tick_loop(self, params: Buffers, x: Any, y: Any, rows: TickRow, with_aux: bool = False):
         """Run every tick on this device; return (the loss over the global batch, this
