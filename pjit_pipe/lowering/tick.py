@@ -1,10 +1,11 @@
 """The tick body and the tick loop: what every device runs, tick by tick.
 
 Every device scans over the rows of its own tick table (plan.py). In each
-tick it runs up to one op per lane, F then B then W/BW (each group of ops of
-tick_ops.py is its own two-way `lax.cond`), then every ppermute of the two
-message channels runs unconditionally and the received messages are stored
-in the slots the row names. After the loop the parameter gradients are summed
+tick it reads the message rows its lanes need, runs up to one op per lane, F
+then B then W/BW (each group of ops of tick_ops.py is its own two-way
+`lax.cond`), then the ppermutes of the two message channels run (all of them,
+or, in a gated plan, the set the tick uses) and the received messages are
+stored in the slots the row names. After the loop the parameter gradients are summed
 over the live replicas of each stage.
 
 Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
