@@ -239,6 +239,9 @@ class TickProgram:
         if len(plan.sends) == 1:
             received = self.send(plan, plan.sends[0], act, grad)
         else:  # only the ppermutes some device uses in this tick
+            # Collectives in a branch: safe only because every device takes the same
+            # one (build_plan gives all devices the tick's index); a branch some
+            # devices skip would deadlock (DESIGN.md, JAX facts).
             branches = [functools.partial(self.send, plan, s) for s in plan.sends]
             received = lax.switch(row.sends, branches, act, grad)
         for msg, self_slot, got, recv in (
