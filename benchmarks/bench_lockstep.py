@@ -10,14 +10,18 @@
 3. Staggering in the compiled program: P=4 m=8, 4 iterations, costs 1,2,1,0,
    the packed lockstep_period of zb-h2 and of a re-routed 4x4 variant,
    synchronous and staggered.
-4. Messages a device sends on a 4x4 mesh with one and with two failures
-   (zb-h1, m=8, costs 1,2,1,0), in units of one message buffer: every tick
-   runs each ppermute of the plan; before, one channel ran every shift,
-   after, activations and gradients run their own shifts only.
+4. Messages on a 4x4 mesh with one and with two failures (zb-h1, m=8, costs
+   1,2,1,0, packed), in units of one message buffer: the ppermutes a tick
+   runs (one per grid shift, or the fewest partial permutations,
+   lowering/routes.py), how many run per iteration (every tick, or only in
+   the ticks some device uses them), and what the busiest device sends.
 5. With --compile: the seconds to compile the tiny GPT's train step on 2x4
    (zb-h1, m=8), one op per tick against the packed table.
+6. With --step-time (alone): seconds per compiled train step of the tiny GPT
+   on 2x4 and of a dense MLP on 1x4 (CPU: compare runs of one session only).
 
 Run: python benchmarks/bench_lockstep.py [--quick] [--compile]
+     python benchmarks/bench_lockstep.py [--messages] [--step-time] [--compile-only]
 """
 
 from __future__ import annotations
@@ -110,26 +114,48 @@ def staggering() -> None:
 
 
 def messages() -> None:
+    import numpy as np
+
     from pjit_pipe.lowering.plan import build_plan
 
     costs = Costs.parse("1,2,1,0")
     print(
-        "\n| zb-h1 4x4 m=8 | shifts per tick before | after (act + grad) | "
-        "ticks before | after | messages per device per iteration before | after |"
+        "\n| zb-h1 4x4 m=8 (packed) | ticks | ppermutes per tick: one per shift -> fewest "
+        "| ppermutes run per iteration: every tick, one per shift -> fewest -> only where used "
+        "| messages the busiest device sends per tick | per iteration: every tick -> only where used |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|")
     for failed in ([(1, 2)], [(1, 2), (2, 0)]):
         sched = schedule_with_failures("zb-h1", 4, 8, 4, failed, costs, time_limit=2.0)
         devices = tuple(sched.alive_workers)
-        old = build_plan(PackedTicks.one_op_per_tick(sched), False, devices)
-        new = build_plan(pack_ticks(sched, costs), False, devices)
-        union = len({k for k, _ in old.act_shifts} | {k for k, _ in old.grad_shifts})
-        per_tick = len(new.act_shifts) + len(new.grad_shifts)
+        plan = build_plan(pack_ticks(sched, costs), False, devices)
+        T, channels = plan.ticks, (plan.act_shifts, plan.grad_shifts)
+        by_shift = sum(len(_grid_shifts(c, devices)) for c in channels)
+        fewest = len(plan.act_shifts) + len(plan.grad_shifts)
+        run = [plan.sends[i] for i in plan.rows.sends[0]]  # each tick's (act, grad) ppermutes
+        gated = sum(len(a) + len(g) for a, g in run)
+        per_tick, every, only = (np.zeros(len(devices), int) for _ in range(3))
+        for k, channel in enumerate(channels):
+            for i, (_, pairs) in enumerate(channel):
+                for src, _ in pairs:  # a device sends one message per pair it sources
+                    per_tick[src] += 1
+                    every[src] += T
+                    only[src] += sum(i in r[k] for r in run)
         print(
-            f"| {len(failed)} failed | {union} | {len(new.act_shifts)} + {len(new.grad_shifts)} "
-            f"| {old.ticks} | {new.ticks} | {union * old.ticks} | {per_tick * new.ticks} |",
+            f"| {len(failed)} failed | {T} | {by_shift} -> {fewest} "
+            f"| {by_shift * T} -> {fewest * T} -> {gated} | {per_tick.max()} "
+            f"| {every.max()} -> {only.max()} |",
             flush=True,
         )
+
+
+def _grid_shifts(channel, devices) -> set[tuple[int, int]]:
+    """The distinct (replica, position) shifts of a 4x4 grid a channel's pairs make."""
+    return {
+        ((devices[d].replica - devices[s].replica) % 4, (devices[d].stage - devices[s].stage) % 4)
+        for _, pairs in channel
+        for s, d in pairs
+    }
 
 
 def compile_times() -> None:
@@ -183,11 +209,87 @@ def compile_times() -> None:
         print(f"| {label} | {step._low.plan.ticks} | {seconds:.1f} |", flush=True)
 
 
+def step_times(calls: int = 20) -> None:
+    """Seconds of the first train step call (it compiles) and per compiled train
+    step (median and fastest of `calls` after it) of the tiny GPT on 2x4 (zb-h1, m=8, the
+    packed table) and of a dense MLP on 1x4 (1f1b, m=8, 256 wide, 64 rows per
+    microbatch)."""
+    import jax
+    import numpy as np
+    import optax
+
+    import pjit_pipe as pp
+    from models import GPT, GPTConfig, lm_loss
+    from models.text import CharCorpus
+    from pjit_pipe.lowering import lower
+
+    corpus = CharCorpus.load()
+    config = GPTConfig.tiny(vocab=corpus.vocab)
+    x, y = (
+        jax.numpy.asarray(a) for a in corpus.batch(np.random.default_rng(0), 32, config.seq_len)
+    )
+    pm = pp.pipeline(
+        GPT(config), stages=4, microbatches=8, schedule="zb-h1", mesh=pp.make_mesh(data=2, stage=4)
+    )
+    params = pm.init(jax.random.key(0), x)
+    cut = pm.cut(params, x)
+    gpt = (pm.schedule, cut.stage_fns(), lm_loss, pm.mesh, cut.split(params), x, y)
+    gpt_ticks = pack_ticks(pm.schedule, Costs(1, 2, 1), 1)
+
+    width, rows, P, m = 256, 64, 4, 8
+    keys = jax.random.split(jax.random.key(1), P + 2)
+    mlp_params = [{"w": jax.random.normal(k, (width, width)) / 16} for k in keys[:P]]
+    mlp_x = jax.random.normal(keys[P], (m * rows, width))
+    mlp_y = jax.random.randint(keys[P + 1], (m * rows,), 0, width)
+
+    def dense(p, a):
+        return jax.numpy.tanh(a @ p["w"])
+
+    def xent(logits, labels):
+        logp = jax.nn.log_softmax(logits)
+        return -jax.numpy.mean(jax.numpy.take_along_axis(logp, labels[:, None], axis=1))
+
+    mesh = pp.make_mesh(data=1, stage=P)
+    mlp = (make_schedule("1f1b", P, m), [dense] * P, xent, mesh, mlp_params, mlp_x, mlp_y)
+    print("\n| train step | ticks | first call (compile) s | s per step (median) | (fastest) |")
+    print("|---|---|---|---|---|")
+    for label, (sched, fns, loss, mesh, stage_params, xb, yb), ticks in (
+        ("tiny GPT 2x4 zb-h1 m=8 packed", gpt, gpt_ticks),
+        ("MLP 1x4 1f1b m=8, 256 wide", mlp, None),
+    ):
+        opt = optax.adam(1e-3)
+        step = lower(sched, fns, loss, mesh, stage_params, xb, yb, optimizer=opt, ticks=ticks)
+        state = step.init_opt_state(stage_params)
+        start = time.perf_counter()
+        jax.block_until_ready(step.train_step(stage_params, state, xb, yb))
+        first = time.perf_counter() - start
+        took = []
+        for _ in range(calls):
+            start = time.perf_counter()
+            jax.block_until_ready(step.train_step(stage_params, state, xb, yb))
+            took.append(time.perf_counter() - start)
+        print(
+            f"| {label} | {step._low.plan.ticks} | {first:.1f} | {np.median(took):.4f} "
+            f"| {min(took):.4f} |",
+            flush=True,
+        )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="P=4 m=8 only")
     parser.add_argument("--compile", action="store_true", help="also time the tiny GPT compile")
+    parser.add_argument("--messages", action="store_true", help="only the messages table")
+    parser.add_argument("--step-time", action="store_true", help="only the train step times")
+    parser.add_argument("--compile-only", action="store_true", help="only the compile times")
     args = parser.parse_args(argv)
+    if args.messages or args.step_time or args.compile_only:
+        for wanted, part in ((args.messages, messages), (args.step_time, step_times)):
+            if wanted:
+                part()
+        if args.compile_only:
+            compile_times()
+        return
     sizes = [(4, 8)] if args.quick else [(4, 8), (8, 32)]
     ratios = grid(sizes)
     met = sum(r <= 1.05 for r in ratios)

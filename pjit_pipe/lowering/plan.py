@@ -13,8 +13,10 @@ frees what only B reads. Messages travel on two channels, activations (made by
 F) and input gradients (made by B or BW): each leaves its device in the tick
 that makes it and lands in a slot of the receiver's message store at the end
 of that tick. Each ppermute carries one channel along one (replica, position)
-shift of the worker grid, so it is a permutation even when re-routed
-microbatches cross replicas; a channel runs only the shifts its messages use.
+shift of the worker grid when that needs no more ppermutes, so it is a
+permutation even when re-routed microbatches cross replicas; otherwise the
+pairs are split into the fewest partial permutations (routes.py). A channel
+runs only the ppermutes its messages use.
 
 Devices are the live workers in a given order (`Topology.workers`): row i of
 every table belongs to worker i. Each device also gets its own list of the
@@ -33,6 +35,7 @@ import numpy as np
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering.routes import Route, fewest_routes
 
 KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW)
 
@@ -65,10 +68,16 @@ class TickRow(NamedTuple):
     recv_act: Any  # per activation shift (`TickPlan.act_shifts`), the slot its message lands in
     recv_grad: Any  # per gradient shift (`TickPlan.grad_shifts`), the same
     update: Any  # bit c set: chunk c takes its optimizer step after this tick
+    sends: Any  # which of `TickPlan.sends` this tick runs (the same on every device)
 
 
 LANE_OF = {Kind.F: "f", Kind.B: "b", Kind.W: "w", Kind.BW: "w"}
-Shifts = tuple[tuple[tuple[int, int], tuple[tuple[int, int], ...]], ...]
+# Per ppermute of a channel: (the (replica, position) shifts its pairs make, its pairs).
+Shifts = tuple[tuple[tuple[tuple[int, int], ...], Route], ...]
+
+
+def _shifts_of(route: Route, devices: Sequence[Worker], shift: Any) -> tuple[tuple[int, int], ...]:
+    return tuple(sorted({shift(devices[s], devices[d]) for s, d in route}))
 
 
 @dataclass(frozen=True)
@@ -86,8 +95,9 @@ class TickPlan:
     msg_slots / res_slots / bres_slots: message store size (scratch
         excluded), W-pool and B-pool residual store sizes.
     act_shifts / grad_shifts: for each ppermute of the activation / gradient
-        channel, the (replica, position) shift and its (source, dest) pairs of
-        device indices.
+        channel, the (replica, position) shifts its pairs make and its (source,
+        dest) pairs of device indices: the fewest ppermutes (routes.py), one
+        per shift when that is as few.
     branches: the (kind, virtual stage) of branch 1, 2, ...; branch 0 idles.
         Only pairs the schedule uses get a branch (each one is compiled).
     """
@@ -101,6 +111,10 @@ class TickPlan:
     grad_shifts: Shifts
     branches: tuple[tuple[Kind, int], ...]
     updates: np.ndarray  # bool (ticks,): some stage steps its optimizer after this tick
+    # The sets of (activation, gradient) ppermute indices a tick runs; `rows.sends`
+    # picks one per tick. One set, every ppermute, unless skipping the idle ones
+    # saves at least half of them (see `_gated_sends`).
+    sends: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
 
     @property
     def ticks(self) -> int:
@@ -183,16 +197,18 @@ def build_plan(
         return (dest.replica - src.replica) % D, (dest.stage - src.stage) % P
 
     def channel_shifts(act: bool) -> Shifts:
-        pairs: dict[tuple[int, int], set[tuple[int, int]]] = {}
+        by_shift: dict[tuple[int, int], set[tuple[int, int]]] = {}
         for op, src, _, dest, _ in messages:
             if src != dest and (op.kind is Kind.F) == act:
-                pairs.setdefault(shift(src, dest), set()).add((index[src], index[dest]))
-        return tuple((k, tuple(sorted(v))) for k, v in sorted(pairs.items()))
+                by_shift.setdefault(shift(src, dest), set()).add((index[src], index[dest]))
+        grouping = [by_shift[k] for k in sorted(by_shift)]
+        routes = fewest_routes(set().union(*grouping), grouping)
+        return tuple((_shifts_of(r, devices, shift), r) for r in routes)
 
     act_shifts, grad_shifts = channel_shifts(True), channel_shifts(False)
-    shift_index = {
-        True: {k: i for i, (k, _) in enumerate(act_shifts)},
-        False: {k: i for i, (k, _) in enumerate(grad_shifts)},
+    route_of = {  # (source, dest) device pair -> the index of the ppermute that carries it
+        act: {p: i for i, (_, pairs) in enumerate(shifts) for p in pairs}
+        for act, shifts in ((True, act_shifts), (False, grad_shifts))
     }
 
     msg_alloc = {w: _Slots() for w in devices}
@@ -204,7 +220,7 @@ def build_plan(
         slot = msg_alloc[dest].take(t, last)
         act = op.kind is Kind.F
         msg_slot[("act" if act else "grad", op.stage, op.mb, op.replica)] = slot
-        via = None if src == dest else shift_index[act][shift(src, dest)]
+        via = None if src == dest else route_of[act][(index[src], index[dest])]
         arrivals.append((dest, t, act, via, slot))
 
     res_slot: dict[tuple[int, int, int], int] = {}
@@ -284,6 +300,7 @@ def build_plan(
         for w in devices:
             if w.stage == schedule.layout[s]:
                 update[index[w], t] |= 1 << schedule.chunk_of(s)
+    sends, pick = _gated_sends(recv[True] < K, recv[False] < K)
     rows = TickRow(
         f=OpRow(**lanes["f"]),
         b=OpRow(**lanes["b"]),
@@ -293,6 +310,7 @@ def build_plan(
         recv_act=recv[True],
         recv_grad=recv[False],
         update=update,
+        sends=np.broadcast_to(pick, (n, T)).astype(np.int32),
     )
     return TickPlan(
         rows=rows,
@@ -304,4 +322,32 @@ def build_plan(
         grad_shifts=grad_shifts,
         branches=tuple(branches),
         updates=updates,
+        sends=sends,
     )
+
+
+def _gated_sends(act_used: np.ndarray, grad_used: np.ndarray) -> tuple[Any, np.ndarray]:
+    """(the distinct sets of ppermutes ticks use, each tick's set) from the
+    (devices, ticks, ppermutes) masks of the receives each channel makes.
+
+    Gating costs a switch per tick (a conditional: on a GPU, a round trip to
+    the host), so ticks are gated only when a channel has several ppermutes
+    (re-routed variants, V layouts) and skipping the idle ones saves at least
+    half of the ppermute executions; otherwise every tick runs every ppermute
+    (one set, no switch)."""
+    T = act_used.shape[1]
+    every = (tuple(range(act_used.shape[2])), tuple(range(grad_used.shape[2])))
+    if max(len(every[0]), len(every[1])) <= 1:
+        return (every,), np.zeros(T, np.int32)
+    used = [
+        (
+            tuple(int(i) for i in np.flatnonzero(act_used[:, t].any(0))),
+            tuple(int(i) for i in np.flatnonzero(grad_used[:, t].any(0))),
+        )
+        for t in range(T)
+    ]
+    needed = sum(len(a) + len(g) for a, g in used)
+    if 2 * needed > T * (len(every[0]) + len(every[1])):
+        return (every,), np.zeros(T, np.int32)
+    sets = sorted(set(used))
+    return tuple(sets), np.array([sets.index(u) for u in used], np.int32)

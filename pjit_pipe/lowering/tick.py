@@ -1,10 +1,11 @@
 """The tick body and the tick loop: what every device runs, tick by tick.
 
 Every device scans over the rows of its own tick table (plan.py). In each
-tick it runs up to one op per lane, F then B then W/BW (each group of ops of
-tick_ops.py is its own two-way `lax.cond`), then every ppermute of the two
-message channels runs unconditionally and the received messages are stored
-in the slots the row names. After the loop the parameter gradients are summed
+tick it reads the message rows its lanes need, runs up to one op per lane, F
+then B then W/BW (each group of ops of tick_ops.py is its own two-way
+`lax.cond`), then the ppermutes of the two message channels run (all of them,
+or, in a gated plan, the set the tick uses) and the received messages are
+stored in the slots the row names. After the loop the parameter gradients are summed
 over the live replicas of each stage.
 
 Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
@@ -22,11 +23,13 @@ Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import functools
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
@@ -38,7 +41,7 @@ from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.plan import OpRow, TickPlan, TickRow, build_plan
 from pjit_pipe.lowering.shared import SharedGrads
 from pjit_pipe.lowering.stages import Residuals, StageVjp
-from pjit_pipe.lowering.tick_ops import OpGroup, StageOps
+from pjit_pipe.lowering.tick_ops import Inbox, OpGroup, StageOps
 from pjit_pipe.lowering.topology import Topology
 
 
@@ -157,12 +160,48 @@ class TickProgram:
 
     # ---- one tick ----
     #
-    # Each lane runs its op, if any, in groups, each its own two-way `lax.cond`
-    # (an op of this group, or nothing). Each store is updated in place inside
-    # the one cond that writes it: XLA keeps two-way conds in place but copies
-    # every operand through an n-way switch, and a single switch would also
-    # have to return a zero gradient and zero residuals on the ticks that make
-    # none, one parameter-sized memory pass per tick.
+    # Each lane runs its op, if any, in groups of ops that write the same buffers
+    # (tick_ops.py), each group one two-way `lax.cond`: branch 0 passes the carried
+    # stores through (the idle case), branch 1 runs the op the row names (a switch
+    # over the group's ops when it has several) and writes its outputs into them in
+    # place. Not one n-way switch over (idle, op 1, op 2, ...): XLA then copies the
+    # carried stores inside every branch, and moving the writes out of the switch
+    # would add a zero gradient on every tick without a W, one parameter-sized pass.
+    # The message store is no operand of any cond: each lane's message rows are read
+    # before the first op, so the store's writes after the last op update it in
+    # place too (a cond that read the store would make XLA copy it twice per tick).
+
+    def inboxes(self, msgs: Buffers, row: TickRow) -> tuple[Inbox, Inbox, Inbox]:
+        """The F, B and W lanes' message rows, read in one gather from the store."""
+        none = self.msg_spec.zeros()
+        wanted = [row.f.in_slot, row.b.g_slot, row.w.g_slot]
+        if self.remat:  # B, W and BW re-run the stage's forward on their input
+            wanted += [row.b.in_slot, row.w.in_slot]
+        slots = jnp.stack(wanted)
+        read = {k: jnp.take(b, slots, axis=0, mode="clip") for k, b in msgs.items()}
+        got = [{k: r[i] for k, r in read.items()} for i in range(len(wanted))]
+        f_in = Inbox(got[0], none)
+        if self.remat:
+            return f_in, Inbox(got[3], got[1]), Inbox(got[4], got[2])
+        return f_in, Inbox(none, got[1]), Inbox(none, got[2])
+
+    def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry):
+        """`run(op, *carry)` for the op of `group` that the lane's branch names, else
+        `carry` unchanged: a two-way cond whose branch 0 passes the carry through.
+        With several ops in the group, `op` is a switch over them that returns only
+        the op's outputs; `run` writes them into the carried stores (see above)."""
+        ids, fns = group
+        pick = np.zeros(len(self.plan.branches) + 1, np.int32)  # branch id -> 1 + op index
+        pick[ids] = np.arange(1, len(ids) + 1)
+        which = jnp.asarray(pick)[lane.branch]
+        if len(fns) == 1:
+            op = fns[0]
+        else:
+
+            def op(*operands):
+                return lax.switch(which - 1, fns, *operands)
+
+        return lax.cond(which > 0, functools.partial(run, op), lambda *c: c, *carry)
 
     def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow, back_params=None):
         """One tick: this device's F, B and W lanes, then every ppermute of the plan.
@@ -171,65 +210,77 @@ class TickProgram:
         act = self.msg_spec.zeros()  # the activation this tick sends (F)
         grad = self.msg_spec.zeros()  # the input gradient this tick sends (B or BW)
         loss = ops.no_loss()
-        args = (params, x, y, msgs)
-        back_args = args if back_params is None else (back_params, x, y, msgs)
-
-        def dispatch(group: OpGroup, lane: OpRow, *operands):
-            ids, fns = group
-            if len(fns) == 1:
-                return fns[0](*operands, lane)
-            which = jnp.searchsorted(jnp.asarray(ids, jnp.int32), lane.branch)
-            return lax.switch(which, fns, *operands, lane)
-
-        def taken(group: OpGroup, lane: OpRow):
-            return jnp.isin(lane.branch, jnp.asarray(group[0], jnp.int32))
+        back = params if back_params is None else back_params
+        f_in, b_in, w_in = self.inboxes(msgs, row)
 
         if ops.forwards[0]:
 
-            def forward(act, res, loss):
-                act, res_out, loss = dispatch(ops.forwards, row.f, *args, res)
+            def forward(op, act, res, loss):
+                act, res_out, loss = op(params, x, y, f_in, res, row.f)
                 res = Residuals(
                     {k: b.at[row.f.bres_w].set(res_out.b[k]) for k, b in res.b.items()},
                     {k: b.at[row.f.res_w].set(res_out.w[k]) for k, b in res.w.items()},
                 )
                 return act, res, loss
 
-            act, res, loss = lax.cond(
-                taken(ops.forwards, row.f), forward, lambda *a: a, act, res, loss
-            )
+            act, res, loss = self.lane(ops.forwards, row.f, forward, act, res, loss)
         if ops.input_grads[0]:
 
-            def input_grad(grad, res):
-                grad, put, _ = dispatch(ops.input_grads, row.b, *back_args, res)
+            def input_grad(op, grad, res):
+                grad, put, _ = op(back, x, y, b_in, res, row.b)
                 kept = dict(res.w)
                 for k, (cots, off) in put.items():  # a split stage's site cotangents
                     kept[k] = lax.dynamic_update_slice(kept[k], cots[None], (row.b.res_r, off))
                 return grad, res._replace(w=kept)
 
-            grad, res = lax.cond(taken(ops.input_grads, row.b), input_grad, lambda *a: a, grad, res)
+            grad, res = self.lane(ops.input_grads, row.b, input_grad, grad, res)
         grads = list(grads)
         for c, group in enumerate(ops.weight_grads):
             if not group[0]:
                 continue
 
-            def weight_grad(grad, acc, group=group):
+            def weight_grad(op, grad, acc):
                 # A W sends nothing (its message is zeros); a BW's tick has no B (the lane
                 # rule), so the gradient channel holds one of them: their sum.
-                msg, dpar, _ = dispatch(group, row.w, *back_args, res)
+                msg, dpar, _ = op(back, x, y, w_in, res, row.w)
                 return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
 
-            grad, grads[c] = lax.cond(
-                taken(group, row.w), weight_grad, lambda *a: a, grad, grads[c]
-            )
-        for msg, self_slot, shifts, recv in (
-            (act, row.self_act, plan.act_shifts, row.recv_act),
-            (grad, row.self_grad, plan.grad_shifts, row.recv_grad),
+            grad, grads[c] = self.lane(group, row.w, weight_grad, grad, grads[c])
+        if len(plan.sends) == 1:
+            received = self.send(plan, plan.sends[0], act, grad)
+        else:  # only the ppermutes some device uses in this tick
+            # Collectives in a branch: safe only because every device takes the same
+            # one (build_plan gives all devices the tick's index); a branch some
+            # devices skip would deadlock (DESIGN.md, JAX facts).
+            branches = [functools.partial(self.send, plan, s) for s in plan.sends]
+            received = lax.switch(row.sends, branches, act, grad)
+        for msg, self_slot, got, recv in (
+            (act, row.self_act, received[0], row.recv_act),
+            (grad, row.self_grad, received[1], row.recv_grad),
         ):
             msgs = {k: b.at[self_slot].set(msg[k]) for k, b in msgs.items()}
-            for i, (_, pairs) in enumerate(shifts):
-                got = lax.ppermute(msg, self.topo.axes, perm=pairs)
-                msgs = {k: b.at[recv[i]].set(got[k]) for k, b in msgs.items()}
+            for i, m in enumerate(got):
+                msgs = {k: b.at[recv[i]].set(m[k]) for k, b in msgs.items()}
         return msgs, res, grads, loss
+
+    def send(self, plan: TickPlan, which: tuple[tuple[int, ...], tuple[int, ...]], act, grad):
+        """Per channel, what each of its ppermutes delivers to this device: the
+        ppermutes in `which` (activation, gradient indices) run, the others give
+        zeros (their receive slots are then the scratch slot)."""
+        out = []
+        for msg, shifts, run in (
+            (act, plan.act_shifts, which[0]),
+            (grad, plan.grad_shifts, which[1]),
+        ):
+            out.append(
+                [
+                    lax.ppermute(msg, self.topo.axes, perm=pairs)
+                    if i in run
+                    else self.msg_spec.zeros()
+                    for i, (_, pairs) in enumerate(shifts)
+                ]
+            )
+        return tuple(out)
 
     def tick_loop(self, params: Buffers, x: Any, y: Any, rows: TickRow, with_aux: bool = False):
         """Run every tick on this device; return (the loss over the global batch, this

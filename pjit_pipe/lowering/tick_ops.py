@@ -1,8 +1,10 @@
 """The compute a tick can run: one function per (op kind, virtual stage) the plan uses.
 
-Each function takes (chunk params, batch, labels, message store, residual
-stores (stages.Residuals), its lane's row of the tick, plan.OpRow) and returns (outgoing message,
-residual rows or parameter gradient, loss share). They are grouped by what they write, because the tick
+Each function takes (chunk params, batch, labels, its lane's `Inbox`, residual
+stores (stages.Residuals), its lane's row of the tick, plan.OpRow) and returns
+(outgoing message, residual rows or parameter gradient, loss share). An op never
+sees the message store itself: the tick reads each lane's message rows before
+any op runs (see tick.py). They are grouped by what they write, because the tick
 body (tick.py) runs each group as its own two-way `lax.cond`: all F (they
 write the residual stores), all B (they write their cotangents to the W-pool), and the
 W/BW of each chunk (they add into that chunk's gradient accumulator).
@@ -11,7 +13,7 @@ W/BW of each chunk (they add into that chunk's gradient accumulator).
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,15 @@ from pjit_pipe.lowering.rng import microbatch_rngs
 from pjit_pipe.lowering.stages import Residuals, StageVjp
 
 OpGroup = tuple[list[int], list[Callable]]  # (branch ids, their op functions)
+
+
+class Inbox(NamedTuple):
+    """The received messages one lane's op reads, as rows taken from the message
+    store (one (message size,) array per dtype); a row the op does not read is
+    the scratch slot's or zeros."""
+
+    act: Buffers  # its input activation (slot `in_slot`): F, and B/W/BW under remat
+    grad: Buffers  # the gradient of its output (slot `g_slot`): B, W, BW
 
 
 def store_row(bufs: Buffers, i: Any) -> Buffers:
@@ -81,17 +92,17 @@ class StageOps:
         """One (kind, virtual stage): (msg, residual row or parameter gradient, loss share)."""
         S, c, st = self.st.S, self.sched.chunk_of(s), self.st
 
-        def stage_input(x, msgs, row):
+        def stage_input(x, inbox, row):
             if s == 0:
                 return jax.tree.map(lambda a: a[row.mb], x)
-            return self.msg_spec.unpack_act(s - 1, store_row(msgs, row.in_slot))
+            return self.msg_spec.unpack_act(s - 1, inbox.act)
 
-        def run(params, x, y, msgs, res, row):
+        def run(params, x, y, inbox: Inbox, res, row):
             msg = self.msg_spec.zeros()
             p = params[c] if self.uniform[c] else self.param_spec.unpack(s, params[c])
             y_mb = jax.tree.map(lambda a: a[row.mb], y) if s == S - 1 else None
             if kind is Kind.F:
-                a = stage_input(x, msgs, row)
+                a = stage_input(x, inbox, row)
                 if self.remat:
                     out, res_out = st.forward(s, p, a, y_mb), Residuals({}, {})
                 else:
@@ -102,7 +113,7 @@ class StageOps:
             if s == S - 1:
                 g = self.loss.seed(self.scale)
             else:
-                g = self.msg_spec.unpack_grad(s, store_row(msgs, row.g_slot))
+                g = self.msg_spec.unpack_grad(s, inbox.grad)
             r = Residuals(store_row(res.b, row.bres_r), store_row(res.w, row.res_r))
             # B's W-pool write: a split stage's cotangents at their offset; any other
             # stage's B rewrites what is there (a B group of several stages needs one shape).
@@ -117,7 +128,7 @@ class StageOps:
                     dparams, dinput = st.fused_grad(s, p, r, g)
             else:
                 if self.remat:
-                    pull = st.recompute_pullback(s, p, stage_input(x, msgs, row), y_mb)
+                    pull = st.recompute_pullback(s, p, stage_input(x, inbox, row), y_mb)
                 else:
                     pull = st.pullback(s, p, r)
                 dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
@@ -135,10 +146,10 @@ class StageOps:
         """op with its microbatch's keys in scope (see rng.py); the device batch is
         (x, per-microbatch key data), split like x."""
 
-        def run(params, batch, y, msgs, res, row):
+        def run(params, batch, y, inbox, res, row):
             x, keys = batch
             mine = {k: d[row.mb, 0] for k, d in keys.items()}
             with microbatch_rngs(mine, self.rng_impls):
-                return op(params, x, y, msgs, res, row)
+                return op(params, x, y, inbox, res, row)
 
         return run

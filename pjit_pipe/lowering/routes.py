@@ -1,0 +1,96 @@
+"""Message routes: the ppermutes that carry one message channel.
+
+A channel (activations, or gradients) moves messages along fixed (source,
+dest) device pairs. One `lax.ppermute` carries a set of pairs in which no
+device sends twice and none receives twice (a partial permutation), and the
+tick body runs every ppermute of the plan, so each one is a collective per
+tick. Grouping pairs by their (replica, position) shift on the worker grid
+gives partial permutations for free, but a re-routed variant then uses up to
+2D shifts per channel while no device talks to more than a few peers.
+
+The fewest ppermutes that carry a set of pairs is the largest number of
+peers one device sends to or receives from (König's theorem: a bipartite
+graph's edges split into as many matchings as its largest degree). The
+bytes a device sends per tick do not depend on the grouping (it sends one
+message per pair it is the source of); the number of collectives does.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Sequence
+
+Pair = tuple[int, int]  # (source device, dest device)
+Route = tuple[Pair, ...]  # the pairs of one ppermute, sorted
+
+
+def degree(pairs: Iterable[Pair]) -> int:
+    """The most peers one device sends to or receives from: the fewest routes."""
+    pairs = set(pairs)
+    sends = Counter(s for s, _ in pairs)
+    gets = Counter(d for _, d in pairs)
+    return max([*sends.values(), *gets.values()], default=0)
+
+
+def fewest_routes(pairs: Iterable[Pair], grouping: Sequence[Iterable[Pair]] = ()) -> list[Route]:
+    """`pairs` split into the fewest partial permutations.
+
+    `grouping` (for example the pairs grouped by grid shift) is kept when it is
+    already a split into partial permutations that few, so fault-free programs
+    keep their one route per shift. Otherwise the pairs are edge-coloured: each
+    pair takes a colour free at both its ends, after swapping two colours along
+    an alternating path when none is (the path never reaches the pair's source,
+    since the graph of senders and receivers is bipartite).
+    """
+    pairs = sorted(set(pairs))
+    fewest = degree(pairs)
+    groups = [tuple(sorted(set(g))) for g in grouping]
+    if (
+        len(groups) == fewest
+        and sorted(p for g in groups for p in g) == pairs
+        and all(degree(g) <= 1 for g in groups)
+    ):
+        return groups
+    sent: dict[tuple[int, int], int] = {}  # (source, colour) -> dest
+    got: dict[tuple[int, int], int] = {}  # (dest, colour) -> source
+    for src, dst in pairs:
+        a = next(c for c in range(fewest) if (src, c) not in sent)
+        b = next(c for c in range(fewest) if (dst, c) not in got)
+        if (dst, a) in got:
+            _swap_along_path(sent, got, dst, a, b)
+        sent[(src, a)] = dst
+        got[(dst, a)] = src
+    routes = [
+        sorted((s, d) for (s, c), d in sent.items() if c == colour) for colour in range(fewest)
+    ]
+    return [tuple(r) for r in routes]
+
+
+def _swap_along_path(
+    sent: dict[tuple[int, int], int], got: dict[tuple[int, int], int], dst: int, a: int, b: int
+) -> None:
+    """Swap colours a and b on the path that leaves receiver `dst` by colour a and
+    then alternates b, a, ...; afterwards a is free at `dst`."""
+    path = []  # (source, dest, colour)
+    node, at_receiver, colour = dst, True, a
+    while True:
+        if at_receiver:
+            if (node, colour) not in got:
+                break
+            src = got[(node, colour)]
+            path.append((src, node, colour))
+            node = src
+        else:
+            if (node, colour) not in sent:
+                break
+            dest = sent[(node, colour)]
+            path.append((node, dest, colour))
+            node = dest
+        at_receiver = not at_receiver
+        colour = b if colour == a else a
+    for s, d, c in path:
+        del sent[(s, c)], got[(d, c)]
+    for s, d, c in path:
+        c = b if c == a else a
+        sent[(s, c)] = d
+        got[(d, c)] = s
