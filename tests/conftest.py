@@ -9,3 +9,11 @@ os.environ.setdefault(
     "XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
 )
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests compile the same program (the tiny GPT on 2x4, say). JAX's persistent
+# cache, shared by the xdist workers, compiles each such program once per run; a
+# cache entry is keyed by the HLO, the flags and the jax version, so a hit is the
+# same executable. Only compiles over a second are kept (JAX's default).
+os.environ.setdefault(
+    "JAX_COMPILATION_CACHE_DIR",
+    os.path.join(os.path.dirname(os.path.dirname(__file__)), ".pytest_cache", "xla"),
+)
