@@ -73,14 +73,14 @@ def profile_model(module: Any, variables: Any, x_mb: Any) -> Profile:
     cut = layer_cut(module, variables, x_mb)
     is_aval = lambda a: isinstance(a, jax.ShapeDtypeStruct)  # noqa: E731
     params = cut.split(cut.model.variables(cut.param_avals), is_aval)
+    fns = cut.stage_fns()
     outs, ins, kinds, act = [], [], [], cut.x_aval
-    for fn, p in zip(cut.stage_fns(), params, strict=True):
+    for fn, p in zip(fns, params, strict=True):
         ins.append(act)
         kinds.append(_DEAD.sub("", str(jax.make_jaxpr(fn)(p, act))))  # shapes are in the text
         act = jax.eval_shape(fn, p, act)
         outs.append(_bytes(act))
     first = {kind: k for k, kind in reversed(list(enumerate(kinds)))}
-    fns = cut.stage_fns()
     seconds = {k: segment_times([fns[k]], [params[k]], ins[k])[0] for k in sorted(first.values())}
     third = MS / 3 * np.array([seconds[first[kind]] for kind in kinds])
     n = cut.stages
