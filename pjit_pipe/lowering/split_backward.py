@@ -76,6 +76,9 @@ _LINEAR = {
 }
 # Linear sites whose transpose does not read their data operands.
 _NO_DATA = {"add", "add_any", "sub", "neg", "concatenate"}
+# Elementwise binary sites (one param operand, one data operand, no contraction):
+# B takes their param operand's cotangent itself (see the module docstring).
+_ELEMENTWISE = {"mul", "add", "add_any", "sub", "div", "max", "min"}
 
 
 @dataclass(frozen=True)
@@ -95,8 +98,10 @@ class _Eqn:
 @dataclass(frozen=True)
 class _Site:
     index: int  # position in the flat equation list
-    cot: tuple[int | None, ...]  # per result: its perturbation number (None: no cotangent)
+    cot: tuple[int | None, ...]  # per result: its perturbation number (None: no cotangent);
+    #                              for an `at_param` site, the one of its param operand
     linear: bool
+    at_param: bool = False  # perturbed at its param operand: B stores that operand's cotangent
 
 
 def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
@@ -207,7 +212,8 @@ class SplitBackward:
                 if not isinstance(v, _Lit):
                     uses.setdefault(v, []).append(k)
         out_ids = {v for v in self.outputs if not isinstance(v, _Lit)}
-        sites = set(site_eqns)
+        at_param = {k for k in site_eqns if self._param_slot(k, of) is not None}
+        sites = set(site_eqns) - at_param
         # A single-result site whose only use is one add site of the same shape
         # takes that add's perturbation (same cotangent).
         share: dict[int, int] = {}
@@ -226,7 +232,14 @@ class SplitBackward:
         self.perturbations: list[Any] = []
         number: dict[int, tuple[int | None, ...]] = {}
         self._eps_at: dict[int, tuple[int | None, ...]] = {}  # equation -> what F adds
+        self._eps_in: dict[int, tuple[int, int]] = {}  # equation -> (param slot, number)
         for k in reversed(site_eqns):  # a sharing site's target comes later
+            if k in at_param:
+                slot = self._param_slot(k, of)
+                number[k] = (len(self.perturbations),)
+                self._eps_in[k] = (slot, len(self.perturbations))
+                self.perturbations.append(_struct(self.avals[self.eqns[k].ins[slot]]))
+                continue
             if k in share:
                 number[k] = number[share[k]]
                 continue
@@ -245,9 +258,9 @@ class SplitBackward:
             e = self.eqns[k]
             name = e.eqn.primitive.name
             linear = name in _LINEAR and not (name == "select_n" and of(e.ins[0]) == PARAM)
-            self.sites.append(_Site(k, number[k], linear))
+            self.sites.append(_Site(k, number[k], linear, k in at_param))
             for v in e.ins:
-                if of(v) == DATA and not (linear and name in _NO_DATA):
+                if of(v) == DATA and k not in at_param and not (linear and name in _NO_DATA):
                     stored[v] = None
                 elif of(v) == PARAM:
                     self.param_operands[v] = None
@@ -261,6 +274,17 @@ class SplitBackward:
         self.stored_ids = list(stored)
         self.stored = [_struct(self.avals[v]) for v in self.stored_ids]
 
+    def _param_slot(self, k: int, of: Callable[[Any], int]) -> int | None:
+        """The param operand's position if site k is perturbed there (an elementwise
+        binary op of one param and one data operand), else None."""
+        e = self.eqns[k]
+        if e.eqn.primitive.name not in _ELEMENTWISE or len(e.ins) != 2 or len(e.outs) != 1:
+            return None
+        kinds = [of(v) for v in e.ins]
+        if sorted(kinds) != [PARAM, DATA] or not _inexact(self.avals[e.ins[kinds.index(PARAM)]]):
+            return None
+        return kinds.index(PARAM)
+
     def zero_perturbations(self) -> list[jax.Array]:
         return [jnp.zeros(a.shape, a.dtype) for a in self.perturbations]
 
@@ -272,7 +296,11 @@ class SplitBackward:
         env.update(zip(self.data_ids, jax.tree.leaves((act, labels)), strict=True))
         read = lambda v: v.value if isinstance(v, _Lit) else env[v]  # noqa: E731
         for k, e in enumerate(self.eqns):
-            outs = _bind(e.eqn, [read(v) for v in e.ins])
+            args = [read(v) for v in e.ins]
+            if k in self._eps_in:
+                slot, n = self._eps_in[k]
+                args[slot] = _perturb(args[slot], eps[n])
+            outs = _bind(e.eqn, args)
             added = self._eps_at.get(k, (None,) * len(outs))
             for o, val, n in zip(e.outs, outs, added, strict=True):
                 env[o] = val if n is None else _perturb(val, eps[n])
@@ -314,6 +342,9 @@ class SplitBackward:
 
         for site in self.sites:
             e = self.eqns[site.index]
+            if site.at_param:  # B took this operand's cotangent
+                add(e.ins[self._eps_in[site.index][0]], cots[site.cot[0]])
+                continue
             slots = [
                 i for i, v in enumerate(e.ins) if not isinstance(v, _Lit) and self.cls[v] == PARAM
             ]
