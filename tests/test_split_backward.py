@@ -7,6 +7,7 @@ read twice in a stage and for an embedding lookup in a middle stage.
 
 from __future__ import annotations
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -139,3 +140,48 @@ def test_b_pool_row_lives_from_f_to_b_and_w_pool_row_to_w(kind):
                     del live["w"][w_slot]
         assert not live["b"] and not live["w"]
     assert plan.bres_slots < plan.res_slots
+
+
+def elementwise_stage(p, a):
+    """A layer norm, a dense with bias, a division and a max by parameters, and a
+    weight read by both a matmul and an elementwise op."""
+    h = nn.LayerNorm().apply({"params": p["ln"]}, a)
+    h = jnp.tanh(h @ p["w"] + p["b"])
+    h = jnp.maximum(h / p["s"], p["floor"])
+    return h * p["w"][0] + h @ p["w"]
+
+
+def test_elementwise_sites_store_parameter_sized_cotangents():
+    """B takes the cotangent of a bias, norm scale or elementwise parameter at its
+    parameter operand: the only full-size cotangents B stores are the matmuls',
+    W stores no data operand for those sites, and B then W gives jax.vjp's numbers."""
+    d, rows = 6, 5
+    rng = np.random.default_rng(3)  # numpy inputs: no eager JAX op to compile
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)  # noqa: E731
+    a, g = normal(rows, d), normal(rows, d)
+    p = {
+        "ln": {"scale": 1.0 + 0.1 * normal(d), "bias": 0.1 * normal(d)},
+        "w": normal(d, d) / np.sqrt(d),
+        "b": 0.1 * normal(d),
+        "s": 1.5 + np.abs(normal(d)),
+        "floor": np.full((d,), -0.2, np.float32),
+    }
+    sb = SplitBackward(lambda p, a, y: elementwise_stage(p, a), p, a, None)
+    full = [c for c in sb.perturbations if c.shape == (rows, d)]
+    assert len(full) == 2  # the outputs of the two matmuls by w
+    assert sum(np.prod(c.shape) for c in sb.perturbations) == 2 * rows * d + 6 * d
+    assert [s.shape for s in sb.stored] == [(rows, d)] * 2  # the matmuls' inputs only
+
+    @jax.jit  # one compile instead of one dispatch per equation
+    def split_and_plain(p, a, g):
+        out, pull, stored = jax.vjp(
+            lambda a, eps: sb.forward(p, a, None, eps), a, sb.zero_perturbations(), has_aux=True
+        )
+        dinput, cots = pull(g)
+        want_out, plain_pull = jax.vjp(elementwise_stage, p, a)
+        return (out, dinput, sb.weight_grads(p, stored, cots)), (want_out, *plain_pull(g))
+
+    (out, dinput, got), (want_out, want_p, want_a) = split_and_plain(p, a, g)
+    np.testing.assert_allclose(out, want_out, rtol=1e-6)
+    np.testing.assert_allclose(dinput, want_a, rtol=1e-5, atol=1e-6)
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=1e-5, atol=1e-6), got, want_p)

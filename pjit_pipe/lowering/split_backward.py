@@ -25,16 +25,31 @@ then pulled back through the cheap param-only chain.
   which B stores.
 - W evaluates only the param-only chain, then for each site transposes the
   site with its stored data operands fixed (one `dot_general` per dense
-  weight, a scatter-add for an embedding gather, a reduction for a bias or a
-  norm scale), sums the contributions of a parameter read twice, and pulls
-  them back through the param-only chain (`jax.vjp` of that chain).
+  weight, a scatter-add for an embedding gather), takes the parameter-sized
+  cotangents B stored for elementwise sites (below) as they are, sums the
+  contributions of a parameter read twice, and pulls them back through the
+  param-only chain (`jax.vjp` of that chain).
 
-A site whose output feeds only an `add` site of the same shape (a matmul
-followed by its bias) shares that add's perturbation: the two cotangents are
-equal, so they are stored once. A site that is not linear in its param
-operands (e.g. `x / w`, or a `custom_jvp_call` or loop that reads a
-parameter) is handled by `jax.vjp` of that one equation, with all its data
-operands stored: correct, and only as costly as that equation.
+An *elementwise* site (a binary `mul`, `add`, `sub`, `div`, `max` or `min`
+of one param and one data operand: a bias add, a norm's scale, `x / w`) is
+perturbed at its param operand instead of its output, so B's vjp yields that
+operand's cotangent directly: the site's transpose, reduced over the
+broadcast axes (`sum(dy)` for a bias, `sum(dy * xhat)` for a norm scale).
+This is parameter-sized where the output cotangent is activation-sized, and
+XLA computes it inside the fusion that produces dy, so B writes a few bytes
+instead of a full-size cotangent, W neither stores nor reads that site's data
+operand, and W does not re-read a matmul's cotangent for its bias. It is
+clean because it is exact and cheap: no contraction and no input-gradient
+work moves into B (its only extra work is one multiply-and-reduce per site,
+which XLA fuses), and W's contractions stay one per weight matmul. Sites
+with a contraction or a lookup (`dot_general`, `conv`, `gather`) stay in W:
+their parameter cotangent would cost B a weight-gradient contraction (or a
+table-sized scatter).
+
+A site that is not linear in its param operands (e.g. a `custom_jvp_call`
+or loop that reads a parameter) is handled by `jax.vjp` of
+that one equation, with all its data operands stored: correct, and only as
+costly as that equation.
 """
 
 from __future__ import annotations
@@ -55,11 +70,6 @@ _INLINE = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "r
 # fixed: W transposes them instead of taking a vjp (no primal recomputation).
 _LINEAR = {
     "dot_general",
-    "mul",
-    "add",
-    "add_any",
-    "sub",
-    "neg",
     "gather",
     "dynamic_slice",
     "concatenate",
@@ -75,9 +85,10 @@ _LINEAR = {
     "copy_p",
 }
 # Linear sites whose transpose does not read their data operands.
-_NO_DATA = {"add", "add_any", "sub", "neg", "concatenate"}
+_NO_DATA = {"concatenate"}
 # Elementwise binary sites (one param operand, one data operand, no contraction):
-# B takes their param operand's cotangent itself (see the module docstring).
+# B takes their param operand's cotangent itself (see the module docstring), so
+# W never transposes them.
 _ELEMENTWISE = {"mul", "add", "add_any", "sub", "div", "max", "min"}
 
 
@@ -205,43 +216,20 @@ class SplitBackward:
         self._assign(site_eqns, of)
 
     def _assign(self, site_eqns: list[int], of: Callable[[Any], int]) -> None:
-        """Perturbation numbers (with matmul -> bias-add sharing) and stored operands."""
-        uses: dict[int, list[int]] = {}
-        for k, e in enumerate(self.eqns):
-            for v in e.ins:
-                if not isinstance(v, _Lit):
-                    uses.setdefault(v, []).append(k)
-        out_ids = {v for v in self.outputs if not isinstance(v, _Lit)}
-        at_param = {k for k in site_eqns if self._param_slot(k, of) is not None}
-        sites = set(site_eqns) - at_param
-        # A single-result site whose only use is one add site of the same shape
-        # takes that add's perturbation (same cotangent).
-        share: dict[int, int] = {}
-        for k in site_eqns:
-            (o, *rest) = self.eqns[k].outs
-            users = uses.get(o, [])
-            if rest or o in out_ids or len(users) != 1:
-                continue
-            (j,) = users
-            if (
-                j in sites
-                and self.eqns[j].eqn.primitive.name in ("add", "add_any")
-                and self.avals[self.eqns[j].outs[0]] == self.avals[o]
-            ):
-                share[k] = j
+        """Perturbation numbers (at the param operand of elementwise sites, at the
+        outputs of the others) and the data operands W needs."""
         self.perturbations: list[Any] = []
         number: dict[int, tuple[int | None, ...]] = {}
         self._eps_at: dict[int, tuple[int | None, ...]] = {}  # equation -> what F adds
         self._eps_in: dict[int, tuple[int, int]] = {}  # equation -> (param slot, number)
-        for k in reversed(site_eqns):  # a sharing site's target comes later
-            if k in at_param:
-                slot = self._param_slot(k, of)
+        at_param = set()
+        for k in site_eqns:
+            slot = self._param_slot(k, of)
+            if slot is not None:
+                at_param.add(k)
                 number[k] = (len(self.perturbations),)
                 self._eps_in[k] = (slot, len(self.perturbations))
                 self.perturbations.append(_struct(self.avals[self.eqns[k].ins[slot]]))
-                continue
-            if k in share:
-                number[k] = number[share[k]]
                 continue
             cots = []
             for o in self.eqns[k].outs:
