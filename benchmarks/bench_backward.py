@@ -3,8 +3,9 @@
 1. One middle stage (GPT blocks; pre-norm residual MLP blocks), each at two
    widths: the time of B, W, B+W and BW of one microbatch, as jitted functions
    of the residuals F stored. "before": W re-runs the stage pullback (the old
-   split); "after": B stores the site cotangents and W transposes only the
-   parameter-reading ops (split_backward.py). Ratios are over the fused BW of
+   split); "after": B stores the site cotangents (parameter-sized reductions
+   for biases and norm scales) and W transposes only the parameter-reading
+   ops (split_backward.py). Ratios are over the fused BW of
    the same run. Targets: after B+W <= 1.10x BW, after W <= 0.6x BW. XLA's
    flop and bytes-accessed counts of the compiled functions are printed too:
    they do not depend on machine load, so they show whether B+W does more

@@ -1,8 +1,9 @@
 """The split backward (pjit_pipe/lowering/split_backward.py): W's structure and its numbers.
 
 W must hold one contraction per weight matmul of the stage (no input-gradient
-chain), and B then W must give jax.value_and_grad's numbers for parameters
-read twice in a stage and for an embedding lookup in a middle stage.
+chain), B must store parameter-sized cotangents for elementwise sites (biases,
+norm scales), and B then W must give jax.value_and_grad's numbers for
+parameters read twice in a stage and for an embedding lookup in a middle stage.
 """
 
 from __future__ import annotations
