@@ -16,7 +16,8 @@ respect to its param operands, applied to the cotangent of the site's output,
 then pulled back through the cheap param-only chain.
 
 - F runs the stage forward (as an interpreter over the flat jaxpr) with a
-  zero-valued *perturbation* added to each site's output, and keeps, besides
+  zero-valued *perturbation* added to each site's output (an elementwise
+  site's param operand, below), and keeps, besides
   the usual vjp residuals, the data operands that the sites' vjps read
   (a dense layer's input; nothing for a bias add).
 - B takes the vjp with respect to (stage input, perturbations) only. The
@@ -47,9 +48,9 @@ their parameter cotangent would cost B a weight-gradient contraction (or a
 table-sized scatter).
 
 A site that is not linear in its param operands (e.g. a `custom_jvp_call`
-or loop that reads a parameter) is handled by `jax.vjp` of
-that one equation, with all its data operands stored: correct, and only as
-costly as that equation.
+or loop that reads a parameter) is handled by `jax.vjp` of that one
+equation, with all its data operands stored: correct, and only as costly as
+that equation.
 """
 
 from __future__ import annotations
@@ -167,7 +168,8 @@ def _flatten(closed: ClosedJaxpr) -> tuple[list[_Eqn], list[int], list[int | _Li
 
 @jax.custom_jvp
 def _perturb(x: jax.Array, eps: jax.Array) -> jax.Array:
-    """x, whose tangent also carries eps's: the zero perturbation of a site output.
+    """x, whose tangent also carries eps's: the zero perturbation of a site's
+    output (or of an elementwise site's param operand).
 
     Unlike `x + eps`, the primal never reads eps, so a checkpointed forward
     does not keep the (zero) perturbations as residuals."""
