@@ -176,6 +176,9 @@ def _idle_loop(mesh: Mesh, size: int, lanes: int, ticks: int) -> Callable[[], An
     down = [(i, i + 1) for i in range(P - 1)]
     up = [(i + 1, i) for i in range(P - 1)]
 
+    # Carried: store, (2P + 1, size) float32, the device's message store (the last
+    # row is the scratch slot). A row: the lanes' branch ids (all 0: idle), then the
+    # slots the received activation and gradient go to.
     def tick(store, row):
         read = jnp.take(store, row[:lanes], axis=0, mode="clip")
         act = grad = jnp.zeros((size,), jnp.float32)
