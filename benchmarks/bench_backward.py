@@ -11,8 +11,10 @@
    they do not depend on machine load, so they show whether B+W does more
    work than BW or only takes longer.
 2. A 1x2 pipeline whose second stage holds all the work (the first is cut off
-   by a `pp.boundary` marker), m=16: zb-h1 over 1f1b, before and after
-   (target after <= 1.05).
+   by a `pp.boundary` marker), m=16: zb-h1 over 1f1b (target <= 1.05), both
+   packed with costs measured from the model, the fixed cost of a tick
+   included, as the median of per-round ratios over `--pairs` rounds of
+   interleaved calls, with quartiles and tick counts.
 3. The tiny GPT on 2x4, m=8: `auto` scheduled with measured costs against
    every fixed kind (step time).
 4. Memory (no timing): per stage of the tiny GPT and the residual MLP cut
@@ -21,7 +23,7 @@
    over the fused BW's residual bytes: what the memory units F +1, B -1/2,
    W -1/2 say the split holds after F (1) and after B (1/2).
 
-Run: python benchmarks/bench_backward.py [--repeats N] [--quick] [--part 1..4]
+Run: python benchmarks/bench_backward.py [--repeats N] [--pairs N] [--quick] [--part 1..4]
 """
 
 from __future__ import annotations
@@ -161,13 +163,39 @@ def mse(out, y):
     return jnp.mean((out - y) ** 2)
 
 
-def heavy_second_stage(repeats: int, quick: bool) -> None:
-    import math
+def _quartiles(values: list[float]) -> tuple[float, float, float]:
+    import statistics
 
-    from pjit_pipe.ir.costs import Costs
+    if len(values) < 2:
+        return values[0], values[0], values[0]
+    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
+    return q1, q2, q3
+
+
+def heavy_second_stage(pairs: int, quick: bool) -> None:
+    """zb-h1 over 1f1b on the 1x2 pipeline, both packed with measured costs.
+
+    The costs (F, B, W, C and the fixed cost of a tick, in ms) are measured
+    from the model (`costs="measure"`), both schedules are made and packed
+    with them, within the schedule's own memory peak (the frontend's default),
+    half a unit above it, and unbounded, and, to show what the tick's price
+    changes, with the tick priced at 0. Identical tables compile once. Every
+    program runs once per round, in alternating order, for `pairs` rounds
+    after a warm-up; the figure is the median over rounds of zb-h1's time over
+    1f1b's of the same round and packing (quartiles in brackets): two programs
+    timed minutes apart on shared cores differ by more than the target's 5%.
+    A last program, zb-h1's table with 256 empty ticks appended, gives what an
+    idle tick of the real tick body costs, to check the measured tick against.
+    """
+    import dataclasses
+    import math
+    import time
+
+    from pjit_pipe.ir.memory import largest_peak
     from pjit_pipe.lowering import lower
     from pjit_pipe.passes.pack_ticks import pack_ticks
     from pjit_pipe.schedules import make_schedule
+    from pjit_pipe.simulator.simulate import packed_time
 
     m, mb = 16, 16 if quick else 64
     model = HeavySecond(128 if quick else 256)
@@ -178,34 +206,88 @@ def heavy_second_stage(repeats: int, quick: bool) -> None:
     pm = pp.pipeline(model, stages=2, microbatches=m, schedule="1f1b", mesh=mesh)
     cut = pm.cut(params, x)
     sp = cut.split(params)
+    costs = pm.measure_costs(params, x, y, mse)
+    bw = pm.stage_times.as_dict(2)["bw"]
+    print(f"2. Heavy second stage, mesh 1x2, m={m} x {mb} rows; measured (ms):")
+    for p in range(2):
+        print(
+            f"    stage {p}: F {costs.f[p]:.3f}  B {costs.b[p]:.3f}  W {costs.w[p]:.3f}"
+            f"  BW {bw[p]:.3f}  (B+W)/BW {(costs.b[p] + costs.w[p]) / bw[p]:.2f}"
+        )
+    print(f"    C {costs.c:.3f}  tick {costs.tick:.3f}")
+    from pjit_pipe.frontend.measure import tick_seconds
 
-    fs, ticks = {}, {}
-    # "packed": the tick table the frontend compiles (pack_ticks, unit costs, the
-    # schedule's own memory peak); "few ticks": packed with a price per tick (c=1)
-    # and no memory bound, so a tick holds F, B and W; the others run one op per
-    # device per tick.
-    few = Costs(f=(0.1, 1), b=(0.1, 1), w=(0.1, 1), c=1.0)
-    variants = [
-        ("1f1b", "", True, None),
-        ("1f1b", "packed", True, {}),
-        ("1f1b", "few ticks", True, {"costs": few, "mem_limit": math.inf}),
-        ("zb-h1", "before", False, None),
-        ("zb-h1", "after", True, None),
-        ("zb-h1", "packed", True, {}),
-        ("zb-h1", "few ticks", True, {"costs": few, "mem_limit": math.inf}),
+    wide = pp.make_mesh(data=2, stage=4)
+    boundary = jax.ShapeDtypeStruct((mb, model.width), jnp.float32)
+    print(
+        f"    an idle tick on the 2x4 mesh, same buffer: {1e3 * tick_seconds(wide, boundary):.3f} ms"
+    )
+
+    # The greedy keeps room for the rest of a worker's program when an op overtakes,
+    # so a limit half a unit above the own peak can give a table that still peaks
+    # at the own peak (printed as "peak").
+    own = largest_peak(make_schedule("zb-h1", 2, m, costs=costs))
+    packings = [
+        ("own peak", costs, None),
+        ("own peak, tick priced 0", dataclasses.replace(costs, tick=0.0), None),
+        ("limit own peak + 1/2", costs, own + 0.5),
+        ("unbounded", costs, math.inf),
     ]
-    for kind, tag, split, packing in variants:
-        sched = make_schedule(kind, 2, m)
-        table = None if packing is None else pack_ticks(sched, **packing)
-        step = lower(sched, cut.stage_fns(), mse, mesh, sp, x, y, split_backward=split, ticks=table)
-        name = f"{kind} {tag}".strip()
-        fs[name] = lambda step=step: step.value_and_grad(sp, x, y)
-        ticks[name] = step._low.plan.ticks
-    med = median_times(fs, repeats)
-    base = med["1f1b"]
-    print(f"2. Heavy second stage, mesh 1x2, m={m} x {mb} rows:")
-    for name, t in med.items():
-        print(f"    {name:14s} {t * 1e3:8.2f} ms   over 1f1b {t / base:.2f}   {ticks[name]} ticks")
+    programs, tables, rows = {}, {}, []  # rows: (packing, kind, program name)
+    for label, priced, limit in packings:
+        for kind in ("1f1b", "zb-h1"):
+            sched = make_schedule(kind, 2, m, costs=priced)
+            table = pack_ticks(sched, priced, 1, limit)
+            name = next((n for n, t in tables.items() if t == table), None)
+            if name is None:
+                name = f"{kind} #{len(tables)}"
+                tables[name] = table
+                step = lower(sched, cut.stage_fns(), mse, mesh, sp, x, y, ticks=table)
+                programs[name] = lambda step=step: step.value_and_grad(sp, x, y)
+            rows.append((label, kind, name))
+    # The zb-h1 own-peak table with IDLE empty ticks appended: what an idle tick
+    # of the real tick body costs, against the measured `tick`.
+    idle, zb = 256, next(n for lab, k, n in rows if lab == "own peak" and k == "zb-h1")
+    padded = dataclasses.replace(tables[zb], ticks=tables[zb].ticks + ({},) * idle)
+    step = lower(padded.schedule, cut.stage_fns(), mse, mesh, sp, x, y, ticks=padded)
+    programs["padded"] = lambda step=step: step.value_and_grad(sp, x, y)
+    for f in programs.values():  # compile and warm up
+        jax.block_until_ready(f())
+        jax.block_until_ready(f())
+    # Wall time, and the process's CPU time (all its threads): the work done, which
+    # other processes' load on the shared cores disturbs far less than wall time.
+    wall: dict[str, list[float]] = {n: [] for n in programs}
+    cpu: dict[str, list[float]] = {n: [] for n in programs}
+    order = list(programs)
+    for r in range(pairs):
+        for name in order if r % 2 == 0 else order[::-1]:
+            start, start_cpu = time.perf_counter(), time.process_time()
+            jax.block_until_ready(programs[name]())
+            wall[name].append(time.perf_counter() - start)
+            cpu[name].append(time.process_time() - start_cpu)
+    print(f"    {pairs} rounds; median wall and CPU ms, the table's price (measured costs, ms):")
+    for label, kind, name in rows:
+        print(
+            f"    {label:24s} {kind:6s} {len(tables[name]):3d} ticks"
+            f"  wall {_quartiles(wall[name])[1] * 1e3:8.2f}  CPU {_quartiles(cpu[name])[1] * 1e3:8.2f}"
+            f"  priced {packed_time(tables[name], costs):8.2f}"
+            f"  peak {max(tables[name].peak_memory().values()):g}"
+        )
+    for label, _, _ in packings:
+        names = {kind: name for lab, kind, name in rows if lab == label}
+        for clock, t in (("wall", wall), ("CPU", cpu)):
+            ratios = [z / o for z, o in zip(t[names["zb-h1"]], t[names["1f1b"]], strict=True)]
+            q1, med, q3 = _quartiles(ratios)
+            print(
+                f"    zb-h1 / 1f1b, {label:24s} {clock:4s} {med:.3f} [{q1:.3f}, {q3:.3f}]"
+                " (target <= 1.05)"
+            )
+    extra = [(p - z) / idle for p, z in zip(wall["padded"], wall[zb], strict=True)]
+    q1, med, q3 = _quartiles(extra)
+    print(
+        f"    an idle tick of the real tick body (zb-h1 + {idle} empty ticks): {med * 1e3:.3f} ms"
+        f" [{q1 * 1e3:.3f}, {q3 * 1e3:.3f}]; measured by costs='measure': {costs.tick:.3f} ms"
+    )
 
 
 def auto_vs_fixed(repeats: int, quick: bool) -> None:
@@ -322,6 +404,9 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--quick", action="store_true", help="smaller shapes, fewer kinds")
+    ap.add_argument(
+        "--pairs", type=int, default=31, help="part 2: rounds of interleaved 1f1b/zb-h1 calls"
+    )
     ap.add_argument("--part", type=int, choices=(1, 2, 3, 4), action="append")
     args = ap.parse_args(argv)
     parts = args.part or (1, 2, 3, 4)
@@ -329,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
     if 1 in parts:
         per_stage(args.repeats, args.quick)
     if 2 in parts:
-        heavy_second_stage(args.repeats, args.quick)
+        heavy_second_stage(args.pairs, args.quick)
     if 3 in parts:
         auto_vs_fixed(args.repeats, args.quick)
     if 4 in parts:

@@ -46,14 +46,14 @@ def test_measured_costs_are_positive_cached_and_steer_auto():
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
     costs = pm.measured_costs
-    assert all(v > 0 for v in (*costs.f, *costs.w, costs.b[1], costs.c))
+    assert all(v > 0 for v in (*costs.f, *costs.w, costs.b[1], costs.c, costs.tick))
     assert costs.b[0] == 0  # the first stage's B is empty
     assert costs.f[1] > costs.f[0]  # the heavy stage is measured as heavier
 
     start = time.perf_counter()
     again = pm.with_options().measure_costs(params, x, y, mse)  # a new pipeline, same model
     assert time.perf_counter() - start < 1.0  # cached: nothing compiled or timed again
-    assert again == costs
+    assert again == costs and again.tick == costs.tick  # the tick's cost is cached too
 
     # The search sees them: the compiled schedule is auto's for these costs, and
     # the same search with the stage costs swapped chooses differently.

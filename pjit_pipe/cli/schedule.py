@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -47,6 +48,16 @@ def positive_float(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a positive number, got {text!r}") from None
     if not value > 0:  # also rejects nan
         raise argparse.ArgumentTypeError(f"must be > 0, got {text}")
+    return value
+
+
+def tick_cost(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number >= 0, got {text!r}") from None
+    if not 0 <= value < math.inf:  # also rejects nan
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 0, got {text}")
     return value
 
 
@@ -112,6 +123,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=Costs(),
         metavar="F,B,W[,C]",
         help="times of F, B, W per microbatch and stage, and C per transfer (default 1,1,1,0)",
+    )
+    p.add_argument(
+        "--tick-cost",
+        type=tick_cost,
+        default=0.0,
+        metavar="T",
+        help=(
+            "fixed time of one tick of the compiled loop, in the units of --costs: the packed "
+            "table's lockstep_period pays it once per tick (default 0; `pjit-pipe train "
+            "--show-costs` measures it)"
+        ),
     )
     p.add_argument(
         "--mem-limit",
@@ -215,8 +237,9 @@ def run(args: argparse.Namespace) -> int:
 
         args.trace.write_text(json.dumps(chrome_trace(result)))
     if args.json:
-        ticks = pack_ticks(schedule, args.costs, args.iterations, args.mem_limit)
-        lockstep = simulate(schedule, args.costs, args.iterations, mode="lockstep", ticks=ticks)
+        costs = dataclasses.replace(args.costs, tick=args.tick_cost)
+        ticks = pack_ticks(schedule, costs, args.iterations, args.mem_limit)
+        lockstep = simulate(schedule, costs, args.iterations, mode="lockstep", ticks=ticks)
         out = {
             **result.summary(),
             "lockstep_period": round(lockstep.steady_period, 9),

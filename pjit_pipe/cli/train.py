@@ -52,8 +52,9 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--show-costs",
         action="store_true",
-        help="measure each stage's F, B, W (ms) on the mesh and print them first "
-        "(with --json: one object with key 'costs'; 'costs_arg' is for `schedule --costs`)",
+        help="measure each stage's F, B, W and a tick's fixed cost (ms) on the mesh and print "
+        "them first (with --json: one object with key 'costs'; 'costs_arg' is for "
+        "`schedule --costs`, 'tick' for `schedule --tick-cost`)",
     )
     parser.set_defaults(run=run)
 
@@ -273,7 +274,10 @@ def show_costs(pm: Any, as_json: bool) -> None:
             f"  stage {p}: F {table['f'][p]:.3f}  B {table['b'][p]:.3f}  W {table['w'][p]:.3f}"
             f"  (fused BW {table['bw'][p]:.3f})"
         )
-    print(f"  transfer C {table['c']:.3f}; for `pjit-pipe schedule --costs`: {table['costs_arg']}")
+    print(
+        f"  transfer C {table['c']:.3f}; fixed cost of a tick {table['tick']:.3f}; for "
+        f"`pjit-pipe schedule`: --costs {table['costs_arg']} --tick-cost {table['tick']:.4g}"
+    )
 
 
 def run(args: argparse.Namespace) -> int:

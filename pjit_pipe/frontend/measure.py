@@ -1,4 +1,5 @@
-"""Stage costs measured from the model: the F, B, W of each stage and the activation transfer.
+"""Stage costs measured from the model: the F, B, W of each stage, the activation
+transfer and the fixed cost of a tick.
 
 The schedule search prices candidates with per-stage F/B/W times (docs/design.md
 sec. 3). Unit costs ignore the model; FLOP counts ignore what the hardware
@@ -9,6 +10,14 @@ that holds that stage, times each (median of a few runs after a warm-up),
 and times a ppermute of the boundary buffer between neighbouring devices.
 With v chunks per device, the chunks of position p are taken as the
 interleaved ones (p, p + P, ...) and their times add up.
+
+The compiled program is a loop of ticks, and a tick costs something even
+when every device idles: the loop step, a conditional per lane (on a GPU
+each executed `lax.cond` copies its predicate to the host and waits) and the
+ppermutes of the two message channels. `tick_seconds` times a loop of idle
+ticks of that shape on all the pipeline's devices; it becomes `Costs.tick`,
+which the tick packer pays once per tick, so it packs ops into fewer ticks
+when ticks are dear.
 
 Results are cached per (model, loss, shapes, devices, chunks): measuring
 compiles four programs per stage, so a pipeline and its failure variants
@@ -26,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
@@ -36,13 +46,15 @@ from pjit_pipe.lowering.stages import StageVjp
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Median seconds of one microbatch's F, B, W and fused BW per virtual stage, and C."""
+    """Median seconds of one microbatch's F, B, W and fused BW per virtual stage, C,
+    and the fixed cost of one tick of the compiled loop (`tick_seconds`)."""
 
     f: tuple[float, ...]
     b: tuple[float, ...]
     w: tuple[float, ...]
     bw: tuple[float, ...]
     c: float
+    tick: float = 0.0
 
     def costs(self, positions: int) -> Costs:
         """Per-position Costs in milliseconds (chunk p, p + P, ... on position p)."""
@@ -51,20 +63,34 @@ class StageTimes:
             return [1e3 * sum(times[p::positions]) for p in range(positions)]
 
         return Costs(
-            f=per_position(self.f), b=per_position(self.b), w=per_position(self.w), c=1e3 * self.c
+            f=per_position(self.f),
+            b=per_position(self.b),
+            w=per_position(self.w),
+            c=1e3 * self.c,
+            tick=1e3 * self.tick,
         )
 
     def as_dict(self, positions: int) -> dict[str, Any]:
-        """JSON form: per-position costs (ms), the fused BW, and the CLI's `--costs` text."""
+        """JSON form: per-position costs (ms), the fused BW, the tick's fixed cost (ms),
+        and the CLI's `--costs` text (the tick goes to `--tick-cost`)."""
         costs = self.costs(positions)
         bw = [1e3 * sum(self.bw[p::positions]) for p in range(positions)]
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         cli = ",".join(f"{mean(v):.4g}" for v in (costs.f, costs.b, costs.w)) + f",{costs.c:.4g}"
-        return {"f": costs.f, "b": costs.b, "w": costs.w, "bw": bw, "c": costs.c, "costs_arg": cli}
+        return {
+            "f": costs.f,
+            "b": costs.b,
+            "w": costs.w,
+            "bw": bw,
+            "c": costs.c,
+            "tick": costs.tick,
+            "costs_arg": cli,
+        }
 
 
-def median_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
-    """Median wall time of each callable after one warm-up, run round-robin."""
+def sample_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, list[float]]:
+    """Wall times of `repeats` calls of each callable after one warm-up, run
+    round-robin (so a change of machine load hits every callable alike)."""
     for f in fns.values():
         jax.block_until_ready(f())
     times: dict[str, list[float]] = {k: [] for k in fns}
@@ -73,7 +99,12 @@ def median_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
             start = time.perf_counter()
             jax.block_until_ready(f())
             times[k].append(time.perf_counter() - start)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return times
+
+
+def median_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median wall time of each callable after one warm-up, run round-robin."""
+    return {k: statistics.median(v) for k, v in sample_seconds(fns, repeats).items()}
 
 
 def _ones(avals: Any, device: jax.Device) -> Any:
@@ -128,6 +159,83 @@ def _transfer(mesh: Mesh, aval: Any, repeats: int) -> float:
     return median_seconds({"c": lambda: send(buf)}, repeats)["c"]
 
 
+# Idle ticks per timed loop: enough that the loop, not the call, dominates the time.
+IDLE_TICKS = 200
+
+
+def _idle_loop(mesh: Mesh, size: int, lanes: int, ticks: int) -> Callable[[], Any]:
+    """A compiled loop of `ticks` idle ticks shaped like the tick body's
+    (lowering/tick.py) on every device of `mesh`: read the lanes' message rows
+    from a (2P + 1, size) message store in one gather, run `lanes` two-way
+    conds whose predicate comes from the tick's row (all idle: branch 0 passes
+    through), ppermute an activation down and a gradient up the stage axis,
+    and write what arrives into the store. What it costs per tick is what a
+    tick costs besides its ops."""
+    D, P = mesh.shape["data"], mesh.shape["stage"]
+    slots = 2 * P + 1
+    down = [(i, i + 1) for i in range(P - 1)]
+    up = [(i + 1, i) for i in range(P - 1)]
+
+    # Carried: store, (2P + 1, size) float32, the device's message store (the last
+    # row is the scratch slot). A row: the lanes' branch ids (all 0: idle), then the
+    # slots the received activation and gradient go to.
+    def tick(store, row):
+        read = jnp.take(store, row[:lanes], axis=0, mode="clip")
+        act = grad = jnp.zeros((size,), jnp.float32)
+        for lane in range(lanes):  # F, then B, then the W/BW of each chunk
+            run = lambda m, lane=lane: m + read[lane]  # noqa: E731
+            if lane == 0:
+                act = lax.cond(row[lane] > 0, run, lambda m: m, act)
+            else:
+                grad = lax.cond(row[lane] > 0, run, lambda m: m, grad)
+        got_act = lax.ppermute(act, "stage", down) if down else act
+        got_grad = lax.ppermute(grad, "stage", up) if up else grad
+        store = store.at[row[lanes]].set(got_act).at[row[lanes + 1]].set(got_grad)
+        return store, None
+
+    def device(store, rows):
+        out, _ = lax.scan(tick, store[0, 0], rows)
+        return out[None, None]
+
+    loop = jax.jit(
+        jax.shard_map(
+            device,
+            mesh=mesh,
+            in_specs=(PS("data", "stage"), PS()),
+            out_specs=PS("data", "stage"),
+            check_vma=False,
+        )
+    )
+    store = jax.device_put(
+        jnp.zeros((D, P, slots, size), jnp.float32), NamedSharding(mesh, PS("data", "stage"))
+    )
+    # Every lane idle (branch 0); the received messages go to the scratch slot.
+    rows = np.zeros((ticks, lanes + 2), np.int32)
+    rows[:, lanes:] = slots - 1
+    rows = jax.device_put(rows, NamedSharding(mesh, PS()))
+    return lambda: loop(store, rows)
+
+
+def tick_seconds(
+    mesh: Mesh, message: Any, chunks: int = 1, repeats: int = 5, ticks: int = IDLE_TICKS
+) -> float:
+    """Seconds one tick of the compiled loop costs besides its ops, on `mesh`'s devices.
+
+    Times loops of `ticks` and 2 * `ticks` idle ticks (`_idle_loop`, with the
+    F, B and one W/BW cond per chunk of the real tick body, and a ppermute of
+    the boundary buffer `message` per channel), called alternately, and takes
+    the median over the pairs of their difference over `ticks`: the
+    cost of calling a program cancels out. On a GPU the same loop pays each
+    cond's predicate copy to the host (none with command-buffer conditionals)
+    and each ppermute's launch. Never below zero (timing noise)."""
+    size = max(1, int(sum(np.prod(a.shape) for a in jax.tree.leaves(message))))
+    lanes = 2 + chunks
+    fns = {n: _idle_loop(mesh, size, lanes, n * ticks) for n in (1, 2)}
+    times = sample_seconds(fns, repeats)
+    extra = [(long - short) / ticks for short, long in zip(times[1], times[2], strict=True)]
+    return max(0.0, statistics.median(extra))
+
+
 _CACHE: dict[Any, tuple[Any, StageTimes]] = {}
 
 
@@ -141,7 +249,8 @@ def measure_stage_times(
     key: Any = None,
     repeats: int = 5,
 ) -> StageTimes:
-    """Time every virtual stage's F, B, W, BW on its device, and one boundary transfer.
+    """Time every virtual stage's F, B, W, BW on its device, one boundary transfer,
+    and an idle tick on the whole mesh.
 
     `stage_params`, `x_mb`, `y_mb`: shapes of one microbatch (arrays or
     ShapeDtypeStructs). With `key` (hashable: model, loss and shapes), the
@@ -166,6 +275,7 @@ def measure_stage_times(
         w=tuple(times[s]["W"] for s in range(S)),
         bw=tuple(times[s]["BW"] for s in range(S)),
         c=_transfer(mesh, msg, repeats) if S > 1 else 0.0,
+        tick=tick_seconds(mesh, msg, S // positions, repeats),
     )
     if full_key is not None:
         _CACHE[full_key] = (stage_fns, result)  # keeps the functions (and key ids) alive

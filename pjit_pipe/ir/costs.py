@@ -23,6 +23,15 @@ class Costs:
     """Per-stage op times (docs/design.md section 3): F, B, W of one microbatch on one
     pipeline position (all the chunks it holds), C per activation transfer, and
     OPT per chunk. Scalars apply to every stage; sequences give one per stage.
+
+    `tick` is the fixed time of one tick of the compiled loop, whatever it runs:
+    the loop step, its conditionals (on a GPU each executed `lax.cond` copies
+    its predicate to the host and waits) and the launch of its ppermutes. Only
+    the lockstep price of a tick table counts it (once per tick, `simulator.
+    simulate.packed_events`), so with tick > 0 the packer prefers fewer, fuller
+    ticks; event-driven schedules have no ticks and ignore it. 0 (the default)
+    keeps every price as it was. The CLI takes it as `--tick-cost T`; the
+    frontend measures it with `costs="measure"` (frontend/measure.py).
     """
 
     f: float | Sequence[float] = 1.0
@@ -30,6 +39,7 @@ class Costs:
     w: float | Sequence[float] = 1.0
     c: float = 0.0
     opt: float = 0.0
+    tick: float = 0.0
 
     @classmethod
     def parse(cls, text: str) -> Costs:
@@ -51,6 +61,10 @@ class Costs:
         )
         if self.c < 0 or self.opt < 0:
             raise ScheduleError("communication and optimizer costs must be >= 0")
+        if not self.tick >= 0:  # also rejects nan
+            raise ScheduleError(
+                f"tick: the fixed cost of a tick must be a number >= 0, got {self.tick!r}"
+            )
         return list(zip(fs, bs, ws, strict=True))
 
     def duration_fn(self, schedule: Schedule):

@@ -6,7 +6,8 @@ op per tick makes a worker doing F wait for a neighbour doing BW; packing
 several ops of a worker into one tick (ir/ticks.py's lane rule: at most one
 F, one B and one W, or one F and one BW, in that order) lets every worker
 fill the tick. The objective is the sum over ticks of the tick's length, as
-the simulator's lockstep mode prices it (`simulator.simulate.packed_events`).
+the simulator's lockstep mode prices it (`simulator.simulate.packed_events`),
+plus each tick's fixed cost (`Costs.tick`): when ticks are dear, fewer win.
 
 `pack_ticks` is the one function that builds the table: the frontend hands
 its result to the lowering and the CLI prices it. It runs a fast greedy in a

@@ -58,7 +58,10 @@ def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
     worker leaves when its op ends and takes C (it overlaps the worker's later
     ops in the tick: the ppermute of a channel depends only on the op that
     fills it). The tick ends when the slowest worker is done and every
-    message has arrived; the next tick starts then.
+    message has arrived; the next tick starts then. Every tick first pays
+    `costs.tick`, the fixed cost of one step of the loop (its conditionals
+    and ppermute launches, ir/costs.py), whether its workers are busy or not,
+    so a table of n ticks costs n * tick more than its tick lengths add up to.
     """
     sched = compute_only(table.schedule)
     duration = costs.duration_fn(sched)
@@ -71,6 +74,7 @@ def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
                 crosses.add(key)
     events, t = [], 0.0
     for tick in table.ticks:
+        t += costs.tick
         length = 0.0
         for w, entries in tick.items():
             busy = 0.0
