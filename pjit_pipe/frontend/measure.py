@@ -124,6 +124,7 @@ def _stage_ops(st: StageVjp, s: int, device: jax.Device, y_mb: Any) -> dict[str,
     )
     f = jax.jit(lambda p, a, y: st.forward_with_residuals(s, p, a, y))
     _, res = f(p, a, y)
+    res = st.full_row(res)  # what B and W read: the W-pool row F and B fill
     ops = {"F": lambda: f(p, a, y)}
     if s in st.split:
         b = jax.jit(lambda p, r: st.input_grad(s, p, r, g))

@@ -124,6 +124,16 @@ class StageVjp:
         self.loss_aval = loss
         self.b_spec = FlatSpec(stored)
         self.w_spec = FlatSpec(kept)
+        # Per dtype, how much of a W-pool row F writes: a split stage's W operands
+        # (its cotangents, after them, are B's to write), any other stage's whole row.
+        # F writes only this head, so it never writes the zeros of the cotangent slice.
+        self.w_head_width: dict[str, int] = {k: 0 for k in self.w_spec.sizes}
+        for s in range(self.S):
+            slots = self.w_spec.slots[s]
+            if s in self.split:
+                slots = slots[: len(self.splitters[s].stored)]
+            for key, start, n in slots:
+                self.w_head_width[key] = max(self.w_head_width[key], start + n)
 
     def zero_residuals(self, *lead: int) -> Residuals:
         """Empty B-pool and W-pool stores with leading dimensions `lead`."""
@@ -170,16 +180,26 @@ class StageVjp:
         return out, pull
 
     def forward_with_residuals(self, s: int, p: Any, a: Any, y: Any) -> tuple[Any, Residuals]:
-        """F: the stage output and its packed B-pool and W-pool rows."""
+        """F: the stage output, its packed B-pool row and the head of its W-pool row
+        (the first `w_head_width` elements per dtype: what F writes; `full_row`
+        pads a head to a whole row)."""
         out, _, where, stored = self._vjp_parts(s, p, a, y)
         if where != self.res_where[s]:
             raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
         if s not in self.split:
-            return out, Residuals(self.b_spec.pack(s, []), self.w_spec.pack(s, stored))
-        (out, operands), sb = out, self.splitters[s]
-        pads = [jnp.zeros(k, key) for key, k in self._pad_sizes(s).items()]
-        kept = [operands, sb.zero_perturbations(), pads]
-        return out, Residuals(self.b_spec.pack(s, stored), self.w_spec.pack(s, kept))
+            row = Residuals(self.b_spec.pack(s, []), self.w_spec.pack(s, stored))
+        else:
+            (out, operands), sb = out, self.splitters[s]
+            pads = [jnp.zeros(k, key) for key, k in self._pad_sizes(s).items()]
+            kept = [operands, sb.zero_perturbations(), pads]
+            row = Residuals(self.b_spec.pack(s, stored), self.w_spec.pack(s, kept))
+        # Slicing the packed row drops its zero tail before XLA materialises it.
+        return out, row._replace(w={k: v[: self.w_head_width[k]] for k, v in row.w.items()})
+
+    def full_row(self, res: Residuals) -> Residuals:
+        """F's residuals with the W-pool head padded (with zeros) to a whole row."""
+        pad = lambda k, v: jnp.pad(v, (0, self.w_spec.sizes[k] - v.shape[0]))  # noqa: E731
+        return res._replace(w={k: pad(k, v) for k, v in res.w.items()})
 
     def pullback(self, s: int, p: Any, res: Residuals) -> Callable:
         """The stage's vjp function rebuilt from its stored residuals and current

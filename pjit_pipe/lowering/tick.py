@@ -219,7 +219,10 @@ class TickProgram:
                 act, res_out, loss = op(params, x, y, f_in, res, row.f)
                 res = Residuals(
                     {k: b.at[row.f.bres_w].set(res_out.b[k]) for k, b in res.b.items()},
-                    {k: b.at[row.f.res_w].set(res_out.w[k]) for k, b in res.w.items()},
+                    {  # F writes the head of the W-pool row (stages.StageVjp.w_head_width)
+                        k: lax.dynamic_update_slice(b, res_out.w[k][None], (row.f.res_w, 0))
+                        for k, b in res.w.items()
+                    },
                 )
                 return act, res, loss
 
