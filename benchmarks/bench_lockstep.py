@@ -20,7 +20,11 @@
 6. With --step-time (alone): seconds per compiled train step of the tiny GPT
    on 2x4 and of a dense MLP on 1x4 (CPU: compare runs of one session only).
 
-Run: python benchmarks/bench_lockstep.py [--quick] [--compile]
+With --exact SECONDS: the exact optimum of the P=4 cases (pack_ticks_exact,
+HiGHS), own peak / unbounded, or [lower bound, best found] where HiGHS does
+not prove it within SECONDS per solve.
+
+Run: python benchmarks/bench_lockstep.py [--quick] [--compile] [--exact SECONDS]
      python benchmarks/bench_lockstep.py [--messages] [--step-time] [--compile-only]
 """
 
@@ -40,6 +44,7 @@ from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.passes.pack_ticks_exact import exact_bounds
 from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import simulate
 
@@ -59,7 +64,21 @@ def periods(
     return event, before, after, table
 
 
-def row(label: str, schedule, costs_text: str) -> float:
+def optimum(schedule, costs: Costs, event: float, seconds: float) -> str:
+    """The exact engine's one-iteration optimum over the event steady period, own peak /
+    unbounded (a synchronous table's steady period is one iteration's time): the
+    optimum when HiGHS proves it in `seconds`, else [lower bound, best found]."""
+    out = []
+    for mem_limit in (None, math.inf):
+        found = exact_bounds(schedule, costs, mem_limit, seconds)
+        if found.optimal:
+            out.append(f"{found.time / event:.3f}")
+        else:
+            out.append(f"[{max(found.bound, 0) / event:.2f}, {found.time / event:.3f}]")
+    return " / ".join(out)
+
+
+def row(label: str, schedule, costs_text: str, exact: float = 0.0) -> float:
     costs = Costs.parse(costs_text)
     start = time.perf_counter()
     event, before, after, _ = periods(schedule, costs)
@@ -67,27 +86,32 @@ def row(label: str, schedule, costs_text: str) -> float:
     took = time.perf_counter() - start
     own = max(peak_memory(schedule).values())
     packed = max(table.peak_memory().values())
+    best = f" {optimum(schedule, costs, event, exact)} |" if exact else ""
     print(
         f"| {label} | {costs_text} | {event:g} | {before / event:.3f} | {after / event:.3f} "
-        f"| {free / event:.3f} | {own:g} -> {packed:g} | {took:.1f} |",
+        f"| {free / event:.3f} | {own:g} -> {packed:g} | {took:.1f} |{best}",
         flush=True,
     )
     return after / event
 
 
-def grid(sizes) -> list[float]:
+def grid(sizes, exact: float = 0.0) -> list[float]:
+    """The table; with `exact` > 0, the exact optimum of the P=4 cases too (HiGHS,
+    `exact` seconds per solve)."""
+    extra = " optimum (own peak / unbounded) |" if exact else ""
     print(
         "| kind, P, m | costs | steady | lockstep/steady before | after (own peak) "
-        "| after (unbounded) | peak memory unbounded | s |"
+        f"| after (unbounded) | peak memory unbounded | s |{extra}"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if exact else ""))
     ratios = []
     for P, m in sizes:
         for costs_text in COSTS:
             for kind in KINDS:
                 chunks = 2 if kind == "interleaved-1f1b" else None
                 sched = make_schedule(kind, P, m, chunks=chunks, costs=Costs.parse(costs_text))
-                ratios.append(row(f"{kind} P={P} m={m}", sched, costs_text))
+                solve = exact if P == 4 else 0.0
+                ratios.append(row(f"{kind} P={P} m={m}", sched, costs_text, solve))
     for failed in ([(1, 2)], [(1, 2), (2, 0)]):
         for costs_text in ("1,2,1,0", "5,6,4,1"):
             costs = Costs.parse(costs_text)
@@ -279,6 +303,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="P=4 m=8 only")
     parser.add_argument("--compile", action="store_true", help="also time the tiny GPT compile")
+    parser.add_argument(
+        "--exact",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also solve the P=4 cases exactly (HiGHS, SECONDS per solve; minutes in all)",
+    )
     parser.add_argument("--messages", action="store_true", help="only the messages table")
     parser.add_argument("--step-time", action="store_true", help="only the train step times")
     parser.add_argument("--compile-only", action="store_true", help="only the compile times")
@@ -291,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
             compile_times()
         return
     sizes = [(4, 8)] if args.quick else [(4, 8), (8, 32)]
-    ratios = grid(sizes)
+    ratios = grid(sizes, args.exact)
     met = sum(r <= 1.05 for r in ratios)
     print(f"\nlockstep_period <= 1.05 x steady_period in {met} of {len(ratios)} cases")
     staggering()
