@@ -34,6 +34,10 @@ from pjit_pipe.simulator.simulate import packed_time
 
 # How the greedy picks each tick's length from the workers' ready prefixes.
 RULES = ("utilization", "shortest", "longest")
+# The greedy variants pack_ticks prices: (rule, whether a W may overtake, whether a W
+# waits for a tick its worker has nothing else for). A lazy W lets a staggered
+# table run a stage's last W's after the next iteration has started elsewhere.
+VARIANTS = [(r, o, False) for r in RULES for o in (True, False)] + [(r, True, True) for r in RULES]
 
 
 # Activation memory of one op, in units of 1/(2v) of a stage's (see ir/memory.py).
@@ -67,9 +71,11 @@ class _Greedy:
         iterations: int,
         mem_limit: float,
         overtaking_w: bool = True,
+        lazy_w: bool = False,
     ):
         self.sched, self.costs, self.iterations = sched, costs, iterations
         self.overtaking_w = overtaking_w  # whether a W may run ahead of an older op
+        self.lazy_w = lazy_w  # whether a W runs only in a tick the worker has nothing else for
         self.flow = Engine(sched)
         self.duration = costs.duration_fn(sched)
         self.crosses = set()
@@ -178,14 +184,33 @@ class _Greedy:
             return []
         chosen: list[Entry] = []
         here: set[Stamped] = set()
+        for skip_w in (True, False) if self.lazy_w else (False,):
+            self._choose(w, st, t, skip_w, chosen, here)
+            if chosen:
+                break
+        out: list[tuple[Entry, float]] = []
+        for n in range(1, len(chosen) + 1):
+            busy = end = 0.0
+            for _, op in _lane_order(chosen[:n]):
+                busy += self.duration(w, op)
+                if any(k in self.crosses for k in self.produces[(w, op)]):
+                    end = max(end, busy + self.costs.c)
+            out.append((chosen[n - 1], max(busy, end)))
+        return out
+
+    def _choose(
+        self, w: Worker, st: _Worker, t: int, skip_w: bool, chosen: list[Entry], here: set
+    ) -> None:
+        """Add to `chosen` the worker's ready ops for tick t, oldest first (W's left
+        out when `skip_w`), and what they make to `here`."""
         for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
             if st.placed[i]:
                 continue
             it, op = st.entries[i]
             if op.kind is Kind.OPT:
                 break
-            if i > st.ptr and op.kind is Kind.W and not self.overtaking_w:
-                continue  # a W kept in program order fills a later bubble
+            if op.kind is Kind.W and (skip_w or (i > st.ptr and not self.overtaking_w)):
+                continue  # a W kept in program order (or for an idle tick) fills a later bubble
             lanes = {lane for _, o in chosen for lane in LANES[o.kind]}
             if lanes & set(LANES[op.kind]):
                 continue
@@ -203,15 +228,6 @@ class _Greedy:
             here.update((it, k) for k in self.produces[(w, op)])
             if len(chosen) == 3:
                 break
-        out: list[tuple[Entry, float]] = []
-        for n in range(1, len(chosen) + 1):
-            busy = end = 0.0
-            for _, op in _lane_order(chosen[:n]):
-                busy += self.duration(w, op)
-                if any(k in self.crosses for k in self.produces[(w, op)]):
-                    end = max(end, busy + self.costs.c)
-            out.append((chosen[n - 1], max(busy, end)))
-        return out
 
     @staticmethod
     def _rise(st: _Worker, skip: int) -> int:
@@ -386,8 +402,8 @@ def pack_ticks(
     if schedule.asynchronous:
         return best
     best_price = packed_time(best, costs)
-    for rule, overtaking_w in ((r, o) for r in RULES for o in (True, False)):
-        greedy = _Greedy(sched, costs, iterations, mem_limit, overtaking_w)
+    for rule, overtaking_w, lazy_w in VARIANTS:
+        greedy = _Greedy(sched, costs, iterations, mem_limit, overtaking_w, lazy_w)
         table = greedy.run(rule)
         table = PackedTicks(schedule, iterations, tuple(_PullForward(greedy, table).run()))
         price = packed_time(table, costs)
