@@ -22,6 +22,7 @@ from pjit_pipe.lowering.plan import LANE_OF, build_plan
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import _Greedy, pack_ticks
 from pjit_pipe.passes.pack_ticks_exact import exact_bounds, exact_pack
+from pjit_pipe.passes.reroute import reroute
 from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import packed_time, simulate
 
@@ -198,3 +199,17 @@ def test_exact_bounds_bracket_the_optimum():
     found.table.check()
     assert found.bound - 1e-6 <= found.time == pytest.approx(packed_time(found.table, COSTS))
     assert found.time <= greedy + 1e-9
+
+
+def test_staggering_pays_in_a_rerouted_table():
+    """A re-routed schedule comes staggered; the same programs with the iteration
+    barrier (its synchronous form: each OPT is its worker's last op) run slower
+    once packed."""
+    staggered = reroute(make_schedule("zb-h1", 2, 2, replicas=2), [(1, 1)], COSTS)
+    sync = staggered.replace(staggered=False, kind="zb-h1+reroute")
+    steady = []
+    for sched in (sync, staggered):
+        table = pack_ticks(sched, COSTS, 3, math.inf)
+        table.check()
+        steady.append(simulate(sched, COSTS, 3, mode="lockstep", ticks=table).steady_period)
+    assert steady[1] < steady[0]
