@@ -10,7 +10,10 @@ the simulator's lockstep mode prices it (`simulator.simulate.packed_events`).
 
 `pack_ticks` is the one function that builds the table: the frontend hands
 its result to the lowering and the CLI prices it. It runs a fast greedy in a
-few variants and keeps the cheapest; `exact_pack` (a HiGHS MILP) finds the
+few variants (`VARIANTS`), improves each table by a local search that pulls
+ops one tick earlier (`_PullForward`), and keeps the cheapest; a synchronous
+schedule packs one iteration and repeats it (behind the barrier every
+iteration starts from the same state). `exact_pack` (a HiGHS MILP) finds the
 optimum of small cases, to check the greedy against.
 
 Memory: packing keeps each worker's program order, so the activation memory
