@@ -11,7 +11,7 @@ the simulator's lockstep mode prices it (`simulator.simulate.packed_events`).
 `pack_ticks` is the one function that builds the table: the frontend hands
 its result to the lowering and the CLI prices it. It runs a fast greedy in a
 few variants (`VARIANTS`), improves each table by a local search that pulls
-ops one tick earlier (`_PullForward`), and keeps the cheapest; a synchronous
+ops one tick earlier (`passes/pull_forward.py`), and keeps the cheapest; a synchronous
 schedule packs one iteration and repeats it (behind the barrier every
 iteration starts from the same state). `exact_pack` (a HiGHS MILP) finds the
 optimum of small cases, to check the greedy against.
@@ -32,7 +32,8 @@ from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
 from pjit_pipe.ir.memory import MEMORY_DELTA, largest_peak, limit_units
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, fits, is_message
+from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, is_message, lane_order
+from pjit_pipe.passes.pull_forward import PullForward
 from pjit_pipe.simulator.simulate import packed_time
 
 # How the greedy picks each tick's length from the workers' ready prefixes.
@@ -194,7 +195,7 @@ class _Greedy:
         out: list[tuple[Entry, float]] = []
         for n in range(1, len(chosen) + 1):
             busy = end = 0.0
-            for _, op in _lane_order(chosen[:n]):
+            for _, op in lane_order(chosen[:n]):
                 busy += self.duration(w, op)
                 if any(k in self.crosses for k in self.produces[(w, op)]):
                     end = max(end, busy + self.costs.c)
@@ -222,7 +223,7 @@ class _Greedy:
             # Ops of a tick run in lane order (an op's same-tick dependencies are in
             # lower lanes), so memory peaks in that order too.
             mem = peak = st.memory
-            for _, o in _lane_order([*chosen, (it, op)]):
+            for _, o in lane_order([*chosen, (it, op)]):
                 mem += MEMORY_DELTA[o.kind]
                 peak = max(peak, mem)
             if peak + (self._rise(st, i) if i > st.ptr else 0) > st.cap:
@@ -243,114 +244,6 @@ class _Greedy:
                 total += MEMORY_DELTA.get(st.entries[i][1].kind, 0)
                 rise = max(rise, total)
         return rise
-
-
-class _PullForward:
-    """Local search on a finished table: move an op one tick earlier wherever that
-    keeps the table valid and makes the two ticks shorter in sum (an op the
-    greedy cut from a tick because it would have lengthened that tick may fit
-    once the next ticks are known). Each worker's ops keep their relative order
-    except within the tick an op joins (lane order), so memory is re-checked."""
-
-    def __init__(self, greedy: _Greedy, table: PackedTicks):
-        self.g = greedy
-        self.ticks = [{w: list(es) for w, es in tick.items()} for tick in table.ticks]
-        self.cap = greedy.cap
-
-    def run(self, passes: int = 3) -> list[dict[Worker, tuple[Entry, ...]]]:
-        for _ in range(passes):
-            self._index()
-            moved = False
-            for t in range(len(self.ticks) - 1):
-                for w, es in list(self.ticks[t + 1].items()):
-                    for e in list(es):
-                        moved |= self._try(w, e, t)
-            self.ticks = [tick for tick in self.ticks if any(tick.values())]
-            if not moved:
-                break
-        return [{w: tuple(es) for w, es in tick.items() if es} for tick in self.ticks]
-
-    def _index(self) -> None:
-        """Where each (iteration, key) is made, and the ticks of the OPTs."""
-        self.made: dict[Stamped, int] = {}
-        self.opt_tick: dict[tuple[int, int], int] = {}  # (stage, iteration) -> tick
-        self.last_opt: dict[int, int] = {}  # iteration -> tick of its last OPT
-        for t, tick in enumerate(self.ticks):
-            for w, es in tick.items():
-                for it, op in es:
-                    for k in self.g.produces[(w, op)]:
-                        self.made[(it, k)] = t
-                    if op.kind is Kind.OPT:
-                        self.opt_tick[(op.stage, it)] = t
-                        self.last_opt[it] = max(self.last_opt.get(it, -1), t)
-
-    def _length(self, tick: dict[Worker, list[Entry]]) -> float:
-        """The tick's length as `simulator.simulate.packed_events` prices it."""
-        length = 0.0
-        for w, es in tick.items():
-            busy = 0.0
-            for _, op in es:
-                busy += self.g.duration(w, op)
-                if any(k in self.g.crosses for k in self.g.produces[(w, op)]):
-                    length = max(length, busy + self.g.costs.c)
-            length = max(length, busy)
-        return length
-
-    def _try(self, w: Worker, entry: Entry, t: int) -> bool:
-        it, op = entry
-        if op.kind not in LANES:
-            return False
-        here, there = self.ticks[t], self.ticks[t + 1]
-        mine = here.get(w, [])
-        if any(o.kind is Kind.OPT for _, o in mine):
-            return False
-        joined = _lane_order([*mine, entry])
-        if not fits([o for _, o in joined]) or not self._ready(w, entry, t, joined):
-            return False
-        rest = [e for e in there[w] if e != entry]
-        before = self._length(here) + self._length(there)
-        after = self._length({**here, w: joined}) + self._length({**there, w: rest})
-        if after >= before - 1e-9 or not self._memory_ok(w, t, joined, rest):
-            return False
-        here[w], there[w] = joined, rest
-        for k in self.g.produces[(w, op)]:
-            self.made[(it, k)] = t
-        return True
-
-    def _ready(self, w: Worker, entry: Entry, t: int, joined: list[Entry]) -> bool:
-        """Whether `entry` may run in tick t: the iteration's barrier (or, staggered,
-        its stage's OPT) is behind it, each message was made before t, and each
-        residual earlier in t on this worker."""
-        it, op = entry
-        if it > 0:
-            if self.g.sched.staggered:
-                if self.opt_tick.get((op.stage, it - 1), -1) >= t:
-                    return False
-            elif self.last_opt.get(it - 1, -1) >= t:
-                return False
-        earlier = {
-            (it, k)
-            for jt, o in joined[: joined.index(entry)]
-            if jt == it
-            for k in self.g.produces[(w, o)]
-        }
-        for key, message in self.g.deps[(w, op)]:
-            made = self.made.get((it, key), t + 1)
-            if made > t or (made == t and (message or (it, key) not in earlier)):
-                return False
-        return True
-
-    def _memory_ok(self, w: Worker, t: int, joined: list[Entry], rest: list[Entry]) -> bool:
-        total = peak = 0
-        for u, tick in enumerate(self.ticks):
-            for _, o in joined if u == t else rest if u == t + 1 else tick.get(w, []):
-                total += MEMORY_DELTA.get(o.kind, 0)
-                peak = max(peak, total)
-        return peak <= self.cap
-
-
-def _lane_order(entries: list[Entry]) -> list[Entry]:
-    return sorted(entries, key=lambda e: LANES[e[1].kind][0])
 
 
 def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str):
@@ -374,7 +267,7 @@ def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str):
     out = {}
     for w, p in picks.items():
         kept = [e for e, tm in p if tm <= length]
-        out[w] = tuple(_lane_order(kept))
+        out[w] = tuple(lane_order(kept))
     return out
 
 
@@ -419,7 +312,7 @@ def pack_ticks(
     for rule, overtaking_w, lazy_w in VARIANTS:
         greedy = _Greedy(sched, costs, iterations, mem_limit, overtaking_w, lazy_w)
         table = greedy.run(rule)
-        table = PackedTicks(schedule, iterations, tuple(_PullForward(greedy, table).run()))
+        table = PackedTicks(schedule, iterations, tuple(PullForward(greedy, table).run()))
         price = packed_time(table, costs)
         if price < best_price - 1e-9:
             best, best_price = table, price
