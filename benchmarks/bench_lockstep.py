@@ -8,8 +8,8 @@
    with the unbounded table's peak activation memory next to the schedule's own.
 2. Re-routed zb-h1 on a 4x4 mesh with one and with two failures.
 3. Staggering in the compiled program: P=4 m=8, 4 iterations, costs 1,2,1,0,
-   the packed lockstep_period of zb-h2 and of a re-routed 4x4 variant,
-   synchronous and staggered.
+   the packed lockstep_period of zb-h2 and of re-routed 4x4 variants,
+   synchronous and staggered, within the own peak and unbounded.
 4. Messages on a 4x4 mesh with one and with two failures (zb-h1, m=8, costs
    1,2,1,0, packed), in units of one message buffer: the ppermutes a tick
    runs (one per grid shift, or the fewest partial permutations,
@@ -20,7 +20,11 @@
 6. With --step-time (alone): seconds per compiled train step of the tiny GPT
    on 2x4 and of a dense MLP on 1x4 (CPU: compare runs of one session only).
 
-Run: python benchmarks/bench_lockstep.py [--quick] [--compile]
+With --exact SECONDS: the exact optimum of the P=4 cases (pack_ticks_exact,
+HiGHS), own peak / unbounded, or [lower bound, best found] where HiGHS does
+not prove it within SECONDS per solve.
+
+Run: python benchmarks/bench_lockstep.py [--quick] [--compile] [--exact SECONDS]
      python benchmarks/bench_lockstep.py [--messages] [--step-time] [--compile-only]
 """
 
@@ -40,6 +44,7 @@ from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.passes.pack_ticks_exact import exact_bounds
 from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import simulate
 
@@ -59,7 +64,21 @@ def periods(
     return event, before, after, table
 
 
-def row(label: str, schedule, costs_text: str) -> float:
+def optimum(schedule, costs: Costs, event: float, seconds: float) -> str:
+    """The exact engine's one-iteration optimum over the event steady period, own peak /
+    unbounded (a synchronous table's steady period is one iteration's time): the
+    optimum when HiGHS proves it in `seconds`, else [lower bound, best found]."""
+    out = []
+    for mem_limit in (None, math.inf):
+        found = exact_bounds(schedule, costs, mem_limit, seconds)
+        if found.optimal:
+            out.append(f"{found.time / event:.3f}")
+        else:
+            out.append(f"[{max(found.bound, 0) / event:.2f}, {found.time / event:.3f}]")
+    return " / ".join(out)
+
+
+def row(label: str, schedule, costs_text: str, exact: float = 0.0) -> float:
     costs = Costs.parse(costs_text)
     start = time.perf_counter()
     event, before, after, _ = periods(schedule, costs)
@@ -67,27 +86,33 @@ def row(label: str, schedule, costs_text: str) -> float:
     took = time.perf_counter() - start
     own = max(peak_memory(schedule).values())
     packed = max(table.peak_memory().values())
+    best = f" {optimum(schedule, costs, event, exact)} |" if exact else ""
     print(
         f"| {label} | {costs_text} | {event:g} | {before / event:.3f} | {after / event:.3f} "
-        f"| {free / event:.3f} | {own:g} -> {packed:g} | {took:.1f} |",
+        f"| {free / event:.3f} | {own:g} -> {packed:g} | {took:.1f} |{best}",
         flush=True,
     )
     return after / event
 
 
-def grid(sizes) -> list[float]:
+def grid(sizes, exact: float = 0.0) -> list[float]:
+    """The table; with `exact` > 0, the exact optimum of the P=4 cases too (HiGHS,
+    `exact` seconds per solve)."""
+    extra = " optimum (own peak / unbounded) |" if exact else ""
     print(
         "| kind, P, m | costs | steady | lockstep/steady before | after (own peak) "
-        "| after (unbounded) | peak memory unbounded | s |"
+        f"| after (unbounded) | peak memory unbounded | s |{extra}"
     )
-    print("|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|" + ("---|" if exact else ""))
     ratios = []
     for P, m in sizes:
         for costs_text in COSTS:
             for kind in KINDS:
                 chunks = 2 if kind == "interleaved-1f1b" else None
                 sched = make_schedule(kind, P, m, chunks=chunks, costs=Costs.parse(costs_text))
-                ratios.append(row(f"{kind} P={P} m={m}", sched, costs_text))
+                # An asynchronous table keeps its stream order: nothing to optimize.
+                solve = exact if P == 4 and kind != "async-1f1b" else 0.0
+                ratios.append(row(f"{kind} P={P} m={m}", sched, costs_text, solve))
     for failed in ([(1, 2)], [(1, 2), (2, 0)]):
         for costs_text in ("1,2,1,0", "5,6,4,1"):
             costs = Costs.parse(costs_text)
@@ -98,19 +123,27 @@ def grid(sizes) -> list[float]:
 
 
 def staggering() -> None:
+    """Synchronous against staggered, packed within the own peak and unbounded. A
+    re-routed schedule comes staggered (passes/reroute.py); its synchronous form is
+    the same programs with the iteration barrier (every OPT is its worker's last op)."""
     costs = Costs.parse("1,2,1,0")
-    cases = {
-        "zb-h2 P=4 m=8": make_schedule("zb-h2", 4, 8, costs=costs),
-        "zb-h1 4x4 m=8, 1 failed": schedule_with_failures(
-            "zb-h1", 4, 8, 4, [(1, 2)], costs, time_limit=2.0
-        ),
-    }
-    print("\n| schedule (costs 1,2,1,0, 4 iterations) | lockstep synchronous | staggered | gain |")
+    zb_h2 = make_schedule("zb-h2", 4, 8, costs=costs)
+    cases = {"zb-h2 P=4 m=8": (zb_h2, stagger(zb_h2))}
+    for failed in ([(1, 2)], [(1, 2), (2, 0)]):
+        rerouted = schedule_with_failures("zb-h1", 4, 8, 4, failed, costs, time_limit=2.0)
+        sync = rerouted.replace(staggered=False, kind=rerouted.kind.replace("+stagger", ""))
+        cases[f"zb-h1 4x4 m=8, {len(failed)} failed"] = (sync, rerouted)
+    print(
+        "\n| schedule (costs 1,2,1,0, 4 iterations) | event sync / staggered "
+        "| lockstep own peak: sync / staggered (gain) | unbounded: sync / staggered (gain) |"
+    )
     print("|---|---|---|---|")
-    for label, sched in cases.items():
-        sync = periods(sched, costs)[2]
-        stag = periods(stagger(sched), costs)[2]
-        print(f"| {label} | {sync:g} | {stag:g} | {1 - stag / sync:.1%} |", flush=True)
+    for label, (sync, stag) in cases.items():
+        cells = [f"{periods(sync, costs)[0]:g} / {periods(stag, costs)[0]:g}"]
+        for mem_limit in (None, math.inf):
+            a, b = periods(sync, costs, mem_limit)[2], periods(stag, costs, mem_limit)[2]
+            cells.append(f"{a:g} / {b:g} ({1 - b / a:.1%})")
+        print(f"| {label} | {' | '.join(cells)} |", flush=True)
 
 
 def messages() -> None:
@@ -279,6 +312,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="P=4 m=8 only")
     parser.add_argument("--compile", action="store_true", help="also time the tiny GPT compile")
+    parser.add_argument(
+        "--exact",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="also solve the P=4 cases exactly (HiGHS, SECONDS per solve; minutes in all)",
+    )
     parser.add_argument("--messages", action="store_true", help="only the messages table")
     parser.add_argument("--step-time", action="store_true", help="only the train step times")
     parser.add_argument("--compile-only", action="store_true", help="only the compile times")
@@ -291,7 +331,7 @@ def main(argv: list[str] | None = None) -> None:
             compile_times()
         return
     sizes = [(4, 8)] if args.quick else [(4, 8), (8, 32)]
-    ratios = grid(sizes)
+    ratios = grid(sizes, args.exact)
     met = sum(r <= 1.05 for r in ratios)
     print(f"\nlockstep_period <= 1.05 x steady_period in {met} of {len(ratios)} cases")
     staggering()

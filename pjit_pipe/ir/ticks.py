@@ -69,6 +69,11 @@ def fits(ops: Sequence[Op]) -> bool:
     return True
 
 
+def lane_order(entries: Sequence[Entry]) -> list[Entry]:
+    """A worker's compute entries of one tick in the order they run (F, B, W)."""
+    return sorted(entries, key=lambda e: LANES[e[1].kind][0])
+
+
 def compute_only(schedule: Schedule) -> Schedule:
     """The schedule without SEND/RECV: in a tick table every message travels between ticks."""
     if not schedule.has_comm():

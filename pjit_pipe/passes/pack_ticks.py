@@ -11,7 +11,10 @@ plus each tick's fixed cost (`Costs.tick`): when ticks are dear, fewer win.
 
 `pack_ticks` is the one function that builds the table: the frontend hands
 its result to the lowering and the CLI prices it. It runs a fast greedy in a
-few variants and keeps the cheapest; `exact_pack` (a HiGHS MILP) finds the
+few variants (`VARIANTS`), improves each table by a local search that pulls
+ops one tick earlier (`passes/pull_forward.py`), and keeps the cheapest; a synchronous
+schedule packs one iteration and repeats it (behind the barrier every
+iteration starts from the same state). `exact_pack` (a HiGHS MILP) finds the
 optimum of small cases, to check the greedy against.
 
 Memory: packing keeps each worker's program order, so the activation memory
@@ -30,11 +33,16 @@ from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
 from pjit_pipe.ir.memory import MEMORY_DELTA, largest_peak, limit_units
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, is_message
+from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, is_message, lane_order
+from pjit_pipe.passes.pull_forward import PullForward
 from pjit_pipe.simulator.simulate import packed_time
 
 # How the greedy picks each tick's length from the workers' ready prefixes.
 RULES = ("utilization", "shortest", "longest")
+# The greedy variants pack_ticks prices: (rule, whether a W may overtake, whether a W
+# waits for a tick its worker has nothing else for). A lazy W lets a staggered
+# table run a stage's last W's after the next iteration has started elsewhere.
+VARIANTS = [(r, o, False) for r in RULES for o in (True, False)] + [(r, True, True) for r in RULES]
 
 
 # Activation memory of one op, in units of 1/(2v) of a stage's (see ir/memory.py).
@@ -68,9 +76,11 @@ class _Greedy:
         iterations: int,
         mem_limit: float,
         overtaking_w: bool = True,
+        lazy_w: bool = False,
     ):
         self.sched, self.costs, self.iterations = sched, costs, iterations
         self.overtaking_w = overtaking_w  # whether a W may run ahead of an older op
+        self.lazy_w = lazy_w  # whether a W runs only in a tick the worker has nothing else for
         self.flow = Engine(sched)
         self.duration = costs.duration_fn(sched)
         self.crosses = set()
@@ -78,7 +88,7 @@ class _Greedy:
             for key, cross in self.flow.deps(w, op):
                 if cross:
                     self.crosses.add(key)
-        cap = limit_units(mem_limit, sched.chunks)
+        cap = self.cap = limit_units(mem_limit, sched.chunks)
         # Per (worker, op): what it waits for (key, whether a message) and what it makes.
         self.deps = {
             (w, op): [(k, is_message(k, op)) for k, _ in self.flow.deps(w, op)]
@@ -179,14 +189,33 @@ class _Greedy:
             return []
         chosen: list[Entry] = []
         here: set[Stamped] = set()
+        for skip_w in (True, False) if self.lazy_w else (False,):
+            self._choose(w, st, t, skip_w, chosen, here)
+            if chosen:
+                break
+        out: list[tuple[Entry, float]] = []
+        for n in range(1, len(chosen) + 1):
+            busy = end = 0.0
+            for _, op in lane_order(chosen[:n]):
+                busy += self.duration(w, op)
+                if any(k in self.crosses for k in self.produces[(w, op)]):
+                    end = max(end, busy + self.costs.c)
+            out.append((chosen[n - 1], max(busy, end)))
+        return out
+
+    def _choose(
+        self, w: Worker, st: _Worker, t: int, skip_w: bool, chosen: list[Entry], here: set
+    ) -> None:
+        """Add to `chosen` the worker's ready ops for tick t, oldest first (W's left
+        out when `skip_w`), and what they make to `here`."""
         for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
             if st.placed[i]:
                 continue
             it, op = st.entries[i]
             if op.kind is Kind.OPT:
                 break
-            if i > st.ptr and op.kind is Kind.W and not self.overtaking_w:
-                continue  # a W kept in program order fills a later bubble
+            if op.kind is Kind.W and (skip_w or (i > st.ptr and not self.overtaking_w)):
+                continue  # a W kept in program order (or for an idle tick) fills a later bubble
             lanes = {lane for _, o in chosen for lane in LANES[o.kind]}
             if lanes & set(LANES[op.kind]):
                 continue
@@ -195,7 +224,7 @@ class _Greedy:
             # Ops of a tick run in lane order (an op's same-tick dependencies are in
             # lower lanes), so memory peaks in that order too.
             mem = peak = st.memory
-            for _, o in _lane_order([*chosen, (it, op)]):
+            for _, o in lane_order([*chosen, (it, op)]):
                 mem += MEMORY_DELTA[o.kind]
                 peak = max(peak, mem)
             if peak + (self._rise(st, i) if i > st.ptr else 0) > st.cap:
@@ -204,15 +233,6 @@ class _Greedy:
             here.update((it, k) for k in self.produces[(w, op)])
             if len(chosen) == 3:
                 break
-        out: list[tuple[Entry, float]] = []
-        for n in range(1, len(chosen) + 1):
-            busy = end = 0.0
-            for _, op in _lane_order(chosen[:n]):
-                busy += self.duration(w, op)
-                if any(k in self.crosses for k in self.produces[(w, op)]):
-                    end = max(end, busy + self.costs.c)
-            out.append((chosen[n - 1], max(busy, end)))
-        return out
 
     @staticmethod
     def _rise(st: _Worker, skip: int) -> int:
@@ -225,10 +245,6 @@ class _Greedy:
                 total += MEMORY_DELTA.get(st.entries[i][1].kind, 0)
                 rise = max(rise, total)
         return rise
-
-
-def _lane_order(entries: list[Entry]) -> list[Entry]:
-    return sorted(entries, key=lambda e: LANES[e[1].kind][0])
 
 
 def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str):
@@ -252,7 +268,7 @@ def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str):
     out = {}
     for w, p in picks.items():
         kept = [e for e, tm in p if tm <= length]
-        out[w] = tuple(_lane_order(kept))
+        out[w] = tuple(lane_order(kept))
     return out
 
 
@@ -283,10 +299,33 @@ def pack_ticks(
     if schedule.asynchronous:
         return best
     best_price = packed_time(best, costs)
-    for rule, overtaking_w in ((r, o) for r in RULES for o in (True, False)):
-        table = _Greedy(sched, costs, iterations, mem_limit, overtaking_w).run(rule)
-        table = PackedTicks(schedule, iterations, table.ticks)
+    if iterations > 1:
+        # Behind the iteration barrier every iteration starts from the same state
+        # (nothing in flight), so the best one-iteration table, repeated, is as good as
+        # any the greedy builds for all of them at once, and costs 1/iterations to build.
+        # It is valid staggered too (each stage steps before its next iteration).
+        table = _repeat(pack_ticks(schedule, costs, 1, mem_limit), iterations)
+        price = packed_time(table, costs)
+        if price < best_price - 1e-9:
+            best, best_price = table, price
+        if not schedule.staggered:
+            return best
+    for rule, overtaking_w, lazy_w in VARIANTS:
+        greedy = _Greedy(sched, costs, iterations, mem_limit, overtaking_w, lazy_w)
+        table = greedy.run(rule)
+        table = PackedTicks(schedule, iterations, tuple(PullForward(greedy, table).run()))
         price = packed_time(table, costs)
         if price < best_price - 1e-9:
             best, best_price = table, price
     return best
+
+
+def _repeat(table: PackedTicks, iterations: int) -> PackedTicks:
+    """A one-iteration table of a synchronous schedule run `iterations` times back to
+    back (its last tick holds its last OPT, so the barrier holds)."""
+    ticks = tuple(
+        {w: tuple((k, op) for _, op in entries) for w, entries in tick.items()}
+        for k in range(iterations)
+        for tick in table.ticks
+    )
+    return PackedTicks(table.schedule, iterations, ticks)

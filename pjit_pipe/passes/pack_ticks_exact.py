@@ -9,11 +9,16 @@ a residual from an earlier lane) and the memory limit. A worker may run its
 ops in any order the dependencies allow, as the greedy may.
 
 Variables: x[i, t] = 1 when op i runs in tick t, and each tick's length L_t.
-The horizon is the greedy table's tick count (a feasible solution). OPTs run
+The horizon is the larger of the greedy's and the unpacked table's tick
+counts (both feasible), so the optimum is over tables of at most that many ticks. OPTs run
 at the end of the last tick. Only sizes of a few dozen ops solve quickly.
 """
 
 from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
 
 import highspy
 import numpy as np
@@ -27,6 +32,18 @@ from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, is_messa
 from pjit_pipe.passes.pack_ticks import pack_ticks
 
 
+@dataclass(frozen=True)
+class ExactResult:
+    """What HiGHS found within its time limit: the best table (None if none was
+    found), its time, and a proven lower bound on the optimum's time (equal to
+    `time` when `optimal`)."""
+
+    table: PackedTicks | None
+    time: float
+    bound: float
+    optimal: bool
+
+
 def exact_pack(
     schedule: Schedule,
     costs: Costs | None = None,
@@ -34,10 +51,31 @@ def exact_pack(
     time_limit: float = 60.0,
 ) -> PackedTicks:
     """The cheapest one-iteration tick table of `schedule` (see the module docstring),
-    within `mem_limit` (None: the schedule's own largest peak, as `pack_ticks`)."""
+    within `mem_limit` (None: the schedule's own largest peak, as `pack_ticks`).
+    Raises ScheduleError when HiGHS proves no optimum within `time_limit` seconds."""
+    result = exact_bounds(schedule, costs, mem_limit, time_limit)
+    if not result.optimal or result.table is None:
+        raise ScheduleError(
+            f"exact_pack: HiGHS found no optimum in {time_limit:g} s (best {result.time:g}, "
+            f"lower bound {result.bound:g}); raise time_limit or use exact_bounds"
+        )
+    return result.table
+
+
+def exact_bounds(
+    schedule: Schedule,
+    costs: Costs | None = None,
+    mem_limit: float | None = None,
+    time_limit: float = 60.0,
+) -> ExactResult:
+    """Solve `exact_pack`'s MILP for at most `time_limit` seconds and report the best
+    table found and the proven lower bound (the optimum lies between them)."""
     costs = costs or Costs()
     sched = compute_only(schedule)
-    horizon = len(pack_ticks(schedule, costs, 1, mem_limit))
+    # Horizon: the greedy's and the unpacked table's tick counts (both feasible);
+    # the greedy's table is HiGHS's first solution.
+    greedy = pack_ticks(schedule, costs, 1, mem_limit)
+    horizon = max(len(greedy), len(PackedTicks.one_op_per_tick(schedule)))
     flow, duration = Engine(sched), costs.duration_fn(sched)
     ops = [(w, op) for w, _, op in sched.ops() if op.kind in LANES]
     producer = {}
@@ -50,6 +88,10 @@ def exact_pack(
     x = lambda i, t: i * T + t  # noqa: E731
     length = lambda t: n * T + t  # noqa: E731
     cols = n * T + T
+    start = np.zeros(cols)  # the greedy's table as a solution
+    tick_of = {(w, op): t for (w, _, op), (t, _) in greedy.placement().items()}
+    for i, op_key in enumerate(ops):
+        start[x(i, tick_of[op_key])] = 1.0
     # (producer, consumer, least tick gap): a message needs a later tick.
     edges = []
     for i, (w, op) in enumerate(ops):
@@ -73,11 +115,12 @@ def exact_pack(
     rows: list[tuple[float, float, dict[int, float]]] = []
     for i in range(n):
         rows.append((1, 1, {x(i, t): 1.0 for t in range(early[i], late[i] + 1)}))
-    for p, c, gap in edges:  # tick(c) - tick(p) >= gap
-        coefs = {x(c, t): float(t) for t in range(early[c], late[c] + 1)}
-        for t in range(early[p], late[p] + 1):
-            coefs[x(p, t)] = coefs.get(x(p, t), 0.0) - t
-        rows.append((gap, np.inf, coefs))
+    for p, c, gap in edges:  # by each tick t, c has run only if p ran by t - gap
+        for t in range(early[c], late[c] + 1):
+            coefs = {x(c, u): 1.0 for u in range(early[c], t + 1)}
+            for u in range(early[p], min(t - gap, late[p]) + 1):
+                coefs[x(p, u)] = -1.0
+            rows.append((-np.inf, 0, coefs))
     by_worker: dict[Worker, list[int]] = {}
     for i, (w, _) in enumerate(ops):
         by_worker.setdefault(w, []).append(i)
@@ -98,6 +141,8 @@ def exact_pack(
                     if LANES[ops[k][1].kind][0] <= first:
                         coefs[x(k, t)] = -duration(*ops[k]) - (send if k == i else 0.0)
                 rows.append((0, np.inf, coefs))
+                tick_end = -sum(start[k] * v for k, v in coefs.items() if k != length(t))
+                start[length(t)] = max(start[length(t)], tick_end)
             if cap < np.inf:  # F's memory counts from its tick, a release after its tick
                 coefs = {}
                 for i in mine:
@@ -107,7 +152,7 @@ def exact_pack(
                 rows.append((-np.inf, cap, coefs))
 
     h = highspy.Highs()
-    h.setOptionValue("output_flag", False)
+    h.setOptionValue("output_flag", bool(os.environ.get("PJIT_PIPE_HIGHS_LOG")))
     h.setOptionValue("time_limit", float(time_limit))
     cost = np.zeros(cols)
     cost[n * T :] = 1.0
@@ -134,9 +179,14 @@ def exact_pack(
     h.changeColsIntegrality(
         len(ints), ints, np.full(len(ints), highspy.HighsVarType.kInteger, dtype=np.uint8)
     )
+    first = highspy.HighsSolution()
+    first.col_value = list(start)
+    h.setSolution(first)
     h.run()
-    if h.getModelStatus() != highspy.HighsModelStatus.kOptimal:
-        raise ScheduleError(f"exact_pack: HiGHS found no optimum ({h.getModelStatus()})")
+    status, info = h.getModelStatus(), h.getInfo()
+    optimal = status == highspy.HighsModelStatus.kOptimal
+    if info.primal_solution_status != 2:  # no feasible solution within the time limit
+        return ExactResult(None, math.inf, info.mip_dual_bound, False)
     sol = np.asarray(h.getSolution().col_value)
     ticks: list[dict[Worker, list[Entry]]] = [{} for _ in range(T)]
     for i, (w, op) in enumerate(ops):
@@ -147,7 +197,9 @@ def exact_pack(
         if op.kind is Kind.OPT:
             ticks[-1].setdefault(w, []).append((0, op))
     ordered = tuple({w: tuple(sorted(es, key=_lane_key)) for w, es in tk.items()} for tk in ticks)
-    return PackedTicks(schedule, 1, ordered)
+    table = PackedTicks(schedule, 1, ordered)
+    best = info.objective_function_value
+    return ExactResult(table, best, best if optimal else info.mip_dual_bound, optimal)
 
 
 def _lane_key(entry: Entry) -> int:

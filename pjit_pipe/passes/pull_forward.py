@@ -1,0 +1,126 @@
+"""A local search on a packed tick table: pull ops one tick earlier.
+
+The greedy of `pack_ticks` builds a table tick by tick; it cuts from a tick
+an op that would lengthen it, not knowing the ticks to come. Once the table
+is whole, moving such an op one tick earlier can shorten the two ticks in
+sum. `PullForward` makes every such move that keeps the table valid by
+ir/ticks.py's rule (lanes, messages from an earlier tick, the iteration
+barrier or, staggered, the stage's OPT) and within the greedy's memory
+limit, until none is left (or a few passes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from pjit_pipe.ir.engine import Stamped
+from pjit_pipe.ir.memory import MEMORY_DELTA
+from pjit_pipe.ir.ops import Kind, Worker
+from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, fits, lane_order
+
+if TYPE_CHECKING:  # pack_ticks imports this module
+    from pjit_pipe.passes.pack_ticks import _Greedy
+
+
+class PullForward:
+    """Local search on a finished table: move an op one tick earlier wherever that
+    keeps the table valid and makes the two ticks shorter in sum (an op the
+    greedy cut from a tick because it would have lengthened that tick may fit
+    once the next ticks are known). Each worker's ops keep their relative order
+    except within the tick an op joins (lane order), so memory is re-checked."""
+
+    def __init__(self, greedy: _Greedy, table: PackedTicks):
+        self.g = greedy
+        self.ticks = [{w: list(es) for w, es in tick.items()} for tick in table.ticks]
+        self.cap = greedy.cap
+
+    def run(self, passes: int = 3) -> list[dict[Worker, tuple[Entry, ...]]]:
+        for _ in range(passes):
+            self._index()
+            moved = False
+            for t in range(len(self.ticks) - 1):
+                for w, es in list(self.ticks[t + 1].items()):
+                    for e in list(es):
+                        moved |= self._try(w, e, t)
+            self.ticks = [tick for tick in self.ticks if any(tick.values())]
+            if not moved:
+                break
+        return [{w: tuple(es) for w, es in tick.items() if es} for tick in self.ticks]
+
+    def _index(self) -> None:
+        """Where each (iteration, key) is made, and the ticks of the OPTs."""
+        self.made: dict[Stamped, int] = {}
+        self.opt_tick: dict[tuple[int, int], int] = {}  # (stage, iteration) -> tick
+        self.last_opt: dict[int, int] = {}  # iteration -> tick of its last OPT
+        for t, tick in enumerate(self.ticks):
+            for w, es in tick.items():
+                for it, op in es:
+                    for k in self.g.produces[(w, op)]:
+                        self.made[(it, k)] = t
+                    if op.kind is Kind.OPT:
+                        self.opt_tick[(op.stage, it)] = t
+                        self.last_opt[it] = max(self.last_opt.get(it, -1), t)
+
+    def _length(self, tick: dict[Worker, list[Entry]]) -> float:
+        """The tick's length as `simulator.simulate.packed_events` prices it."""
+        length = 0.0
+        for w, es in tick.items():
+            busy = 0.0
+            for _, op in es:
+                busy += self.g.duration(w, op)
+                if any(k in self.g.crosses for k in self.g.produces[(w, op)]):
+                    length = max(length, busy + self.g.costs.c)
+            length = max(length, busy)
+        return length
+
+    def _try(self, w: Worker, entry: Entry, t: int) -> bool:
+        it, op = entry
+        if op.kind not in LANES:
+            return False
+        here, there = self.ticks[t], self.ticks[t + 1]
+        mine = here.get(w, [])
+        if any(o.kind is Kind.OPT for _, o in mine):
+            return False
+        joined = lane_order([*mine, entry])
+        if not fits([o for _, o in joined]) or not self._ready(w, entry, t, joined):
+            return False
+        rest = [e for e in there[w] if e != entry]
+        before = self._length(here) + self._length(there)
+        after = self._length({**here, w: joined}) + self._length({**there, w: rest})
+        if after >= before - 1e-9 or not self._memory_ok(w, t, joined, rest):
+            return False
+        here[w], there[w] = joined, rest
+        for k in self.g.produces[(w, op)]:
+            self.made[(it, k)] = t
+        return True
+
+    def _ready(self, w: Worker, entry: Entry, t: int, joined: list[Entry]) -> bool:
+        """Whether `entry` may run in tick t: the iteration's barrier (or, staggered,
+        its stage's OPT) is behind it, each message was made before t, and each
+        residual earlier in t on this worker."""
+        it, op = entry
+        if it > 0:
+            if self.g.sched.staggered:
+                if self.opt_tick.get((op.stage, it - 1), -1) >= t:
+                    return False
+            elif self.last_opt.get(it - 1, -1) >= t:
+                return False
+        earlier = {
+            (it, k)
+            for jt, o in joined[: joined.index(entry)]
+            if jt == it
+            for k in self.g.produces[(w, o)]
+        }
+        for key, message in self.g.deps[(w, op)]:
+            made = self.made.get((it, key), t + 1)
+            if made > t or (made == t and (message or (it, key) not in earlier)):
+                return False
+        return True
+
+    def _memory_ok(self, w: Worker, t: int, joined: list[Entry], rest: list[Entry]) -> bool:
+        total = peak = 0
+        for u, tick in enumerate(self.ticks):
+            for _, o in joined if u == t else rest if u == t + 1 else tick.get(w, []):
+                total += MEMORY_DELTA.get(o.kind, 0)
+                peak = max(peak, total)
+        return peak <= self.cap
