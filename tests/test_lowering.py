@@ -76,13 +76,24 @@ def reference_loss(fns, params, x, y):
     return xent(a, y)
 
 
+def reference_value_and_grad(fns, params, x, y):
+    """`jax.value_and_grad` of the unpipelined model, jitted: one compile, where
+    eager dispatch compiles each of its ops (most of a small test's time)."""
+    return jax.jit(jax.value_and_grad(lambda p, x, y: reference_loss(fns, p, x, y)))(params, x, y)
+
+
 def unpipelined_training(fns, params, opt, batches):
     """Plain optax steps on the unpipelined model: (final params, loss of each step)."""
+
+    @jax.jit
+    def step(params, state, x, y):
+        loss, g = reference_value_and_grad(fns, params, x, y)
+        upd, state = opt.update(g, state, params)
+        return optax.apply_updates(params, upd), state, loss
+
     state, losses = opt.init(params), []
     for x, y in batches:
-        loss, g = jax.value_and_grad(reference_loss, argnums=1)(fns, params, x, y)
-        upd, state = opt.update(g, state, params)
-        params = optax.apply_updates(params, upd)
+        params, state, loss = step(params, state, x, y)
         losses.append(float(loss))
     return params, losses
 
@@ -128,7 +139,7 @@ def check_value_and_grad(sched, D: int, P: int, remat: bool = False):
     x, y = batch(D * sched.microbatches * MB, seed=1)
     step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, remat=remat)
     loss, grads = step.value_and_grad(params, x, y)
-    ref_loss, ref_grads = jax.value_and_grad(reference_loss, argnums=1)(fns, params, x, y)
+    ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert_trees_close(grads, ref_grads)
 
@@ -200,7 +211,7 @@ def test_uniform_stages_match_unpipelined(kind, D, P):
     step = lower(sched, fns, xent, mesh_of(D, P), params, x, y)
     assert all(step._low.uniform)
     loss, grads = step.value_and_grad(params, x, y)
-    ref_loss, ref_grads = jax.value_and_grad(reference_loss, argnums=1)(fns, params, x, y)
+    ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert_trees_close(grads, ref_grads)
 

@@ -87,5 +87,5 @@ def test_an_idle_tick_is_measured_positive() -> None:
     from pjit_pipe.frontend.measure import tick_seconds
 
     mesh = pp.make_mesh(data=1, stage=2)
-    seconds = tick_seconds(mesh, jax.ShapeDtypeStruct((8, 16), jnp.float32), repeats=3, ticks=25)
+    seconds = tick_seconds(mesh, jax.ShapeDtypeStruct((8, 16), jnp.float32), repeats=5, ticks=100)
     assert 0 < seconds < 0.1

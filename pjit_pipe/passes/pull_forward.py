@@ -87,6 +87,8 @@ class PullForward:
         rest = [e for e in there[w] if e != entry]
         before = self._length(here) + self._length(there)
         after = self._length({**here, w: joined}) + self._length({**there, w: rest})
+        if not rest and not any(es for u, es in there.items() if u != w):
+            after -= self.g.costs.tick  # tick t + 1 empties and goes, with its fixed cost
         if after >= before - 1e-9 or not self._memory_ok(w, t, joined, rest):
             return False
         here[w], there[w] = joined, rest
