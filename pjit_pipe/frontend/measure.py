@@ -137,6 +137,11 @@ def _stage_ops(st: StageVjp, s: int, device: jax.Device, y_mb: Any) -> dict[str,
     return ops
 
 
+def _elements(tree: Any) -> int:
+    """Elements of a boundary buffer (at least 1): what a timed ppermute sends."""
+    return max(1, int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree))))
+
+
 def _transfer(mesh: Mesh, aval: Any, repeats: int) -> float:
     """Seconds of one ppermute of `aval` between neighbouring stages (0 with one stage)."""
     positions = mesh.shape["stage"]
@@ -144,7 +149,7 @@ def _transfer(mesh: Mesh, aval: Any, repeats: int) -> float:
         return 0.0
     row = Mesh(np.asarray(mesh.devices)[:1], mesh.axis_names)
     pairs = [(i, i + 1) for i in range(positions - 1)]
-    size = int(sum(np.prod(a.shape) for a in jax.tree.leaves(aval)))
+    size = _elements(aval)
     send = jax.jit(
         jax.shard_map(
             lambda b: jax.lax.ppermute(b, "stage", pairs),
@@ -155,7 +160,7 @@ def _transfer(mesh: Mesh, aval: Any, repeats: int) -> float:
         )
     )
     buf = jax.device_put(
-        jnp.ones((positions * max(size, 1),), jnp.float32), NamedSharding(row, PS("stage"))
+        jnp.ones((positions * size,), jnp.float32), NamedSharding(row, PS("stage"))
     )
     return median_seconds({"c": lambda: send(buf)}, repeats)["c"]
 
@@ -229,7 +234,7 @@ def tick_seconds(
     cost of calling a program cancels out. On a GPU the same loop pays each
     cond's predicate copy to the host (none with command-buffer conditionals)
     and each ppermute's launch. Never below zero (timing noise)."""
-    size = max(1, int(sum(np.prod(a.shape) for a in jax.tree.leaves(message))))
+    size = _elements(message)
     lanes = 2 + chunks
     fns = {n: _idle_loop(mesh, size, lanes, n * ticks) for n in (1, 2)}
     times = sample_seconds(fns, repeats)

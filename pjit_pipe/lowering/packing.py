@@ -58,11 +58,19 @@ class FlatSpec:
 
     def pack(self, i: int, tree: Any) -> Buffers:
         """Tree number `i` as flat buffers (every key of `sizes`, zero padded)."""
-        parts: dict[str, list[jax.Array]] = {k: [] for k in self.sizes}
-        for leaf, (key, _, _) in zip(jax.tree.leaves(tree), self.slots[i], strict=True):
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != len(self.slots[i]):
+            raise ValueError(f"tree {i}: {len(leaves)} leaves, expected {len(self.slots[i])}")
+        return self.pack_leading(i, leaves, self.sizes)
+
+    def pack_leading(self, i: int, leaves: Sequence[Any], widths: dict[str, int]) -> Buffers:
+        """The first len(`leaves`) leaves of tree number `i` as flat buffers, each
+        zero padded to `widths[key]` (the head of a row: the rest is written later)."""
+        parts: dict[str, list[jax.Array]] = {k: [] for k in widths}
+        for leaf, (key, _, _) in zip(leaves, self.slots[i][: len(leaves)], strict=True):
             parts[key].append(jnp.ravel(leaf).astype(key))
         out = {}
-        for key, size in self.sizes.items():
+        for key, size in widths.items():
             flat = jnp.concatenate(parts[key]) if parts[key] else jnp.zeros((0,), key)
             out[key] = jnp.pad(flat, (0, size - flat.shape[0]))
         return out

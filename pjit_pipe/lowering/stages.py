@@ -187,14 +187,11 @@ class StageVjp:
         if where != self.res_where[s]:
             raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
         if s not in self.split:
-            row = Residuals(self.b_spec.pack(s, []), self.w_spec.pack(s, stored))
+            b_row, head = self.b_spec.pack(s, []), stored
         else:
-            (out, operands), sb = out, self.splitters[s]
-            pads = [jnp.zeros(k, key) for key, k in self._pad_sizes(s).items()]
-            kept = [operands, sb.zero_perturbations(), pads]
-            row = Residuals(self.b_spec.pack(s, stored), self.w_spec.pack(s, kept))
-        # Slicing the packed row drops its zero tail before XLA materialises it.
-        return out, row._replace(w={k: v[: self.w_head_width[k]] for k, v in row.w.items()})
+            (out, operands) = out
+            b_row, head = self.b_spec.pack(s, stored), jax.tree.leaves(operands)
+        return out, Residuals(b_row, self.w_spec.pack_leading(s, head, self.w_head_width))
 
     def full_row(self, res: Residuals) -> Residuals:
         """F's residuals with the W-pool head padded (with zeros) to a whole row."""
@@ -252,10 +249,6 @@ class StageVjp:
             key = np.dtype(a.dtype).name
             sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
         return sizes
-
-    def _pad_sizes(self, s: int) -> dict[str, int]:
-        mine = self._cotangent_sizes(s)
-        return {k: w - mine.get(k, 0) for k, w in self.cot_width.items()}
 
     def residual_bytes(self, s: int) -> dict[str, int]:
         """Bytes of one microbatch's stored buffers of stage s, by role: `b` (vjp

@@ -28,6 +28,9 @@ returns its unpacked table.
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
 from pjit_pipe.ir.memory import MEMORY_DELTA, largest_peak, limit_units
@@ -193,15 +196,21 @@ class _Greedy:
             self._choose(w, st, t, skip_w, chosen, here)
             if chosen:
                 break
-        out: list[tuple[Entry, float]] = []
-        for n in range(1, len(chosen) + 1):
-            busy = end = 0.0
-            for _, op in lane_order(chosen[:n]):
-                busy += self.duration(w, op)
-                if any(k in self.crosses for k in self.produces[(w, op)]):
-                    end = max(end, busy + self.costs.c)
-            out.append((chosen[n - 1], max(busy, end)))
-        return out
+        return [
+            (chosen[n - 1], self.worker_time(w, lane_order(chosen[:n])))
+            for n in range(1, len(chosen) + 1)
+        ]
+
+    def worker_time(self, w: Worker, entries: list[Entry]) -> float:
+        """How long worker w keeps a tick running `entries`, in the order given (lane
+        order): its ops, and C after each op that sends a message (as
+        `simulator.simulate.packed_events` prices it)."""
+        busy = end = 0.0
+        for _, op in entries:
+            busy += self.duration(w, op)
+            if any(k in self.crosses for k in self.produces[(w, op)]):
+                end = max(end, busy + self.costs.c)
+        return max(busy, end)
 
     def _choose(
         self, w: Worker, st: _Worker, t: int, skip_w: bool, chosen: list[Entry], here: set
@@ -311,19 +320,10 @@ _PACKED_SIZE = 128
 
 
 def _schedule_key(schedule: Schedule) -> tuple:
-    """Every field of `schedule` (its programs as a tuple): equal keys, equal tables."""
-    programs = tuple(sorted(schedule.programs.items()))
-    return (
-        schedule.stages,
-        schedule.chunks,
-        schedule.microbatches,
-        schedule.replicas,
-        schedule.layout,
-        programs,
-        schedule.failed,
-        schedule.staggered,
-        schedule.kind,
-    )
+    """Every compared field of `schedule` (its programs as sorted items): equal
+    schedules, equal keys, equal tables."""
+    values = (getattr(schedule, f.name) for f in dataclasses.fields(schedule) if f.compare)
+    return tuple(tuple(sorted(v.items())) if isinstance(v, Mapping) else v for v in values)
 
 
 def _pack(

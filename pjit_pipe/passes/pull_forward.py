@@ -63,15 +63,7 @@ class PullForward:
 
     def _length(self, tick: dict[Worker, list[Entry]]) -> float:
         """The tick's length as `simulator.simulate.packed_events` prices it."""
-        length = 0.0
-        for w, es in tick.items():
-            busy = 0.0
-            for _, op in es:
-                busy += self.g.duration(w, op)
-                if any(k in self.g.crosses for k in self.g.produces[(w, op)]):
-                    length = max(length, busy + self.g.costs.c)
-            length = max(length, busy)
-        return length
+        return max((self.g.worker_time(w, es) for w, es in tick.items()), default=0.0)
 
     def _try(self, w: Worker, entry: Entry, t: int) -> bool:
         it, op = entry
