@@ -22,7 +22,7 @@ class LightThenHeavy(nn.Module):
     def __call__(self, x):
         x = pp.boundary(jnp.tanh(nn.Dense(16)(x)))
         for _ in range(3):
-            x = jnp.tanh(nn.Dense(256)(x))
+            x = jnp.tanh(nn.Dense(512)(x))
         return nn.Dense(4)(x)
 
 
