@@ -142,27 +142,47 @@ def _elements(tree: Any) -> int:
     return max(1, int(sum(np.prod(a.shape) for a in jax.tree.leaves(tree))))
 
 
-def _transfer(mesh: Mesh, aval: Any, repeats: int) -> float:
-    """Seconds of one ppermute of `aval` between neighbouring stages (0 with one stage)."""
-    positions = mesh.shape["stage"]
-    if positions == 1:
-        return 0.0
+def _transfer_loop(mesh: Mesh, size: int, steps: int) -> Callable[[], Any]:
+    """A compiled loop of `steps` ppermutes of a `size`-element float32 buffer down
+    the stage axis of `mesh`'s first replica, each sending what the last received."""
     row = Mesh(np.asarray(mesh.devices)[:1], mesh.axis_names)
-    pairs = [(i, i + 1) for i in range(positions - 1)]
-    size = _elements(aval)
-    send = jax.jit(
+    pairs = [(i, i + 1) for i in range(mesh.shape["stage"] - 1)]
+
+    def device(b):
+        step = lambda b, _: (lax.ppermute(b, "stage", pairs), None)  # noqa: E731
+        return lax.scan(step, b, None, length=steps)[0]
+
+    loop = jax.jit(
         jax.shard_map(
-            lambda b: jax.lax.ppermute(b, "stage", pairs),
-            mesh=row,
-            in_specs=PS("stage"),
-            out_specs=PS("stage"),
-            check_vma=False,
+            device, mesh=row, in_specs=PS("stage"), out_specs=PS("stage"), check_vma=False
         )
     )
     buf = jax.device_put(
-        jnp.ones((positions * size,), jnp.float32), NamedSharding(row, PS("stage"))
+        jnp.ones((mesh.shape["stage"] * size,), jnp.float32), NamedSharding(row, PS("stage"))
     )
-    return median_seconds({"c": lambda: send(buf)}, repeats)["c"]
+    return lambda: loop(buf)
+
+
+def _transfer(mesh: Mesh, aval: Any, repeats: int, steps: int = 100) -> float:
+    """Seconds of one ppermute of `aval` between neighbouring stages inside a compiled
+    program (0 with one stage): the step of a loop of ppermutes (`_per_step_seconds`),
+    so the cost of calling a program, about a millisecond on CPU, is not counted
+    as the transfer's."""
+    if mesh.shape["stage"] == 1:
+        return 0.0
+    size = _elements(aval)
+    return _per_step_seconds(lambda n: _transfer_loop(mesh, size, n), steps, repeats)
+
+
+def _per_step_seconds(make: Callable[[int], Callable[[], Any]], steps: int, repeats: int) -> float:
+    """Seconds one step of a compiled loop costs: programs of `steps` and 2 * `steps`
+    steps (`make(n)`), called alternately; the median over the pairs of their
+    difference over `steps` (the cost of calling a program cancels out). Never
+    below zero (timing noise)."""
+    times = sample_seconds({"short": make(steps), "long": make(2 * steps)}, repeats)
+    pairs = zip(times["short"], times["long"], strict=True)
+    extra = [(long - short) / steps for short, long in pairs]
+    return max(0.0, statistics.median(extra))
 
 
 # Idle ticks per timed loop: enough that the loop, not the call, dominates the time.
@@ -227,19 +247,13 @@ def tick_seconds(
 ) -> float:
     """Seconds one tick of the compiled loop costs besides its ops, on `mesh`'s devices.
 
-    Times loops of `ticks` and 2 * `ticks` idle ticks (`_idle_loop`, with the
-    F, B and one W/BW cond per chunk of the real tick body, and a ppermute of
-    the boundary buffer `message` per channel), called alternately, and takes
-    the median over the pairs of their difference over `ticks`: the
-    cost of calling a program cancels out. On a GPU the same loop pays each
-    cond's predicate copy to the host (none with command-buffer conditionals)
-    and each ppermute's launch. Never below zero (timing noise)."""
-    size = _elements(message)
-    lanes = 2 + chunks
-    fns = {n: _idle_loop(mesh, size, lanes, n * ticks) for n in (1, 2)}
-    times = sample_seconds(fns, repeats)
-    extra = [(long - short) / ticks for short, long in zip(times[1], times[2], strict=True)]
-    return max(0.0, statistics.median(extra))
+    The step of loops of `ticks` and 2 * `ticks` idle ticks (`_per_step_seconds`
+    of `_idle_loop`, with the F, B and one W/BW cond per chunk of the real tick
+    body, and a ppermute of the boundary buffer `message` per channel). On a
+    GPU the same loop pays each cond's predicate copy to the host (none with
+    command-buffer conditionals) and each ppermute's launch."""
+    size, lanes = _elements(message), 2 + chunks
+    return _per_step_seconds(lambda n: _idle_loop(mesh, size, lanes, n), ticks, repeats)
 
 
 _CACHE: dict[Any, tuple[Any, StageTimes]] = {}
