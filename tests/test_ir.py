@@ -226,3 +226,17 @@ def test_barrier_vs_staggered_iterations():
     assert unstaggered.steady_period == pytest.approx(unstaggered.makespan)
     staggered = simulate(s.replace(staggered=True), iterations=3)
     assert staggered.steady_period <= unstaggered.steady_period
+
+
+def test_a_stage_the_schedule_does_not_split_is_priced_at_its_fused_costs():
+    """1F1B runs F and a fused BW: with Costs.f_fused and Costs.bw its makespan is
+    the closed form (m + P - 1)(F + BW) of those; zb-h1 splits every stage and
+    keeps (f, b, w). Without them every price is as before (BW = b + w)."""
+    P, m = 4, 8
+    both = Costs(f=1.0, b=1.0, w=1.0, f_fused=0.5, bw=3.0)
+    assert simulate(one_f_one_b(P, m), both).makespan == pytest.approx((m + P - 1) * 3.5)
+    assert simulate(one_f_one_b(P, m), Costs(1, 1, 1)).makespan == pytest.approx((m + P - 1) * 3)
+    zb = make_schedule("zb-h1", P, m)
+    assert simulate(zb, both).makespan == simulate(zb, Costs(1, 1, 1)).makespan
+    with pytest.raises(ScheduleError, match="f_fused: 2 per-stage costs given for 4 stages"):
+        Costs(f_fused=[1, 2]).per_stage(4)

@@ -272,7 +272,7 @@ def show_costs(pm: Any, as_json: bool) -> None:
     for p in range(pm.stages):
         print(
             f"  stage {p}: F {table['f'][p]:.3f}  B {table['b'][p]:.3f}  W {table['w'][p]:.3f}"
-            f"  (fused BW {table['bw'][p]:.3f})"
+            f"  (not split: F {table['f_fused'][p]:.3f}  BW {table['bw'][p]:.3f})"
         )
     print(
         f"  transfer C {table['c']:.3f}; fixed cost of a tick {table['tick']:.3f}; for "

@@ -5,9 +5,12 @@ The schedule search prices candidates with per-stage F/B/W times (docs/design.md
 sec. 3). Unit costs ignore the model; FLOP counts ignore what the hardware
 does with them. So `costs="measure"` compiles each virtual stage's F, B and W
 exactly as the lowering runs them (the split backward of
-`lowering/split_backward.py`; the first stage's B is empty) on the device
-that holds that stage, times each (median of a few runs after a warm-up),
-and times a ppermute of the boundary buffer between neighbouring devices.
+`lowering/split_backward.py`; the first stage's B is empty), and its F and
+fused BW as a schedule that does not split it runs them (a split F also
+stores what W reads, so the two F's differ), on the device that holds that
+stage, times each (median of a few runs after a warm-up, all of a stage's
+in one round robin), and times a ppermute of the boundary buffer between
+neighbouring devices.
 With v chunks per device, the chunks of position p are taken as the
 interleaved ones (p, p + P, ...) and their times add up.
 
@@ -46,13 +49,17 @@ from pjit_pipe.lowering.stages import StageVjp
 
 @dataclass(frozen=True)
 class StageTimes:
-    """Median seconds of one microbatch's F, B, W and fused BW per virtual stage, C,
-    and the fixed cost of one tick of the compiled loop (`tick_seconds`)."""
+    """Median seconds of one microbatch's ops per virtual stage, C, and the fixed
+    cost of one tick of the compiled loop (`tick_seconds`). `f`, `b`, `w`: the
+    stage compiled with its backward split (the first stage's B is empty and
+    its W is the whole backward); `f_fused`, `bw`: compiled with a fused
+    backward, as a schedule without B and W runs it (`Costs.f_fused`, `Costs.bw`)."""
 
     f: tuple[float, ...]
     b: tuple[float, ...]
     w: tuple[float, ...]
     bw: tuple[float, ...]
+    f_fused: tuple[float, ...]
     c: float
     tick: float = 0.0
 
@@ -68,20 +75,22 @@ class StageTimes:
             w=per_position(self.w),
             c=1e3 * self.c,
             tick=1e3 * self.tick,
+            f_fused=per_position(self.f_fused),
+            bw=per_position(self.bw),
         )
 
     def as_dict(self, positions: int) -> dict[str, Any]:
-        """JSON form: per-position costs (ms), the fused BW, the tick's fixed cost (ms),
-        and the CLI's `--costs` text (the tick goes to `--tick-cost`)."""
+        """JSON form: per-position costs (ms), the fused F and BW, the tick's fixed cost
+        (ms), and the CLI's `--costs` text (split costs; the tick goes to `--tick-cost`)."""
         costs = self.costs(positions)
-        bw = [1e3 * sum(self.bw[p::positions]) for p in range(positions)]
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         cli = ",".join(f"{mean(v):.4g}" for v in (costs.f, costs.b, costs.w)) + f",{costs.c:.4g}"
         return {
             "f": costs.f,
             "b": costs.b,
             "w": costs.w,
-            "bw": bw,
+            "f_fused": costs.f_fused,
+            "bw": costs.bw,
             "c": costs.c,
             "tick": costs.tick,
             "costs_arg": cli,
@@ -112,7 +121,9 @@ def _ones(avals: Any, device: jax.Device) -> Any:
 
 
 def _stage_ops(st: StageVjp, s: int, device: jax.Device, y_mb: Any) -> dict[str, Callable]:
-    """F, B, W and BW of stage s as the lowering runs them, on `device`."""
+    """Stage s's ops as the lowering runs them with `st`, on `device`: F, B and W of
+    a split stage, F and BW of any other (the first stage's BW is its W: no
+    input gradient)."""
     p = _ones(st.param_avals[s], device)
     a = _ones(st.act_avals[s], device)
     y = _ones(y_mb, device) if s == st.S - 1 else None
@@ -129,11 +140,10 @@ def _stage_ops(st: StageVjp, s: int, device: jax.Device, y_mb: Any) -> dict[str,
     if s in st.split:
         b = jax.jit(lambda p, r: st.input_grad(s, p, r, g))
         w = jax.jit(lambda p, r: st.weight_grad(s, p, r))
-        bw = jax.jit(lambda p, r: st.fused_grad(s, p, r, g))
-        ops |= {"B": lambda: b(p, res), "W": lambda: w(p, res), "BW": lambda: bw(p, res)}
-    else:  # the first stage: B is empty, W is the whole parameter backward
-        w = jax.jit(lambda p, r: st.pullback(s, p, r)(g)[0])
-        ops |= {"W": lambda: w(p, res), "BW": lambda: w(p, res)}
+        ops |= {"B": lambda: b(p, res), "W": lambda: w(p, res)}
+    else:
+        bw = jax.jit(lambda p, r: st.pullback(s, p, r)(g)[0] if s == 0 else st.pullback(s, p, r)(g))
+        ops |= {"BW": lambda: bw(p, res)}
     return ops
 
 
@@ -283,17 +293,26 @@ def measure_stage_times(
     avals = jax.tree.map(
         lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), stage_params
     )
-    st = StageVjp(stage_fns, LossLayout(loss_fn).vector, avals, x_mb, y_mb, split=range(S))
+    loss = LossLayout(loss_fn).vector
+    split = StageVjp(stage_fns, loss, avals, x_mb, y_mb, split=range(S))
+    fused = StageVjp(stage_fns, loss, avals, x_mb, y_mb)
     row = np.asarray(mesh.devices)[0]
     times: dict[int, dict[str, float]] = {}
-    for s in range(S):
-        times[s] = median_seconds(_stage_ops(st, s, row[s % positions], y_mb), repeats)
-    msg = max(st.act_avals[1:], key=lambda a: sum(np.prod(x.shape) for x in jax.tree.leaves(a)))
+    for s in range(S):  # fused and split ops of a stage in one round robin
+        ops = _stage_ops(fused, s, row[s % positions], y_mb)
+        if s in split.split:
+            ops |= {
+                f"split {k}": op for k, op in _stage_ops(split, s, row[s % positions], y_mb).items()
+            }
+        times[s] = median_seconds(ops, repeats)
+    got = lambda s, op: times[s].get(f"split {op}", times[s].get(op, 0.0))  # noqa: E731
+    msg = max(fused.act_avals[1:], key=lambda a: sum(np.prod(x.shape) for x in jax.tree.leaves(a)))
     result = StageTimes(
-        f=tuple(times[s]["F"] for s in range(S)),
-        b=tuple(times[s].get("B", 0.0) for s in range(S)),
-        w=tuple(times[s]["W"] for s in range(S)),
+        f=tuple(got(s, "F") for s in range(S)),
+        b=tuple(got(s, "B") for s in range(S)),
+        w=tuple(times[s].get("split W", times[s]["BW"]) for s in range(S)),
         bw=tuple(times[s]["BW"] for s in range(S)),
+        f_fused=tuple(times[s]["F"] for s in range(S)),
         c=_transfer(mesh, msg, repeats) if S > 1 else 0.0,
         tick=tick_seconds(mesh, msg, S // positions, repeats),
     )

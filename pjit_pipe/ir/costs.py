@@ -32,6 +32,15 @@ class Costs:
     ticks; event-driven schedules have no ticks and ignore it. 0 (the default)
     keeps every price as it was. The CLI takes it as `--tick-cost T`; the
     frontend measures it with `costs="measure"` (frontend/measure.py).
+
+    `f_fused` and `bw` are the F and the fused backward of a stage that the
+    schedule does not split (it runs no B or W of that stage), per stage; None
+    (the default) means f and b + w. They differ on real models: the lowering
+    compiles a split stage's F to also store what its W reads (a dense layer's
+    input), which a fused backward recomputes from the stored matmul outputs,
+    and a fused backward is one program where B and W are two. Measured costs
+    give all of them, so 1F1B is priced at what it runs, not at the split's
+    costs.
     """
 
     f: float | Sequence[float] = 1.0
@@ -40,6 +49,8 @@ class Costs:
     c: float = 0.0
     opt: float = 0.0
     tick: float = 0.0
+    f_fused: float | Sequence[float] | None = None
+    bw: float | Sequence[float] | None = None
 
     @classmethod
     def parse(cls, text: str) -> Costs:
@@ -59,6 +70,9 @@ class Costs:
         fs, bs, ws = (
             _per_position(n, v, stages) for n, v in (("F", self.f), ("B", self.b), ("W", self.w))
         )
+        for name, value in (("f_fused", self.f_fused), ("bw", self.bw)):
+            if value is not None:
+                _per_position(name, value, stages)
         if self.c < 0 or self.opt < 0:
             raise ScheduleError("communication and optimizer costs must be >= 0")
         if not self.tick >= 0:  # also rejects nan
@@ -67,13 +81,35 @@ class Costs:
             )
         return list(zip(fs, bs, ws, strict=True))
 
+    def fused_per_stage(self, stages: int) -> list[tuple[float, float]]:
+        """(F, BW) of each pipeline position when the schedule does not split it."""
+        table = self.per_stage(stages)
+        fs = (
+            [f for f, _, _ in table]
+            if self.f_fused is None
+            else _per_position("f_fused", self.f_fused, stages)
+        )
+        bws = (
+            [b + w for _, b, w in table]
+            if self.bw is None
+            else _per_position("bw", self.bw, stages)
+        )
+        return list(zip(fs, bws, strict=True))
+
     def duration_fn(self, schedule: Schedule):
-        """A (worker, op) -> time function for `schedule`'s shape."""
+        """A (worker, op) -> time function for `schedule`'s shape: a stage the
+        schedule runs as B and W takes (f, b, w), any other (f_fused, bw)."""
         table = self.per_stage(schedule.stages)
+        fused = self.fused_per_stage(schedule.stages)
+        split = {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
         v = schedule.chunks
 
         def duration(worker: Worker, op: Op) -> float:
             f, b, w = table[schedule.layout[op.stage]]
+            if op.stage not in split:
+                f, bw = fused[schedule.layout[op.stage]]
+            else:
+                bw = b + w
             match op.kind:
                 case Kind.F:
                     return f / v
@@ -82,7 +118,7 @@ class Costs:
                 case Kind.W:
                     return w / v
                 case Kind.BW:
-                    return (b + w) / v
+                    return bw / v
                 case Kind.OPT:
                     return self.opt
             return 0.0
