@@ -14,7 +14,9 @@
    by a `pp.boundary` marker), m=16: zb-h1 over 1f1b (target <= 1.05), both
    packed with costs measured from the model, the fixed cost of a tick
    included, as the median of per-round ratios over `--pairs` rounds of
-   interleaved calls, with quartiles and tick counts.
+   interleaved calls, with quartiles and tick counts; and 1f1b with its
+   backward split in place (its order, each BW run as B then W) over 1f1b:
+   what the split costs inside the compiled program, apart from zb-h1's order.
 3. The tiny GPT on 2x4, m=8: `auto` scheduled with measured costs against
    every fixed kind (step time).
 4. Memory (no timing): per stage of the tiny GPT and the residual MLP cut
@@ -195,6 +197,7 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
     from pjit_pipe.ir.memory import largest_peak
     from pjit_pipe.lowering import lower
     from pjit_pipe.passes.pack_ticks import pack_ticks
+    from pjit_pipe.passes.split_backward import split_backward
     from pjit_pipe.schedules import make_schedule
     from pjit_pipe.simulator.simulate import packed_time
 
@@ -235,9 +238,13 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
         ("unbounded", costs, math.inf),
     ]
     programs, tables, rows = {}, {}, []  # rows: (packing, kind, program name)
+    # "1f1b split": 1f1b's order with each BW run as B then W (passes.split_backward):
+    # what the split costs inside the program, apart from zb-h1's order.
     for label, priced, limit in packings:
-        for kind in ("1f1b", "zb-h1"):
-            sched = make_schedule(kind, 2, m, costs=priced)
+        for kind in ("1f1b", "zb-h1", "1f1b split")[: 3 if label == "own peak" else 2]:
+            sched = make_schedule(kind.split()[0], 2, m, costs=priced)
+            if kind == "1f1b split":
+                sched = split_backward(sched)
             table = pack_ticks(sched, priced, 1, limit)
             name = next((n for n, t in tables.items() if t == table), None)
             if name is None:
@@ -269,7 +276,7 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
     print(f"    {pairs} rounds; median wall and CPU ms, the table's price (measured costs, ms):")
     for label, kind, name in rows:
         print(
-            f"    {label:24s} {kind:6s} {len(tables[name]):3d} ticks"
+            f"    {label:24s} {kind:10s} {len(tables[name]):3d} ticks"
             f"  wall {_quartiles(wall[name])[1] * 1e3:8.2f}  CPU {_quartiles(cpu[name])[1] * 1e3:8.2f}"
             f"  priced {packed_time(tables[name], costs):8.2f}"
             f"  peak {max(tables[name].peak_memory().values()):g}"
@@ -277,12 +284,14 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
     for label, _, _ in packings:
         names = {kind: name for lab, kind, name in rows if lab == label}
         for clock, t in (("wall", wall), ("CPU", cpu)):
-            ratios = [z / o for z, o in zip(t[names["zb-h1"]], t[names["1f1b"]], strict=True)]
-            q1, med, q3 = _quartiles(ratios)
-            print(
-                f"    zb-h1 / 1f1b, {label:24s} {clock:4s} {med:.3f} [{q1:.3f}, {q3:.3f}]"
-                " (target <= 1.05)"
-            )
+            for kind in ("zb-h1", "1f1b split")[: len(names) - 1]:
+                ratios = [z / o for z, o in zip(t[names[kind]], t[names["1f1b"]], strict=True)]
+                q1, med, q3 = _quartiles(ratios)
+                target = " (target <= 1.05)" if kind == "zb-h1" else ""
+                print(
+                    f"    {kind} / 1f1b, {label:24s} {clock:4s} {med:.3f} [{q1:.3f}, {q3:.3f}]"
+                    + target
+                )
     extra = [(p - z) / idle for p, z in zip(wall["padded"], wall[zb], strict=True)]
     q1, med, q3 = _quartiles(extra)
     print(

@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.lowering.loss import LossLayout
+from pjit_pipe.lowering.packing import FlatSpec
 from pjit_pipe.lowering.stages import StageVjp
 
 
@@ -120,11 +121,20 @@ def _ones(avals: Any, device: jax.Device) -> Any:
     return jax.tree.map(lambda a: jax.device_put(jnp.ones(a.shape, a.dtype), device), avals)
 
 
-def _stage_ops(st: StageVjp, s: int, device: jax.Device, y_mb: Any) -> dict[str, Callable]:
+def _stage_ops(
+    st: StageVjp, s: int, device: jax.Device, y_mb: Any, flat: FlatSpec | None = None
+) -> dict[str, Callable]:
     """Stage s's ops as the lowering runs them with `st`, on `device`: F, B and W of
     a split stage, F and BW of any other (the first stage's BW is its W: no
-    input gradient)."""
+    input gradient). With `flat`, the parameters come packed in it and the
+    gradients go back packed, as the lowering keeps a stage whose chunk is not
+    uniform (`lowering.tick_ops.StageOps`): each op then pays the copies of
+    its weights out of the flat buffer that the compiled program pays."""
     p = _ones(st.param_avals[s], device)
+    pack, unpack = lambda q: q, lambda q: q
+    if flat is not None:
+        pack, unpack = (lambda q: flat.pack(s, q)), (lambda q: flat.unpack(s, q))
+        p = jax.device_put(pack(p), device)
     a = _ones(st.act_avals[s], device)
     y = _ones(y_mb, device) if s == st.S - 1 else None
     # The last stage's output is the loss vector (loss.LossLayout): seed its value.
@@ -133,16 +143,21 @@ def _stage_ops(st: StageVjp, s: int, device: jax.Device, y_mb: Any) -> dict[str,
         if s == st.S - 1
         else _ones(st.act_avals[s + 1], device)
     )
-    f = jax.jit(lambda p, a, y: st.forward_with_residuals(s, p, a, y))
+    f = jax.jit(lambda p, a, y: st.forward_with_residuals(s, unpack(p), a, y))
     _, res = f(p, a, y)
     res = st.full_row(res)  # what B and W read: the W-pool row F and B fill
     ops = {"F": lambda: f(p, a, y)}
     if s in st.split:
-        b = jax.jit(lambda p, r: st.input_grad(s, p, r, g))
-        w = jax.jit(lambda p, r: st.weight_grad(s, p, r))
+        b = jax.jit(lambda p, r: st.input_grad(s, unpack(p), r, g))
+        w = jax.jit(lambda p, r: pack(st.weight_grad(s, unpack(p), r)))
         ops |= {"B": lambda: b(p, res), "W": lambda: w(p, res)}
     else:
-        bw = jax.jit(lambda p, r: st.pullback(s, p, r)(g)[0] if s == 0 else st.pullback(s, p, r)(g))
+
+        def fused_backward(p, r):
+            grads = st.pullback(s, unpack(p), r)(g)  # the first stage's: (dparams,)
+            return (pack(grads[0]), *grads[1:])
+
+        bw = jax.jit(fused_backward)
         ops |= {"BW": lambda: bw(p, res)}
     return ops
 
@@ -297,13 +312,21 @@ def measure_stage_times(
     split = StageVjp(stage_fns, loss, avals, x_mb, y_mb, split=range(S))
     fused = StageVjp(stage_fns, loss, avals, x_mb, y_mb)
     row = np.asarray(mesh.devices)[0]
+    # A chunk whose positions' stages differ in parameter shapes keeps them flat.
+    flat = FlatSpec(avals)
+    chunk_stages = [range(c * positions, (c + 1) * positions) for c in range(S // positions)]
+    uniform = {
+        s: len({(flat.treedefs[t], tuple(flat.avals[t])) for t in stages}) == 1
+        for stages in chunk_stages
+        for s in stages
+    }
     times: dict[int, dict[str, float]] = {}
     for s in range(S):  # fused and split ops of a stage in one round robin
-        ops = _stage_ops(fused, s, row[s % positions], y_mb)
+        packed = None if uniform[s] else flat
+        ops = _stage_ops(fused, s, row[s % positions], y_mb, packed)
         if s in split.split:
-            ops |= {
-                f"split {k}": op for k, op in _stage_ops(split, s, row[s % positions], y_mb).items()
-            }
+            more = _stage_ops(split, s, row[s % positions], y_mb, packed)
+            ops |= {f"split {k}": op for k, op in more.items()}
         times[s] = median_seconds(ops, repeats)
     got = lambda s, op: times[s].get(f"split {op}", times[s].get(op, 0.0))  # noqa: E731
     msg = max(fused.act_avals[1:], key=lambda a: sum(np.prod(x.shape) for x in jax.tree.leaves(a)))
