@@ -231,12 +231,15 @@ class _Greedy:
             if not self._ready(w, it, op, t, here):
                 continue
             # Ops of a tick run in lane order (an op's same-tick dependencies are in
-            # lower lanes), so memory peaks in that order too.
+            # lower lanes), so memory peaks in that order too. An op that overtakes
+            # must leave room for the rest of the program, in program order, from
+            # the memory after the tick (no deadlock).
             mem = peak = st.memory
             for _, o in lane_order([*chosen, (it, op)]):
                 mem += MEMORY_DELTA[o.kind]
                 peak = max(peak, mem)
-            if peak + (self._rise(st, i) if i > st.ptr else 0) > st.cap:
+            skip = {st.position[e] for e in chosen} | {i}
+            if peak > st.cap or (i > st.ptr and mem + self._rise(st, skip) > st.cap):
                 continue
             chosen.append((it, op))
             here.update((it, k) for k in self.produces[(w, op)])
@@ -244,13 +247,14 @@ class _Greedy:
                 break
 
     @staticmethod
-    def _rise(st: _Worker, skip: int) -> int:
+    def _rise(st: _Worker, skip: set[int]) -> int:
         """How far the worker's memory must still rise running its unplaced ops in
-        program order (entry `skip` left out): an op that overtakes keeps this
-        much room free, so the program order stays possible (no deadlock)."""
+        program order (the entries in `skip` left out: the tick's): an op that
+        overtakes keeps this much room free, so the program order stays possible
+        (no deadlock)."""
         total = rise = 0
         for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
-            if not st.placed[i] and i != skip:
+            if not st.placed[i] and i not in skip:
                 total += MEMORY_DELTA.get(st.entries[i][1].kind, 0)
                 rise = max(rise, total)
         return rise
