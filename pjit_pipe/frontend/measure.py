@@ -315,11 +315,7 @@ def measure_stage_times(
     # A chunk whose positions' stages differ in parameter shapes keeps them flat.
     flat = FlatSpec(avals)
     chunk_stages = [range(c * positions, (c + 1) * positions) for c in range(S // positions)]
-    uniform = {
-        s: len({(flat.treedefs[t], tuple(flat.avals[t])) for t in stages}) == 1
-        for stages in chunk_stages
-        for s in stages
-    }
+    uniform = {s: flat.same_shapes(stages) for stages in chunk_stages for s in stages}
     times: dict[int, dict[str, float]] = {}
     for s in range(S):  # fused and split ops of a stage in one round robin
         packed = None if uniform[s] else flat

@@ -9,7 +9,7 @@ slices inside the branch that knows which stage it is.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import jax
@@ -74,6 +74,11 @@ class FlatSpec:
             flat = jnp.concatenate(parts[key]) if parts[key] else jnp.zeros((0,), key)
             out[key] = jnp.pad(flat, (0, size - flat.shape[0]))
         return out
+
+    def same_shapes(self, trees: Iterable[int]) -> bool:
+        """Whether these trees have one structure and the same leaf shapes and dtypes
+        (their data may then stay trees: nothing to pack)."""
+        return len({(self.treedefs[i], tuple(self.avals[i])) for i in trees}) == 1
 
     def unpack(self, i: int, bufs: Buffers) -> Any:
         """Tree number `i` back from flat buffers (static slices)."""

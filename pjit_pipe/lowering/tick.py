@@ -101,10 +101,8 @@ class TickProgram:
             self.shared = SharedGrads(
                 shared, self.param_spec, self.held, topology.positions, topology.axes
             )
-        spec = self.param_spec
         self.uniform = [
-            len({(spec.treedefs[s], tuple(spec.avals[s])) for s in chunk}) == 1
-            for chunk in zip(*self.held, strict=True)
+            self.param_spec.same_shapes(chunk) for chunk in zip(*self.held, strict=True)
         ]
         self.ops = StageOps(
             schedule,
