@@ -217,6 +217,7 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
         print(
             f"    stage {p}: F {costs.f[p]:.3f}  B {costs.b[p]:.3f}  W {costs.w[p]:.3f}"
             f"  BW {bw[p]:.3f}  (B+W)/BW {(costs.b[p] + costs.w[p]) / bw[p]:.2f}"
+            f"  F not split {costs.f_fused[p]:.3f}"
         )
     print(f"    C {costs.c:.3f}  tick {costs.tick:.3f}")
     from pjit_pipe.frontend.measure import tick_seconds
@@ -238,11 +239,15 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
         ("unbounded", costs, math.inf),
     ]
     programs, tables, rows = {}, {}, []  # rows: (packing, kind, program name)
-    # "1f1b split": 1f1b's order with each BW run as B then W (passes.split_backward):
-    # what the split costs inside the program, apart from zb-h1's order.
+    # zb-h1 made with the measured costs runs a stage fused where its split buys no
+    # time (passes.fuse_backward). "zb-h1 split": zb-h1 with every stage split (made
+    # without costs). "1f1b split": 1f1b's order with each BW run as B then W
+    # (passes.split_backward): what the split costs inside the program, apart from
+    # zb-h1's order.
+    extra = ("zb-h1 split", "1f1b split")
     for label, priced, limit in packings:
-        for kind in ("1f1b", "zb-h1", "1f1b split")[: 3 if label == "own peak" else 2]:
-            sched = make_schedule(kind.split()[0], 2, m, costs=priced)
+        for kind in ("1f1b", "zb-h1", *extra)[: 4 if label == "own peak" else 2]:
+            sched = make_schedule(kind.split()[0], 2, m, costs=None if kind in extra else priced)
             if kind == "1f1b split":
                 sched = split_backward(sched)
             table = pack_ticks(sched, priced, 1, limit)
@@ -276,15 +281,15 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
     print(f"    {pairs} rounds; median wall and CPU ms, the table's price (measured costs, ms):")
     for label, kind, name in rows:
         print(
-            f"    {label:24s} {kind:10s} {len(tables[name]):3d} ticks"
+            f"    {label:24s} {kind:11s} {len(tables[name]):3d} ticks"
             f"  wall {_quartiles(wall[name])[1] * 1e3:8.2f}  CPU {_quartiles(cpu[name])[1] * 1e3:8.2f}"
             f"  priced {packed_time(tables[name], costs):8.2f}"
-            f"  peak {max(tables[name].peak_memory().values()):g}"
+            f"  peak {max(tables[name].peak_memory().values()):g}  ({tables[name].schedule.kind})"
         )
     for label, _, _ in packings:
         names = {kind: name for lab, kind, name in rows if lab == label}
         for clock, t in (("wall", wall), ("CPU", cpu)):
-            for kind in ("zb-h1", "1f1b split")[: len(names) - 1]:
+            for kind in ("zb-h1", *extra)[: len(names) - 1]:
                 ratios = [z / o for z, o in zip(t[names[kind]], t[names["1f1b"]], strict=True)]
                 q1, med, q3 = _quartiles(ratios)
                 target = " (target <= 1.05)" if kind == "zb-h1" else ""

@@ -19,6 +19,7 @@ from pjit_pipe.errors import BatchError, CutError, MeshError
 from pjit_pipe.ir.ops import BW, B, F, W
 from pjit_pipe.ir.schedule import ScheduleError, interleaved_layout, v_layout
 from pjit_pipe.lowering import lower
+from pjit_pipe.passes import fuse_stage
 from pjit_pipe.schedules import KINDS, make_schedule
 from pjit_pipe.schedules.common import replicated
 
@@ -178,6 +179,12 @@ def test_v_layout_with_split_backward():
     check_value_and_grad(sched, 1, 4)
 
 
+def test_some_stages_fused_others_split():
+    """What passes.fuse_backward makes: zb-h1 with stages 1 and 3 run fused, 0 and 2 split."""
+    sched = fuse_stage(fuse_stage(make_schedule("zb-h1", 4, 4), 1), 3)
+    check_value_and_grad(sched, 1, 4)
+
+
 def test_remat_matches_unpipelined():
     check_value_and_grad(make_schedule("1f1b", 4, 4, replicas=2), 2, 4, remat=True)
 
@@ -209,11 +216,63 @@ def test_uniform_stages_match_unpipelined(kind, D, P):
     fns, params = uniform_model(P * v)
     x, y = uniform_batch(D * 4 * MB, seed=1)
     step = lower(sched, fns, xent, mesh_of(D, P), params, x, y)
-    assert all(step._low.uniform)
+    assert all(layout.same and not layout.flat for layout in step._low.layouts)
     loss, grads = step.value_and_grad(params, x, y)
     ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert_trees_close(grads, ref_grads)
+
+
+def class_model(num_stages: int, width: int = 8, seed: int = 0):
+    """Dense stages of one width behind a narrower input layer, a head on the last:
+    a chunk's stages differ but share most leaf sizes, so the loop holds their
+    parameters in size classes (lowering/param_layout.py) with a switch on entry."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 3 * num_stages))
+    params = []
+    for s in range(num_stages):
+        d_in = 2 if s == 0 else width
+        p = {
+            "w": jax.random.normal(next(keys), (d_in, width)) / np.sqrt(d_in),
+            "b": 0.1 * jax.random.normal(next(keys), (width,)),
+        }
+        if s == num_stages - 1:
+            p["head"] = jax.random.normal(next(keys), (width, CLASSES)) / np.sqrt(width)
+        params.append(p)
+
+    def fn(p, a):
+        h = jnp.tanh(a @ p["w"] + p["b"])
+        return h @ p["head"] if "head" in p else h
+
+    return [fn] * num_stages, params
+
+
+@pytest.mark.parametrize(
+    "kind, D, P",
+    [("zb-h1", 1, 4), ("interleaved-1f1b", 2, 2)],
+    ids=["zb-h1-1x4", "interleaved-2x2"],
+)
+def test_size_classes_match_value_and_grad_and_adam(kind, D, P):
+    sched, v = schedule_or_skip(kind, P, 4, D)
+    fns, params = class_model(P * v)
+    x, y = uniform_batch(D * 4 * MB, seed=1, width=2)
+    y = y % CLASSES
+    opt = optax.adam(1e-2)
+    step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, optimizer=opt)
+    layouts = step._low.layouts
+    assert not any(layout.flat for layout in layouts)
+    assert not all(layout.same for layout in layouts)  # positions lay out differently
+    loss, grads = step.value_and_grad(params, x, y)
+    ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
+    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
+    assert_trees_close(grads, ref_grads)
+    batches = [uniform_batch(D * 4 * MB, seed=20 + i, width=2) for i in range(3)]
+    batches = [(bx, by % CLASSES) for bx, by in batches]
+    ref_params, ref_losses = unpipelined_training(fns, params, opt, batches)
+    state = step.init_opt_state(params)
+    for (bx, by), ref in zip(batches, ref_losses, strict=True):
+        params, state, loss = step.train_step(params, state, bx, by)
+        assert abs(float(loss) - ref) <= 1e-5 * abs(ref)
+    assert_trees_close(params, ref_params)
 
 
 def test_uniform_stages_step_inside_the_loop():

@@ -11,7 +11,14 @@ from hypothesis import strategies as st
 from pjit_pipe.ir import Costs, Kind, Op, Payload, Schedule, Worker, interleaved_layout, v_layout
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.passes import defer_w, insert_comm, split_backward, stagger
+from pjit_pipe.passes import (
+    defer_w,
+    fuse_stage,
+    fuse_where_free,
+    insert_comm,
+    split_backward,
+    stagger,
+)
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator import simulate
 
@@ -106,6 +113,61 @@ def test_split_backward_keeps_validity_and_puts_w_right_after_b(s: Schedule) -> 
             expected += [op._replace(kind=Kind.B), op._replace(kind=Kind.W)] if fused else [op]
         assert list(out.program(w)) == expected
     assert not any(op.kind is Kind.BW for _, _, op in out.ops())
+
+
+# --- fuse_backward --------------------------------------------------------------------
+
+
+@FAST
+@given(schedules(), st.integers(0, 7))
+def test_fuse_stage_keeps_validity_and_memory_and_touches_one_stage(s: Schedule, k: int) -> None:
+    stage = k % s.num_virtual_stages
+    out = validate(fuse_stage(s, stage))
+    for w in s.alive_workers:
+        others = [op for op in s.program(w) if op.stage != stage]
+        assert [op for op in out.program(w) if op.stage != stage] == others
+        mine = [op for op in out.program(w) if op.stage == stage]
+        assert not any(op.kind in (Kind.B, Kind.W) for op in mine)
+        # each B became a BW in place: the stage's ops keep their order
+        kept = [op for op in s.program(w) if op.stage == stage and op.kind is not Kind.W]
+        assert mine == [op._replace(kind=Kind.BW) if op.kind is Kind.B else op for op in kept]
+    before, after = peak_memory(s), peak_memory(out)
+    assert all(after[w] <= before[w] + EPS for w in before)
+
+
+@FAST
+@given(schedules(), costs())
+def test_fuse_where_free_without_fused_prices_returns_the_schedule(s: Schedule, c: Costs) -> None:
+    assert fuse_where_free(s, c) is s
+    # fused prices equal to the split's: fusing never shortens the period either
+    P = s.stages
+    same = Costs(c.f, c.b, c.w, c.c, c.opt, f_fused=[c.f] * P, bw=[c.b + c.w] * P)
+    assert fuse_where_free(s, same).programs == s.programs
+
+
+def test_fuse_where_free_runs_a_stage_that_never_waits_fused() -> None:
+    """1x2, all the work on the last stage (its split costs 10% more than BW and
+    its split F 5% more): zb-h1's Ws there fill no bubble, so the stage runs
+    fused and the period becomes 1f1b's. On balanced stages no period gets longer."""
+    heavy = Costs(
+        f=[0.1, 1.05], b=[0.01, 1.1], w=[0.1, 1.1], c=0.01, f_fused=[0.1, 1.0], bw=[0.11, 2.0]
+    )
+    zb = make_schedule("zb-h1", 2, 16)  # without costs: every stage split
+    out = validate(fuse_where_free(zb, heavy))
+    assert out.kind == "zb-h1+fused"
+    assert not any(op.kind in (Kind.B, Kind.W) and op.stage == 1 for _, _, op in out.ops())
+    one_f_one_b = make_schedule("1f1b", 2, 16)
+    period = simulate(out, heavy, iterations=4).steady_period
+    assert period == pytest.approx(simulate(one_f_one_b, heavy, iterations=4).steady_period)
+    assert period < simulate(zb, heavy, iterations=4).steady_period - 1.0
+    balanced = Costs(f=1.03, b=1.0, w=1.0, f_fused=1.0, bw=1.97)
+    for kind in ("zb-h1", "zb-h2"):
+        base = make_schedule(kind, 4, 8)
+        fused = validate(fuse_where_free(base, balanced))
+        assert (
+            simulate(fused, balanced, iterations=4).steady_period
+            <= simulate(base, balanced, iterations=4).steady_period + EPS
+        )
 
 
 # --- defer_w --------------------------------------------------------------------------

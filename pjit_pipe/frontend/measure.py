@@ -45,6 +45,7 @@ from jax.sharding import PartitionSpec as PS
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.packing import FlatSpec
+from pjit_pipe.lowering.param_layout import ChunkLayout
 from pjit_pipe.lowering.stages import StageVjp
 
 
@@ -127,9 +128,10 @@ def _stage_ops(
     """Stage s's ops as the lowering runs them with `st`, on `device`: F, B and W of
     a split stage, F and BW of any other (the first stage's BW is its W: no
     input gradient). With `flat`, the parameters come packed in it and the
-    gradients go back packed, as the lowering keeps a stage whose chunk is not
-    uniform (`lowering.tick_ops.StageOps`): each op then pays the copies of
-    its weights out of the flat buffer that the compiled program pays."""
+    gradients go back packed, as the lowering keeps a chunk that it does not
+    hold in size classes (`lowering.param_layout.ChunkLayout`): each op then
+    pays the copies of its weights out of the flat buffer that the compiled
+    program pays."""
     p = _ones(st.param_avals[s], device)
     pack, unpack = lambda q: q, lambda q: q
     if flat is not None:
@@ -312,13 +314,14 @@ def measure_stage_times(
     split = StageVjp(stage_fns, loss, avals, x_mb, y_mb, split=range(S))
     fused = StageVjp(stage_fns, loss, avals, x_mb, y_mb)
     row = np.asarray(mesh.devices)[0]
-    # A chunk whose positions' stages differ in parameter shapes keeps them flat.
+    # The lowering keeps a chunk's parameters flat where size classes would cost
+    # too much memory (lowering/param_layout.py); its ops then slice their weights.
     flat = FlatSpec(avals)
     chunk_stages = [range(c * positions, (c + 1) * positions) for c in range(S // positions)]
-    uniform = {s: flat.same_shapes(stages) for stages in chunk_stages for s in stages}
+    sliced = {s: ChunkLayout(flat, stages).flat for stages in chunk_stages for s in stages}
     times: dict[int, dict[str, float]] = {}
     for s in range(S):  # fused and split ops of a stage in one round robin
-        packed = None if uniform[s] else flat
+        packed = flat if sliced[s] else None
         ops = _stage_ops(fused, s, row[s % positions], y_mb, packed)
         if s in split.split:
             more = _stage_ops(split, s, row[s % positions], y_mb, packed)

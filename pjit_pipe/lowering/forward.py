@@ -90,10 +90,10 @@ class ForwardStep(PipelineStep):
         self._gather = tuple(np.asarray(a, np.int32) for a in zip(*order, strict=True))
         self._fwd = jax.jit(self._forward)
 
-    def _loop(self, params, x, y, rows):
+    def _loop(self, params, x, y, rows, pos):
         """Every tick on this device; returns its last-stage outputs by local row."""
         low = self._low
-        chunks = low.chunk_params(params)
+        chunks = low.chunk_params(params, pos)
         msgs, res, _ = low.empty(low.plan)
         outs = jnp.zeros((low.plan.inputs.shape[1], self.outputs.size), jnp.float32)
 
@@ -109,8 +109,8 @@ class ForwardStep(PipelineStep):
 
     def _forward(self, stage_params, x, y):
         def body(params, x, y, rows, pos):
-            params, x, y, rows, _ = self._local(params, x, y, rows, pos)
-            return self._loop(params, x, y, rows)[None]
+            params, x, y, rows, pos = self._local(params, x, y, rows, pos)
+            return self._loop(params, x, y, rows, pos)[None]
 
         f = self._shard_map(body, 1, self.topology.spec)
         outs = f(

@@ -100,7 +100,7 @@ class StageOptimizer:
         def step(row, losses, state):
             grads, params, opt, done, wcarry = state
             mine = ((row.update >> jnp.arange(v)) & 1).astype(bool)[:, None]
-            g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads).items()}
+            g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads, pos).items()}
             g = prog.topo.reduce_over_replicas(g)
             if weights is not None:  # one microbatch's gradient per step
                 g = weights.step_gradients(g)
@@ -123,10 +123,10 @@ class StageOptimizer:
             row, update = inputs
             msgs, res, grads, losses, params, opt, done, wcarry = carry
             if weights is None:
-                chunks, back = prog.chunk_params(params), None
+                chunks, back = prog.chunk_params(params, pos), None
             else:  # the forward and the backward may read other weights
                 ahead, behind, wcarry = weights.views(params, wcarry, row, pos)
-                chunks, back = prog.chunk_params(ahead), prog.chunk_params(behind)
+                chunks, back = prog.chunk_params(ahead, pos), prog.chunk_params(behind, pos)
             msgs, res, grads, dloss = prog.tick(plan, chunks, x, y, msgs, res, grads, row, back)
             losses = losses.at[row.f.iteration].add(dloss)  # only F makes a loss
             grads, params, opt, done, wcarry = lax.cond(

@@ -145,8 +145,8 @@ class PipelineStep:
         low = self._low
 
         def body(params, x, y, rows, pos):
-            params, x, y, rows, _ = self._local(params, x, y, rows, pos)
-            loss, grads = low.tick_loop(params, x, y, rows, with_aux=low.loss.has_aux)
+            params, x, y, rows, pos = self._local(params, x, y, rows, pos)
+            loss, grads = low.tick_loop(params, x, y, rows, pos, with_aux=low.loss.has_aux)
             return loss, {k: g[None] for k, g in grads.items()}
 
         f = self._shard_map(body, 1, (PS(), self.topology.spec))
@@ -168,7 +168,7 @@ class PipelineStep:
                     spec, params, opt, x, y, rows, *updates, pos
                 )
             else:
-                loss, grads = low.tick_loop(params, x, y, rows)
+                loss, grads = low.tick_loop(params, x, y, rows, pos)
                 params, opt = self._stepper.optimizer_step(spec, params, grads, opt, pos)
             return (
                 {k: b[None] for k, b in params.items()},

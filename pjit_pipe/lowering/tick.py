@@ -38,6 +38,7 @@ from pjit_pipe.lowering.async_weights import AsyncWeights
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.param_layout import ChunkLayout
 from pjit_pipe.lowering.plan import OpRow, TickPlan, TickRow, build_plan
 from pjit_pipe.lowering.shared import SharedGrads
 from pjit_pipe.lowering.stages import Residuals, StageVjp
@@ -101,16 +102,18 @@ class TickProgram:
             self.shared = SharedGrads(
                 shared, self.param_spec, self.held, topology.positions, topology.axes
             )
-        self.uniform = [
-            self.param_spec.same_shapes(chunk) for chunk in zip(*self.held, strict=True)
+        # Per chunk, how the loop holds its parameters and gradient (param_layout.py):
+        # size classes, or flat rows where the parameters change inside the loop.
+        self.layouts = [
+            ChunkLayout(self.param_spec, chunk, classes=not self.stepping)
+            for chunk in zip(*self.held, strict=True)
         ]
         self.ops = StageOps(
             schedule,
             stages,
             self.plan.branches,
             self.msg_spec,
-            self.param_spec,
-            self.uniform,
+            self.layouts,
             remat,
             loss,
             rng_impls,
@@ -118,14 +121,13 @@ class TickProgram:
 
     # ---- the carried buffers ----
 
-    def chunk_params(self, params: Buffers) -> list[Any]:
-        """Per chunk: its parameter rows, unpacked once here when every position's
-        stage of that chunk has the same parameter shapes (no per-tick slicing)."""
-        out = []
-        for c, uniform in enumerate(self.uniform):
-            row = {k: b[c] for k, b in params.items()}
-            out.append(self.param_spec.unpack(self.held[0][c], row) if uniform else row)
-        return out
+    def chunk_params(self, params: Buffers, pos: jax.Array) -> list[Any]:
+        """Per chunk: its parameters as the loop holds them (see param_layout.py),
+        from this device's (v, L) rows; `pos` is its pipeline position."""
+        return [
+            layout.enter({k: b[c] for k, b in params.items()}, pos)
+            for c, layout in enumerate(self.layouts)
+        ]
 
     def empty(self, plan: TickPlan) -> tuple[Buffers, Residuals, list[Any]]:
         """(message store with its scratch slot, residual stores, gradient accumulators)."""
@@ -139,21 +141,13 @@ class TickProgram:
         )
 
     def zero_grads(self) -> list[Any]:
-        """Per chunk, the gradient accumulator: the parameter tree itself when every
-        position's stage of the chunk has the same shapes (W adds leaf by leaf),
-        else a flat row (W packs its tree first, a copy per W)."""
-        zeros = self.param_spec.zeros()
-        return [
-            self.param_spec.unpack(self.held[0][c], zeros) if uniform else zeros
-            for c, uniform in enumerate(self.uniform)
-        ]
+        """Per chunk, the gradient accumulator, in the chunk's layout: W adds to it
+        buffer by buffer."""
+        return [layout.zeros() for layout in self.layouts]
 
-    def flat_grads(self, grads: list[Any]) -> Buffers:
+    def flat_grads(self, grads: list[Any], pos: jax.Array) -> Buffers:
         """Per-chunk accumulators -> the (v, L) gradient rows of the device layout."""
-        rows = [
-            self.param_spec.pack(self.held[0][c], g) if self.uniform[c] else g
-            for c, g in enumerate(grads)
-        ]
+        rows = [layout.leave(g, pos) for layout, g in zip(self.layouts, grads, strict=True)]
         return {k: jnp.stack([r[k] for r in rows]) for k in self.param_spec.sizes}
 
     # ---- one tick ----
@@ -283,11 +277,13 @@ class TickProgram:
             )
         return tuple(out)
 
-    def tick_loop(self, params: Buffers, x: Any, y: Any, rows: TickRow, with_aux: bool = False):
-        """Run every tick on this device; return (the loss over the global batch, this
-        device's gradient rows reduced over replicas). With `with_aux` the loss is
-        (loss, aux) (see loss.py)."""
-        params = self.chunk_params(params)
+    def tick_loop(
+        self, params: Buffers, x: Any, y: Any, rows: TickRow, pos: jax.Array, with_aux: bool = False
+    ):
+        """Run every tick on this device (at pipeline position `pos`); return (the loss
+        over the global batch, this device's gradient rows reduced over replicas).
+        With `with_aux` the loss is (loss, aux) (see loss.py)."""
+        params = self.chunk_params(params, pos)
 
         def tick(carry, row):
             *state, loss = carry
@@ -295,7 +291,7 @@ class TickProgram:
             return (*state, loss + dloss), None
 
         (_, _, grads, loss), _ = lax.scan(tick, (*self.empty(self.plan), self.ops.no_loss()), rows)
-        local = self.flat_grads(grads)
+        local = self.flat_grads(grads, pos)
         grads = self.topo.reduce_over_replicas(local)
         if self.shared is not None:
             grads = self.shared(local, grads)

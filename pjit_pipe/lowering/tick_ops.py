@@ -23,7 +23,8 @@ from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
-from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.packing import Buffers
+from pjit_pipe.lowering.param_layout import ChunkLayout
 from pjit_pipe.lowering.rng import microbatch_rngs
 from pjit_pipe.lowering.stages import Residuals, StageVjp
 
@@ -47,9 +48,9 @@ def store_row(bufs: Buffers, i: Any) -> Buffers:
 class StageOps:
     """The op functions of one program, grouped for the tick body.
 
-    uniform[c]: every position's stage of chunk c has the same parameter
-    shapes, so the chunk's parameters and gradient stay trees (no per-op
-    packing). `loss_mult` scales the last stage's loss vector (see loss.py).
+    layouts[c]: how the loop holds chunk c's parameters and gradient (an op
+    unpacks its stage's tree from them and packs its gradient into them; see
+    param_layout.py). `loss_mult` scales the last stage's loss vector (see loss.py).
     """
 
     def __init__(
@@ -58,14 +59,13 @@ class StageOps:
         stages: StageVjp,
         branches: tuple[tuple[Kind, int], ...],
         msg_spec: MessageSpec,
-        param_spec: FlatSpec,
-        uniform: list[bool],
+        layouts: list[ChunkLayout],
         remat: bool,
         loss: LossLayout,
         rng_impls: dict[str, Any] | None,
     ):
         self.sched, self.st, self.branches = schedule, stages, branches
-        self.msg_spec, self.param_spec, self.uniform = msg_spec, param_spec, uniform
+        self.msg_spec, self.layouts = msg_spec, layouts
         self.remat, self.loss, self.rng_impls = remat, loss, rng_impls
         self.scale = 1.0 / (schedule.replicas * schedule.microbatches)
         self.loss_mult = loss.accumulate_scale(self.scale)
@@ -99,7 +99,7 @@ class StageOps:
 
         def run(params, x, y, inbox: Inbox, res, row):
             msg = self.msg_spec.zeros()
-            p = params[c] if self.uniform[c] else self.param_spec.unpack(s, params[c])
+            p = self.layouts[c].unpack(s, params[c])
             y_mb = jax.tree.map(lambda a: a[row.mb], y) if s == S - 1 else None
             if kind is Kind.F:
                 a = stage_input(x, inbox, row)
@@ -136,9 +136,7 @@ class StageOps:
                 msg = self.msg_spec.pack_grad(s - 1, dinput)
             if kind is Kind.B:
                 return msg, put, self.no_loss()
-            # A uniform chunk's gradient stays a tree (see `TickProgram.zero_grads`).
-            dpar = dparams if self.uniform[c] else self.param_spec.pack(s, dparams)
-            return msg, dpar, self.no_loss()
+            return msg, self.layouts[c].pack(s, dparams), self.no_loss()
 
         return run if self.rng_impls is None else self._with_rngs(run)
 

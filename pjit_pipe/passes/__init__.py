@@ -7,6 +7,7 @@ first (`functools.partial(defer_w, costs=costs)`, `postpone_w(defer)`).
 from pjit_pipe.passes.chain import Pass, chain, renamed
 from pjit_pipe.passes.comm import insert_comm
 from pjit_pipe.passes.defer_w import defer_w
+from pjit_pipe.passes.fuse_backward import fuse_stage, fuse_where_free
 from pjit_pipe.passes.postpone_w import postpone_w
 from pjit_pipe.passes.reroute import reroute
 from pjit_pipe.passes.split_backward import split_backward
@@ -16,6 +17,8 @@ __all__ = [
     "Pass",
     "chain",
     "defer_w",
+    "fuse_stage",
+    "fuse_where_free",
     "insert_comm",
     "postpone_w",
     "renamed",

@@ -26,6 +26,7 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.passes.fuse_backward import fuse_where_free
 from pjit_pipe.schedules.asynchronous import async_one_f_one_b
 from pjit_pipe.schedules.auto import OBJECTIVES, Objective, auto
 from pjit_pipe.schedules.classic import gpipe, one_f_one_b
@@ -96,6 +97,11 @@ def make_schedule(
     (`pjit_pipe.schedules.exact`) to improve or prove it. Raises ScheduleError, naming the parameter,
     for requests no schedule of that kind can meet; never returns a silently
     different schedule.
+
+    Costs with fused prices (`Costs.f_fused`, `Costs.bw`, as `costs="measure"`
+    gives) also fuse back the backward of each stage whose split makes the
+    steady period longer (`passes.fuse_backward`; the kind then ends in
+    "+fused"). Without them (the CLI's F,B,W costs) the schedule is the kind's own.
     """
     if kind not in KINDS:
         raise ScheduleError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -115,8 +121,8 @@ def make_schedule(
         kind, stages, microbatches, chunks, costs, mem_limit, replicas, objective, exact_time_limit
     )
     if pattern.failed:
-        return search_reroutes(schedule, pattern, costs, mem_limit, search_time)
-    return schedule
+        schedule = search_reroutes(schedule, pattern, costs, mem_limit, search_time)
+    return fuse_where_free(schedule, costs)
 
 
 def _fault_free(
