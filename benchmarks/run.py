@@ -16,6 +16,7 @@ BENCHMARKS = [
     "bench_variants",
     "bench_memory",
     "bench_backward",
+    "bench_param_layout",
     "bench_planner",
     "bench_lockstep",
     "bench_async",

@@ -1,0 +1,116 @@
+"""Parameters inside the tick loop: size classes against flat rows, in one run.
+
+A chunk whose pipeline positions hold stages of different parameter shapes
+used to keep them in a flat row per dtype, and every op sliced its weights
+out of it (XLA copies a slice that feeds a matmul). The lowering now holds
+them in size classes, whole buffers per (dtype, size) that an op reshapes
+(`pjit_pipe/lowering/param_layout.py`). For each model and kind this compiles
+both (the flat one by refusing every class, `MAX_CLASS_OVERHEAD = 0`) and
+prints the classes' bytes over the flat row's, XLA's compiled temp memory,
+the median step time of each over `--rounds` rounds of alternating calls,
+and the median of the per-round ratios.
+
+Run: python benchmarks/bench_param_layout.py [--rounds N] [--quick]
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_backward import HeavySecond, mse
+
+import pjit_pipe as pp
+from models.gpt import GPT, GPTConfig, lm_loss
+from pjit_pipe.lowering import lower, param_layout
+from pjit_pipe.schedules import make_schedule
+
+
+def _case(name, model, x, y, loss, D, P, m, kinds, rounds):
+    mesh = pp.make_mesh(data=D, stage=P)
+    params = model.init(jax.random.key(2), x)
+    cut = pp.pipeline(model, stages=P, microbatches=m, schedule="1f1b", mesh=mesh).cut(params, x)
+    sp = cut.split(params)
+    programs, notes = {}, {}
+    default = param_layout.MAX_CLASS_OVERHEAD
+    try:
+        for kind in kinds:
+            for layout, overhead in (("flat", 0.0), ("classes", default)):
+                param_layout.MAX_CLASS_OVERHEAD = overhead
+                step = lower(
+                    make_schedule(kind, P, m, replicas=D), cut.stage_fns(), loss, mesh, sp, x, y
+                )
+                programs[(kind, layout)] = lambda step=step: step.value_and_grad(sp, x, y)
+                temp = step.memory_analysis().temp_size_in_bytes / 2**20
+                notes[(kind, layout)] = f"temp {temp:6.2f} MiB"
+                if layout == "classes":
+                    notes[(kind, "overhead")] = [
+                        _class_bytes(ly) / _flat_bytes(ly) for ly in step._low.layouts
+                    ]
+    finally:
+        param_layout.MAX_CLASS_OVERHEAD = default
+    for f in programs.values():
+        jax.block_until_ready(f())
+    times = {k: [] for k in programs}
+    order = list(programs)
+    for r in range(rounds):
+        for k in order if r % 2 == 0 else order[::-1]:
+            start = time.perf_counter()
+            jax.block_until_ready(programs[k]())
+            times[k].append(time.perf_counter() - start)
+    print(f"  {name}, mesh {D}x{P}, m={m}, {rounds} rounds:")
+    for kind in kinds:
+        over = ", ".join(f"{o:.3f}" for o in notes[(kind, "overhead")])
+        print(f"    {kind}: class bytes / flat row bytes per chunk: {over}")
+        for layout in ("flat", "classes"):
+            ms = statistics.median(times[(kind, layout)]) * 1e3
+            print(f"      {layout:8s} {ms:8.2f} ms  {notes[(kind, layout)]}")
+        ratios = [
+            c / f for c, f in zip(times[(kind, "classes")], times[(kind, "flat")], strict=True)
+        ]
+        q1, med, q3 = statistics.quantiles(ratios, n=4, method="inclusive")
+        print(f"      classes / flat {med:.3f} [{q1:.3f}, {q3:.3f}]")
+
+
+def _flat_bytes(layout: param_layout.ChunkLayout) -> int:
+    return sum(n * np.dtype(k).itemsize for k, n in layout.spec.sizes.items())
+
+
+def _class_bytes(layout: param_layout.ChunkLayout) -> int:
+    return sum(n * np.dtype(k).itemsize for n, k in layout.sizes.values())
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rounds", type=int, default=11)
+    ap.add_argument("--quick", action="store_true", help="smaller shapes")
+    args = ap.parse_args(argv)
+    print(f"device: {jax.devices()[0].platform}")
+    m, mb = 16, 16 if args.quick else 64
+    x = jax.random.normal(jax.random.key(0), (m * mb, 32))
+    y = jax.random.normal(jax.random.key(1), (m * mb, 8))
+    heavy = HeavySecond(128 if args.quick else 256)
+    _case("heavy second stage", heavy, x, y, mse, 1, 2, m, ("1f1b", "zb-h1"), args.rounds)
+    config = GPTConfig.tiny()
+    tokens = jax.random.randint(jax.random.key(0), (2 * 8 * 2, config.seq_len), 0, config.vocab)
+    targets = jnp.roll(tokens, -1, axis=1)
+    _case(
+        "tiny GPT", GPT(config), tokens, targets, lm_loss, 2, 4, 8, ("1f1b", "zb-h1"), args.rounds
+    )
+
+
+if __name__ == "__main__":
+    main()
