@@ -275,6 +275,24 @@ def test_size_classes_match_value_and_grad_and_adam(kind, D, P):
     assert_trees_close(params, ref_params)
 
 
+def test_size_classes_step_inside_the_loop():
+    """Two iterations in one call: the optimizer steps inside the loop and the
+    new parameters re-enter the size classes after each step."""
+    P, m = 4, 4
+    fns, params = class_model(P)
+    opt = optax.sgd(0.5, momentum=0.9)
+    batches = [uniform_batch(m * MB, seed=40 + i, width=2) for i in range(2)]
+    batches = [(bx, by % CLASSES) for bx, by in batches]
+    xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
+    sched = make_schedule("zb-h1", P, m)
+    step = lower(sched, fns, xent, mesh_of(1, P), params, *batches[0], optimizer=opt, iterations=2)
+    assert not step._low.layouts[0].flat and not step._low.layouts[0].same
+    got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
+    ref, want = unpipelined_training(fns, params, opt, batches)
+    np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
+    assert_trees_close(got, ref)
+
+
 def test_uniform_stages_step_inside_the_loop():
     """Three iterations in one call (each stage's optimizer step inside the tick
     loop); SGD with momentum, which unlike adam sees the gradients' scale."""

@@ -96,9 +96,12 @@ class StageOptimizer:
             msgs, res, wcarry, losses = in_flight
         # Per chunk, the optimizer steps taken so far: the iteration of its next step. (v,)
         done = jnp.zeros((v,), jnp.int32)
+        # Per chunk, the parameters as the ticks read them (param_layout.py), made
+        # anew only by an optimizer step; a weight policy makes them every tick.
+        chunks = prog.chunk_params(params, pos) if weights is None else []
 
         def step(row, losses, state):
-            grads, params, opt, done, wcarry = state
+            grads, params, chunks, opt, done, wcarry = state
             mine = ((row.update >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads, pos).items()}
             g = prog.topo.reduce_over_replicas(g)
@@ -113,32 +116,36 @@ class StageOptimizer:
             opt = {k: jnp.where(mine, new_o[k], b) for k, b in opt.items()}
             if weights is not None:
                 wcarry = weights.after_step(wcarry, state[1], params, mine)
+            else:
+                chunks = prog.chunk_params(params, pos)
             grads = [
                 jax.tree.map(lambda a, m=mine[c, 0]: jnp.where(m, 0, a), g)
                 for c, g in enumerate(grads)
             ]
-            return grads, params, opt, done + mine[:, 0], wcarry
+            return grads, params, chunks, opt, done + mine[:, 0], wcarry
 
         def tick(carry, inputs):
             row, update = inputs
-            msgs, res, grads, losses, params, opt, done, wcarry = carry
+            msgs, res, grads, losses, params, chunks, opt, done, wcarry = carry
             if weights is None:
-                chunks, back = prog.chunk_params(params, pos), None
+                now, back = chunks, None
             else:  # the forward and the backward may read other weights
                 ahead, behind, wcarry = weights.views(params, wcarry, row, pos)
-                chunks, back = prog.chunk_params(ahead, pos), prog.chunk_params(behind, pos)
-            msgs, res, grads, dloss = prog.tick(plan, chunks, x, y, msgs, res, grads, row, back)
+                now, back = prog.chunk_params(ahead, pos), prog.chunk_params(behind, pos)
+            msgs, res, grads, dloss = prog.tick(plan, now, x, y, msgs, res, grads, row, back)
             losses = losses.at[row.f.iteration].add(dloss)  # only F makes a loss
-            grads, params, opt, done, wcarry = lax.cond(
+            grads, params, chunks, opt, done, wcarry = lax.cond(
                 update,
                 functools.partial(step, row, losses),
                 lambda s: s,
-                (grads, params, opt, done, wcarry),
+                (grads, params, chunks, opt, done, wcarry),
             )
-            return (msgs, res, grads, losses, params, opt, done, wcarry), None
+            return (msgs, res, grads, losses, params, chunks, opt, done, wcarry), None
 
-        carry = (msgs, res, grads, losses, params, opt, done, wcarry)
-        (msgs, res, _, losses, params, opt, _, wcarry), _ = lax.scan(tick, carry, (rows, updates))
+        carry = (msgs, res, grads, losses, params, chunks, opt, done, wcarry)
+        (msgs, res, _, losses, params, _, opt, _, wcarry), _ = lax.scan(
+            tick, carry, (rows, updates)
+        )
         if in_flight is not None:
             return params, opt, (msgs, res, wcarry, losses)
         return params, opt, prog.loss.loss(lax.psum(losses, prog.topo.axes), count)

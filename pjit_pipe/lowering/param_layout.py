@@ -21,10 +21,13 @@ leaves them once, after the loop.
 A chunk stays flat when its classes would hold more than
 `MAX_CLASS_OVERHEAD` times the bytes of its flat row (stages whose leaves
 share no sizes: the classes would then hold every stage's weights on every
-device), and when its parameters change inside the loop (an optimizer step
-inside the loop: entering the classes on every tick would cost more than
-it saves). A chunk whose positions all hold stages of one layout (uniform
-chunks: the same blocks everywhere) has no overhead and needs no switch.
+device), and where a weight policy picks each tick's weights anew
+(asynchronous weights: entering the classes on every tick would cost more
+than it saves). An optimizer step inside the loop (staggered,
+multi-iteration and re-routed programs) re-enters its new parameters once,
+after the step. A chunk whose positions all hold stages of one layout
+(uniform chunks: the same blocks everywhere) has no overhead and needs no
+switch.
 """
 
 from __future__ import annotations

@@ -103,9 +103,10 @@ class TickProgram:
                 shared, self.param_spec, self.held, topology.positions, topology.axes
             )
         # Per chunk, how the loop holds its parameters and gradient (param_layout.py):
-        # size classes, or flat rows where the parameters change inside the loop.
+        # size classes, or flat rows where a weight policy picks the weights anew
+        # on every tick (asynchronous weights).
         self.layouts = [
-            ChunkLayout(self.param_spec, chunk, classes=not self.stepping)
+            ChunkLayout(self.param_spec, chunk, classes=weights is None)
             for chunk in zip(*self.held, strict=True)
         ]
         self.ops = StageOps(
