@@ -27,6 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
@@ -39,7 +40,9 @@ from pjit_pipe.lowering import lower, param_layout
 from pjit_pipe.schedules import make_schedule
 
 
-def _case(name, model, x, y, loss, D, P, m, kinds, rounds):
+def _case(name, model, x, y, loss, D, P, m, kinds, rounds, failed=()):
+    """With `failed` workers the schedule is re-routed and staggered, and the
+    programs time `train_step` (SGD), whose optimizer steps inside the loop."""
     mesh = pp.make_mesh(data=D, stage=P)
     params = model.init(jax.random.key(2), x)
     cut = pp.pipeline(model, stages=P, microbatches=m, schedule="1f1b", mesh=mesh).cut(params, x)
@@ -50,10 +53,17 @@ def _case(name, model, x, y, loss, D, P, m, kinds, rounds):
         for kind in kinds:
             for layout, overhead in (("flat", 0.0), ("classes", default)):
                 param_layout.MAX_CLASS_OVERHEAD = overhead
-                step = lower(
-                    make_schedule(kind, P, m, replicas=D), cut.stage_fns(), loss, mesh, sp, x, y
-                )
-                programs[(kind, layout)] = lambda step=step: step.value_and_grad(sp, x, y)
+                sched = make_schedule(kind, P, m, replicas=D, failed=failed)
+                if failed:
+                    opt = optax.sgd(0.1)
+                    step = lower(sched, cut.stage_fns(), loss, mesh, sp, x, y, optimizer=opt)
+                    state = step.init_opt_state(sp)
+                    programs[(kind, layout)] = lambda step=step, state=state: step.train_step(
+                        sp, state, x, y
+                    )
+                else:
+                    step = lower(sched, cut.stage_fns(), loss, mesh, sp, x, y)
+                    programs[(kind, layout)] = lambda step=step: step.value_and_grad(sp, x, y)
                 temp = step.memory_analysis().temp_size_in_bytes / 2**20
                 notes[(kind, layout)] = f"temp {temp:6.2f} MiB"
                 if layout == "classes":
@@ -107,8 +117,12 @@ def main(argv: list[str] | None = None) -> None:
     config = GPTConfig.tiny()
     tokens = jax.random.randint(jax.random.key(0), (2 * 8 * 2, config.seq_len), 0, config.vocab)
     targets = jnp.roll(tokens, -1, axis=1)
+    gpt = GPT(config)
+    _case("tiny GPT", gpt, tokens, targets, lm_loss, 2, 4, 8, ("1f1b", "zb-h1"), args.rounds)
     _case(
-        "tiny GPT", GPT(config), tokens, targets, lm_loss, 2, 4, 8, ("1f1b", "zb-h1"), args.rounds
+        "tiny GPT, worker 0:1 failed (re-routed, staggered; train_step)",
+        *(gpt, tokens, targets, lm_loss, 2, 4, 8, ("zb-h1",), args.rounds),
+        failed=[(0, 1)],
     )
 
 
