@@ -241,6 +241,8 @@ def check_dropout(D: int, kind: str, P: int = 4, m: int = 4):
 
 def test_dropout_uses_the_same_keys_per_microbatch():
     pm, params, (x, y), (loss, _) = check_dropout(1, "zb-h1", P=2)
+    _, step = pm.program(params, x, y, mean_loss, rngs={"dropout": jax.random.key(7)})
+    assert step._low.st.split == {1}  # keys and all: W only transposes the sites
     again, _ = pm.value_and_grad(mean_loss)(params, x, y, rngs={"dropout": jax.random.key(7)})
     other, _ = pm.value_and_grad(mean_loss)(params, x, y, rngs=jax.random.key(8))
     assert float(again) == float(loss)  # reproducible

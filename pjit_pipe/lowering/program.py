@@ -114,8 +114,7 @@ def lower(
     parameter dicts to the virtual stages that each hold a copy of it (tied
     weights): their gradients are summed, so the copies stay equal. split_backward=False
     makes W re-run the whole stage pullback (the old split, kept for comparisons);
-    the split backward is also off with remat (B and W recompute) and with rngs
-    (its stage jaxpr is traced once, so it would fix one microbatch's keys).
+    the split backward is also off with remat (B and W recompute).
     `ticks` is the tick table to run, for `iterations` iterations (build it with
     `pjit_pipe.passes.pack_ticks.pack_ticks`); None runs one op per device per
     tick (`PackedTicks.one_op_per_tick`).
@@ -129,7 +128,7 @@ def lower(
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     # Stages run as separate B and W get the split backward (see the docstring).
     split = {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
-    if remat or not split_backward or rngs is not None:
+    if remat or not split_backward:
         split = set()
     loss = LossLayout(loss_fn, has_aux)
     impls, example_keys = None, {}

@@ -79,6 +79,12 @@ def microbatch_rngs(key_data: dict[str, jax.Array], impls: dict[str, Any]) -> It
         _ACTIVE.reset(token)
 
 
+def active_key_data() -> tuple[dict[str, jax.Array], dict[str, Any]] | None:
+    """(raw key data, key impls) of the microbatch being traced, or None outside:
+    for code that passes the keys on as explicit inputs (split_backward.py)."""
+    return _ACTIVE.get()
+
+
 def current_rngs() -> dict[str, jax.Array] | None:
     """The keys of the microbatch being traced ({name: typed key}), or None outside."""
     active = _ACTIVE.get()

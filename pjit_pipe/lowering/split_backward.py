@@ -47,6 +47,13 @@ with a contraction or a lookup (`dot_general`, `conv`, `gather`) stay in W:
 their parameter cotangent would cost B a weight-gradient contraction (or a
 table-sized scatter).
 
+Random numbers (dropout): a stage function reads its microbatch's keys
+from a context variable (rng.py), so a jaxpr traced once would hold the
+keys it was traced with as constants. The keys are therefore explicit data
+inputs of the traced jaxpr, and F's interpreter feeds it the keys of the
+microbatch it runs; W never draws (what it needs of a random mask is a
+stored data operand like any other).
+
 A site that is not linear in its param operands (e.g. a `custom_jvp_call`
 or loop that reads a parameter) is handled by `jax.vjp` of that one
 equation, with all its data operands stored: correct, and only as costly as
@@ -62,6 +69,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+
+from pjit_pipe.lowering.rng import active_key_data, microbatch_rngs
 
 CONST, PARAM, DATA = 0, 1, 2
 
@@ -197,7 +206,19 @@ class SplitBackward:
     """
 
     def __init__(self, fn: Callable, params: Any, act: Any, labels: Any):
-        closed, out_shape = jax.make_jaxpr(fn, return_shape=True)(params, act, labels)
+        # The keys of the microbatch being traced, if the lowering runs with rngs:
+        # explicit inputs (see the module docstring).
+        active = active_key_data()
+        self.keyed = active is not None
+
+        def traced(p, a, y, keys):
+            if not self.keyed:
+                return fn(p, a, y)
+            with microbatch_rngs(keys, active[1]):
+                return fn(p, a, y)
+
+        keys = active[0] if self.keyed else {}
+        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(params, act, labels, keys)
         self.out_tree = jax.tree.structure(out_shape)
         self.param_tree = jax.tree.structure(params)
         self.eqns, inputs, self.outputs, self.avals = _flatten(closed)
@@ -281,9 +302,16 @@ class SplitBackward:
     # ---- F: the forward with perturbations, keeping W's data operands ----
 
     def forward(self, params: Any, act: Any, labels: Any, eps: Sequence[jax.Array]):
-        """(stage output, data operands W needs); `eps` are added at the site outputs."""
+        """(stage output, data operands W needs); `eps` are added at the site outputs.
+        A stage traced with keys reads those of the microbatch being traced now."""
+        keys = {}
+        if self.keyed:
+            active = active_key_data()
+            if active is None:
+                raise RuntimeError("a stage traced with rngs runs outside microbatch_rngs")
+            keys = active[0]
         env = dict(zip(self.param_ids, jax.tree.leaves(params), strict=True))
-        env.update(zip(self.data_ids, jax.tree.leaves((act, labels)), strict=True))
+        env.update(zip(self.data_ids, jax.tree.leaves((act, labels, keys)), strict=True))
         read = lambda v: v.value if isinstance(v, _Lit) else env[v]  # noqa: E731
         for k, e in enumerate(self.eqns):
             args = [read(v) for v in e.ins]
