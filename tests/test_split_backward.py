@@ -18,9 +18,10 @@ from models.gpt import Block
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering import lower
+from pjit_pipe.lowering.flat_jaxpr import count_primitives
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.plan import build_plan
-from pjit_pipe.lowering.split_backward import SplitBackward, count_primitives
+from pjit_pipe.lowering.split_backward import SplitBackward
 from pjit_pipe.lowering.stages import StageVjp
 from pjit_pipe.schedules import make_schedule
 from tests.test_lowering import assert_trees_close, mesh_of

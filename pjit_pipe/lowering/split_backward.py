@@ -68,14 +68,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
 
+from pjit_pipe.lowering.flat_jaxpr import Lit, bind, flatten
 from pjit_pipe.lowering.rng import active_key_data, microbatch_rngs
 
 CONST, PARAM, DATA = 0, 1, 2
 
-# Call-like equations whose body is inlined (their body's own ops become sites).
-_INLINE = {"jit", "pjit", "closed_call", "core_call", "remat2", "checkpoint", "remat"}
 # Equations jointly linear in their param operands once the data operands are
 # fixed: W transposes them instead of taking a vjp (no primal recomputation).
 _LINEAR = {
@@ -103,76 +101,12 @@ _ELEMENTWISE = {"mul", "add", "add_any", "sub", "div", "max", "min"}
 
 
 @dataclass(frozen=True)
-class _Lit:
-    """A literal or a closed-over constant of the jaxpr."""
-
-    value: Any
-
-
-@dataclass(frozen=True)
-class _Eqn:
-    eqn: Any  # the jaxpr equation (primitive and params)
-    ins: tuple[int | _Lit, ...]  # operand value ids
-    outs: tuple[int, ...]  # result value ids
-
-
-@dataclass(frozen=True)
 class _Site:
     index: int  # position in the flat equation list
     cot: tuple[int | None, ...]  # per result: its perturbation number (None: no cotangent);
     #                              for an `at_param` site, the one of its param operand
     linear: bool
     at_param: bool = False  # perturbed at its param operand: B stores that operand's cotangent
-
-
-def _bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
-    """Apply one jaxpr equation to `args` (as `jax.core.eval_jaxpr` does)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: Sequence[Any] = ()
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
-    with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *args, **params)
-    return list(out) if eqn.primitive.multiple_results else [out]
-
-
-def _flatten(closed: ClosedJaxpr) -> tuple[list[_Eqn], list[int], list[int | _Lit], dict]:
-    """(equations, input ids, output operands, id -> aval) with calls inlined."""
-    eqns: list[_Eqn] = []
-    avals: dict[int, Any] = {}
-
-    def fresh(aval) -> int:
-        avals[len(avals)] = aval
-        return len(avals) - 1
-
-    def walk(jaxpr: Jaxpr, consts: Sequence[Any], args: Sequence[int | _Lit]) -> list:
-        env: dict[Any, int | _Lit] = {}
-        for v, c in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = _Lit(c)
-        for v, a in zip(jaxpr.invars, args, strict=True):
-            env[v] = a
-
-        def read(v):
-            return _Lit(v.val) if isinstance(v, Literal) else env[v]
-
-        for eqn in jaxpr.eqns:
-            ins = [read(v) for v in eqn.invars]
-            body = eqn.params.get("jaxpr", eqn.params.get("call_jaxpr"))
-            if eqn.primitive.name in _INLINE and body is not None:
-                if isinstance(body, ClosedJaxpr):
-                    outs = walk(body.jaxpr, body.consts, ins)
-                else:
-                    outs = walk(body, [], ins)
-            else:
-                outs = [fresh(v.aval) for v in eqn.outvars]
-                eqns.append(_Eqn(eqn, tuple(ins), tuple(outs)))
-            for v, o in zip(eqn.outvars, outs, strict=True):
-                env[v] = o
-        return [read(v) for v in jaxpr.outvars]
-
-    inputs = [fresh(v.aval) for v in closed.jaxpr.invars]
-    outputs = walk(closed.jaxpr, closed.consts, inputs)
-    return eqns, inputs, outputs, avals
 
 
 @jax.custom_jvp
@@ -221,13 +155,13 @@ class SplitBackward:
         closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(params, act, labels, keys)
         self.out_tree = jax.tree.structure(out_shape)
         self.param_tree = jax.tree.structure(params)
-        self.eqns, inputs, self.outputs, self.avals = _flatten(closed)
+        self.eqns, inputs, self.outputs, self.avals = flatten(closed)
         n_p, n_a = len(jax.tree.leaves(params)), len(jax.tree.leaves(act))
         self.param_ids, self.data_ids = inputs[:n_p], inputs[n_p:]
         self.act_count = n_a
         cls: dict[int, int] = {i: PARAM for i in self.param_ids}
         cls.update({i: DATA for i in self.data_ids})
-        of = lambda v: CONST if isinstance(v, _Lit) else cls[v]  # noqa: E731
+        of = lambda v: CONST if isinstance(v, Lit) else cls[v]  # noqa: E731
         site_eqns: list[int] = []
         for k, e in enumerate(self.eqns):
             kinds = {of(v) for v in e.ins}
@@ -278,7 +212,7 @@ class SplitBackward:
         # Outputs that are param-only values (e.g. a stage returning a weight).
         self.direct = []
         for i, v in enumerate(self.outputs):
-            if not isinstance(v, _Lit) and self.cls[v] == PARAM and _inexact(self.avals[v]):
+            if not isinstance(v, Lit) and self.cls[v] == PARAM and _inexact(self.avals[v]):
                 self.direct.append((i, v, len(self.perturbations)))
                 self.perturbations.append(_struct(self.avals[v]))
                 self.param_operands[v] = None
@@ -312,13 +246,13 @@ class SplitBackward:
             keys = active[0]
         env = dict(zip(self.param_ids, jax.tree.leaves(params), strict=True))
         env.update(zip(self.data_ids, jax.tree.leaves((act, labels, keys)), strict=True))
-        read = lambda v: v.value if isinstance(v, _Lit) else env[v]  # noqa: E731
+        read = lambda v: v.value if isinstance(v, Lit) else env[v]  # noqa: E731
         for k, e in enumerate(self.eqns):
             args = [read(v) for v in e.ins]
             if k in self._eps_in:
                 slot, n = self._eps_in[k]
                 args[slot] = _perturb(args[slot], eps[n])
-            outs = _bind(e.eqn, args)
+            outs = bind(e.eqn, args)
             added = self._eps_at.get(k, (None,) * len(outs))
             for o, val, n in zip(e.outs, outs, added, strict=True):
                 env[o] = val if n is None else _perturb(val, eps[n])
@@ -332,10 +266,10 @@ class SplitBackward:
     def _param_chain(self, params: Any) -> dict[int, Any]:
         """Values of every const and param-only equation (no data equation runs)."""
         env = dict(zip(self.param_ids, jax.tree.leaves(params), strict=True))
-        read = lambda v: v.value if isinstance(v, _Lit) else env[v]  # noqa: E731
+        read = lambda v: v.value if isinstance(v, Lit) else env[v]  # noqa: E731
         for e in self.eqns:
-            if all(isinstance(v, _Lit) or self.cls[v] != DATA for v in e.ins):
-                for o, val in zip(e.outs, _bind(e.eqn, [read(v) for v in e.ins]), strict=True):
+            if all(isinstance(v, Lit) or self.cls[v] != DATA for v in e.ins):
+                for o, val in zip(e.outs, bind(e.eqn, [read(v) for v in e.ins]), strict=True):
                     env[o] = val
         return env
 
@@ -364,11 +298,11 @@ class SplitBackward:
                 add(e.ins[self._eps_in[site.index][0]], cots[site.cot[0]])
                 continue
             slots = [
-                i for i, v in enumerate(e.ins) if not isinstance(v, _Lit) and self.cls[v] == PARAM
+                i for i, v in enumerate(e.ins) if not isinstance(v, Lit) and self.cls[v] == PARAM
             ]
             args = []
             for v in e.ins:
-                if isinstance(v, _Lit):
+                if isinstance(v, Lit):
                     args.append(v.value)
                 elif v in env:
                     args.append(env[v])
@@ -379,7 +313,7 @@ class SplitBackward:
                 full = list(args)
                 for i, p in zip(slots, ps, strict=True):
                     full[i] = p
-                return _bind(e.eqn, full)
+                return bind(e.eqn, full)
 
             out_cts = [
                 cots[n] if n is not None else jnp.zeros(self.avals[o].shape, self.avals[o].dtype)
@@ -397,17 +331,3 @@ class SplitBackward:
         zeros = [jnp.zeros(self.avals[v].shape, self.avals[v].dtype) for v in wanted]
         (grads,) = pull([acc.get(v, z) for v, z in zip(wanted, zeros, strict=True)])
         return grads
-
-
-def count_primitives(jaxpr: Jaxpr, name: str) -> int:
-    """How many equations named `name` a jaxpr holds, sub-jaxprs included."""
-    total = 0
-    for eqn in jaxpr.eqns:
-        total += eqn.primitive.name == name
-        for param in eqn.params.values():
-            for sub in param if isinstance(param, tuple | list) else (param,):
-                if isinstance(sub, ClosedJaxpr):
-                    total += count_primitives(sub.jaxpr, name)
-                elif isinstance(sub, Jaxpr):
-                    total += count_primitives(sub, name)
-    return total
