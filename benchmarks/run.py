@@ -17,6 +17,7 @@ BENCHMARKS = [
     "bench_memory",
     "bench_backward",
     "bench_param_layout",
+    "bench_dropout",
     "bench_planner",
     "bench_lockstep",
     "bench_async",
