@@ -1,0 +1,71 @@
+"""Size classes (lowering/param_layout.py): what goes in comes back out, per position."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from pjit_pipe.lowering.packing import FlatSpec
+from pjit_pipe.lowering.param_layout import MAX_CLASS_OVERHEAD, ChunkLayout
+
+SHAPES = [(3,), (2, 3), (3, 2), (4,), (2, 2)]  # (2, 3) and (3, 2) share a class
+
+
+@st.composite
+def stage_trees(draw):
+    """2-3 stage parameter dicts of a few leaves drawn from SHAPES (some f16)."""
+    trees = []
+    for s in range(draw(st.integers(2, 3))):
+        names = draw(st.lists(st.sampled_from("abcde"), min_size=1, max_size=4, unique=True))
+        tree = {}
+        for i, name in enumerate(sorted(names)):
+            shape = draw(st.sampled_from(SHAPES))
+            dtype = jnp.float16 if draw(st.booleans()) and i == 0 else jnp.float32
+            tree[name] = (s + 1) * jnp.arange(np.prod(shape), dtype=dtype).reshape(shape) + i
+        trees.append(tree)
+    return trees
+
+
+def assert_trees_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stage_trees())
+def test_every_position_gets_its_own_tree_back(trees):
+    spec = FlatSpec(trees)
+    stages = list(range(len(trees)))  # position p holds stage p
+    layout = ChunkLayout(spec, stages)
+    flat_bytes = sum(n * np.dtype(k).itemsize for k, n in spec.sizes.items())
+    class_bytes = sum(n * np.dtype(k).itemsize for n, k in layout.sizes.values())
+    assert layout.flat == (class_bytes > MAX_CLASS_OVERHEAD * flat_bytes and not layout.same)
+    for p, s in enumerate(stages):
+        row = spec.pack(s, trees[s])
+        carried = layout.enter(row, jnp.int32(p))
+        # an op of stage s reads its own tree, whatever the others hold
+        assert_trees_equal(layout.unpack(s, carried), trees[s])
+        # a gradient packed by stage s leaves as stage s's flat row
+        back = layout.leave(layout.pack(s, trees[s]), jnp.int32(p))
+        for k in spec.sizes:
+            np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(row[k]))
+        if not layout.flat:  # each leaf is a whole buffer: no slicing inside the op
+            keys = layout.keys[s]
+            assert len(set(keys)) == len(keys)
+            for k, leaf in zip(keys, jax.tree.leaves(trees[s]), strict=True):
+                assert layout.sizes[k] == (leaf.size, np.dtype(leaf.dtype).name)
+
+
+def test_uniform_stages_need_no_switch_and_unrelated_ones_stay_flat():
+    same = [{"w": jnp.ones((4, 4)), "b": jnp.ones((4,))}] * 3
+    layout = ChunkLayout(FlatSpec(same), [0, 1, 2])
+    assert layout.same and not layout.flat
+    assert sum(n for n, _ in layout.sizes.values()) == 20  # no overhead
+    unrelated = [{"w": jnp.ones((5,))}, {"w": jnp.ones((7,))}, {"w": jnp.ones((9,))}]
+    assert ChunkLayout(FlatSpec(unrelated), [0, 1, 2]).flat  # 21 elements against 9
+    assert ChunkLayout(FlatSpec(same), [0, 1, 2], classes=False).flat
