@@ -96,8 +96,9 @@ class StageOptimizer:
             msgs, res, wcarry, losses = in_flight
         # Per chunk, the optimizer steps taken so far: the iteration of its next step. (v,)
         done = jnp.zeros((v,), jnp.int32)
-        # Per chunk, the parameters as the ticks read them (param_layout.py), made
-        # anew only by an optimizer step; a weight policy makes them every tick.
+        # Per chunk, the parameters as the ticks read them (param_layout.py: one 1-D
+        # buffer per size-class slot, or the chunk's (L,) row per dtype), made anew
+        # only by an optimizer step; a weight policy makes them every tick instead.
         chunks = prog.chunk_params(params, pos) if weights is None else []
 
         def step(row, losses, state):
