@@ -55,6 +55,21 @@ def test_stagger_and_iterations_reach_the_steady_period(capsys) -> None:
     assert staggered["steady_period"] <= plain["steady_period"]
 
 
+def test_fused_costs_reach_the_fuse_pass(capsys) -> None:
+    """Fused prices 3% under the split's: zb-h1 fuses what the pass fuses and prices it."""
+    args = ("zb-h1", "-P", "4", "-m", "8", "--costs", "1.03,1,1")
+    c = Costs(1.03, 1, 1, f_fused=1.0, bw=1.97)
+    want = make_schedule("zb-h1", 4, 8, costs=c)
+    assert want.kind == "zb-h1+fused"
+    got = run_json(capsys, *args, "--fused-costs", "1,1.97")
+    assert got["kind"] == want.kind
+    assert from_json(got["schedule"]).programs == want.programs
+    assert got["steady_period"] == pytest.approx(
+        simulate(want, c, iterations=DEFAULT_ITERATIONS).steady_period
+    )
+    assert run_json(capsys, *args)["kind"] == "zb-h1"  # without them: the kind's own
+
+
 def test_text_mode_prints_the_ir_and_one_summary_line(capsys) -> None:
     assert main(["schedule", "gpipe", "--stages", "2", "--microbatches", "3"]) == 0
     lines = capsys.readouterr().out.splitlines()
@@ -110,6 +125,8 @@ BAD = {
     "plot suffix": ["schedule", "1f1b", "-P", "2", "-m", "2", "--plot", "g.pdf"],
     "trace suffix": ["schedule", "1f1b", "-P", "2", "-m", "2", "--trace", "t.txt"],
     "zero iterations": ["schedule", "1f1b", "-P", "2", "-m", "2", "--iterations", "0"],
+    "one fused cost": ["schedule", "zb-h1", "-P", "2", "-m", "2", "--fused-costs", "1"],
+    "negative fused cost": ["schedule", "zb-h1", "-P", "2", "-m", "2", "--fused-costs", "1,-2"],
     "m < P": ["schedule", "interleaved-1f1b", "-P", "4", "-m", "2", "--chunks", "2"],
     "plot dir missing": ["schedule", "1f1b", "-P", "2", "-m", "2", "--plot", "/nonexistent/g.png"],
 }

@@ -75,3 +75,19 @@ def test_balance_by_measured_time_cuts_the_model():
     # The two wide layers (8 -> 512, 512 -> 8) take most of the time: the two
     # light ones stay together in the first stage.
     assert cut.bounds[1] >= 2
+
+
+def test_show_costs_args_parse_back_into_the_same_costs():
+    """`--show-costs`'s CLI texts, read by `pjit-pipe schedule`, give the per-stage
+    means of the measured costs (ms), the fused ones included."""
+    from pjit_pipe.cli.schedule import costs_arg, fused_costs_arg
+    from pjit_pipe.frontend.measure import StageTimes
+
+    times = StageTimes(
+        f=(1e-3, 3e-3), b=(0.0, 2e-3), w=(1e-3, 2e-3), bw=(1e-3, 3.5e-3),
+        f_fused=(1e-3, 2.5e-3), c=1e-4, tick=2e-4,
+    )  # fmt: skip
+    table = times.as_dict(2)
+    split = costs_arg(table["costs_arg"])
+    assert (split.f, split.b, split.w, split.c) == pytest.approx((2.0, 1.0, 1.5, 0.1))
+    assert fused_costs_arg(table["fused_costs_arg"]) == pytest.approx((1.75, 2.25))

@@ -71,6 +71,17 @@ def costs_arg(text: str) -> Costs:
     return costs
 
 
+def fused_costs_arg(text: str) -> tuple[float, float]:
+    """`--fused-costs F,BW`: two finite numbers >= 0."""
+    try:
+        parts = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected two numbers F,BW, got {text!r}") from None
+    if len(parts) != 2 or not all(0 <= x < math.inf for x in parts):
+        raise argparse.ArgumentTypeError(f"expected two finite numbers F,BW >= 0, got {text!r}")
+    return parts[0], parts[1]
+
+
 def plot_path(text: str) -> Path:
     path = Path(text)
     if path.suffix.lower() not in PLOT_SUFFIXES:
@@ -123,6 +134,18 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=Costs(),
         metavar="F,B,W[,C]",
         help="times of F, B, W per microbatch and stage, and C per transfer (default 1,1,1,0)",
+    )
+    p.add_argument(
+        "--fused-costs",
+        type=fused_costs_arg,
+        default=None,
+        metavar="F,BW",
+        help=(
+            "times of F and of the fused backward BW of a stage the schedule does not split "
+            "(default: F and B+W of --costs); with them, a stage whose split buys no time "
+            "runs fused and the kind ends in '+fused' (`pjit-pipe train --show-costs` "
+            "measures them)"
+        ),
     )
     p.add_argument(
         "--tick-cost",
@@ -199,6 +222,9 @@ def run(args: argparse.Namespace) -> int:
     """Build the schedule, validate it, simulate it, then print/draw/trace it."""
     kwargs = {} if args.chunks is None else {"chunks": args.chunks}
     failed = FailurePattern.parse(args.failed, args.replicas, args.stages)
+    if args.fused_costs is not None:
+        f_fused, bw = args.fused_costs
+        args.costs = dataclasses.replace(args.costs, f_fused=f_fused, bw=bw)
     schedule = make_schedule(
         args.kind,
         args.stages,

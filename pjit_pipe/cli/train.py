@@ -277,6 +277,7 @@ def show_costs(pm: Any, as_json: bool) -> None:
     print(
         f"  transfer C {table['c']:.3f}; fixed cost of a tick {table['tick']:.3f}; for "
         f"`pjit-pipe schedule`: --costs {table['costs_arg']} --tick-cost {table['tick']:.4g}"
+        f" --fused-costs {table['fused_costs_arg']}"
     )
 
 

@@ -83,10 +83,12 @@ class StageTimes:
 
     def as_dict(self, positions: int) -> dict[str, Any]:
         """JSON form: per-position costs (ms), the fused F and BW, the tick's fixed cost
-        (ms), and the CLI's `--costs` text (split costs; the tick goes to `--tick-cost`)."""
+        (ms), and the CLI's `--costs` text (split costs; the tick goes to `--tick-cost`,
+        the fused F and BW to `--fused-costs`, `fused_costs_arg`)."""
         costs = self.costs(positions)
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         cli = ",".join(f"{mean(v):.4g}" for v in (costs.f, costs.b, costs.w)) + f",{costs.c:.4g}"
+        fused = ",".join(f"{mean(v):.4g}" for v in (costs.f_fused, costs.bw))
         return {
             "f": costs.f,
             "b": costs.b,
@@ -96,6 +98,7 @@ class StageTimes:
             "c": costs.c,
             "tick": costs.tick,
             "costs_arg": cli,
+            "fused_costs_arg": fused,
         }
 
 
