@@ -20,13 +20,15 @@ from test_lowering import (
 
 from pjit_pipe.cli import main
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.ops import B, F, Kind, W, Worker
+from pjit_pipe.ir.memory import largest_peak
+from pjit_pipe.ir.ops import BW, B, F, Kind, W, Worker
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.ir.ticks import PackedTicks, fits
+from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, fits, lane_order
 from pjit_pipe.lowering import lower
 from pjit_pipe.lowering.plan import LANE_OF, build_plan
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.pack_ticks import _Greedy, pack_ticks
+from pjit_pipe.passes.greedy_ticks import GreedyPacker
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.passes.pack_ticks_exact import exact_bounds, exact_pack
 from pjit_pipe.passes.reroute import reroute
 from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
@@ -40,6 +42,9 @@ def test_lane_rule():
     assert not fits([B(0, 0), F(0, 1)])  # out of lane order
     assert not fits([F(0, 0), F(0, 1)])  # two activations
     assert not fits([B(1, 0), W(0, 0), B(0, 1)])
+    assert fits([B(0, 0), W(0, 0), F(0, 1)], FORWARD_LAST)
+    assert not fits([F(0, 1), B(0, 0)], FORWARD_LAST)
+    assert fits([BW(0, 0), F(0, 1)], FORWARD_LAST) and not fits([BW(0, 0), F(0, 1)])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -48,6 +53,8 @@ def test_packed_tables_keep_the_rule_and_beat_one_op_per_tick(kind):
     for s in (sched, stagger(sched)):
         table = pack_ticks(s, COSTS, 2)
         table.check()
+        # Counted op by op in the order the ticks run them: within the own peak.
+        assert max(table.peak_memory().values()) <= largest_peak(s) + 1e-9
         packed = simulate(s, COSTS, 2, mode="lockstep", ticks=table).makespan
         assert packed <= simulate(s, COSTS, 2, mode="lockstep").makespan + 1e-9
 
@@ -58,6 +65,37 @@ def test_rerouted_staggered_table_keeps_the_rule():
     table.check()
     locked = simulate(sched, COSTS, 3, mode="lockstep", ticks=table).steady_period
     assert locked < simulate(sched, COSTS, 3, mode="lockstep").steady_period
+
+
+def test_forward_last_packs_within_the_own_peak_where_forward_first_cannot():
+    """zb-h1 at P=4 m=8 within its own peak: the B, W, F table is cheaper than every
+    F, B, W table the greedy builds, and it fits the peak only because its ticks
+    free before they allocate (the same ticks run F first would exceed it)."""
+    sched = make_schedule("zb-h1", 4, 8)
+    best = pack_ticks(sched, COSTS)
+    forward_first = pack_ticks(sched, COSTS, orders=(FORWARD_FIRST,))
+    assert best.order == FORWARD_LAST and forward_first.order == FORWARD_FIRST
+    best.check()
+    assert packed_time(best, COSTS) < packed_time(forward_first, COSTS)
+    own = largest_peak(sched)
+    assert max(best.peak_memory().values()) <= own
+    reordered = PackedTicks(
+        sched,
+        1,
+        tuple(
+            {
+                w: (
+                    *lane_order([e for e in es if e[1].kind is not Kind.OPT]),
+                    *(e for e in es if e[1].kind is Kind.OPT),
+                )
+                for w, es in tick.items()
+            }
+            for tick in best.ticks
+        ),
+        FORWARD_FIRST,
+    )
+    reordered.check()  # a valid F, B, W table (no B, W, F tick feeds itself)...
+    assert max(reordered.peak_memory().values()) > own  # ...that peaks above the limit
 
 
 def test_check_rejects_a_message_used_in_its_own_tick():
@@ -151,7 +189,7 @@ def test_packed_zb_h1_matches_unpipelined():
     """A packed table with F, B and W of one device in one tick (the greedy's
     longest-tick variant packs most)."""
     sched = make_schedule("zb-h1", 4, 4)
-    table = _Greedy(sched, COSTS, 1, None).run("longest")
+    table = GreedyPacker(sched, COSTS, 1, None).run("longest")
     table.check()
     busiest = max(
         sum(op.kind is not Kind.OPT for _, op in es) for tick in table.ticks for es in tick.values()
@@ -194,6 +232,21 @@ def test_1f1b_in_its_own_peak_runs_at_most_P_forwards_in_2P_minus_1_ticks():
     # Own peak 17 against 16 unbounded (= the event-driven makespan): 1.0625, over 1.05.
     assert packed_time(best, COSTS) == pytest.approx(17)
     assert packed_time(free, COSTS) == pytest.approx(simulate(sched, COSTS).makespan) == 16
+
+
+def test_exact_optimum_prices_each_tick():
+    """With `Costs.tick` the MILP pays it per tick that holds an op, as `packed_time`
+    prices a table: its optimum then beats the tick-free optimum's table, priced the
+    same way, and the greedy stays at or above it."""
+    sched = make_schedule("1f1b", 2, 3)
+    dear = Costs(1, 2, 1, tick=1.0)
+    best = exact_bounds(sched, dear)
+    assert best.optimal
+    best.table.check()
+    assert best.time == pytest.approx(packed_time(best.table, dear))
+    tick_free = exact_pack(sched, COSTS)
+    assert best.time < packed_time(tick_free, dear) - 1e-6
+    assert packed_time(pack_ticks(sched, dear), dear) >= best.time - 1e-6
 
 
 def test_exact_bounds_bracket_the_optimum():

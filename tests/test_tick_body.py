@@ -4,9 +4,11 @@ The loop carries the message store, the residual stores and the gradient
 accumulators (tick.py). A `copy` of one of them inside the loop body is a
 whole-store memory pass per tick; the body must hold none, and run one
 conditional per lane group (F, B, W of each chunk) with no loop inside it.
-One compile: zb-h1 on 1x4, so the F, B and W lanes all run (B writes a split
-stage's cotangents into the residual store), and the loss and gradients of
-that program are checked against jax.value_and_grad.
+Two compiles of zb-h1 on 1x4, so the F, B and W lanes all run (B writes a
+split stage's cotangents into the residual store): one op per tick, and a
+table packed in the lane order B, W, F (an F writes the residual slot its
+tick's W read last). The loss and gradients of each program are checked
+against jax.value_and_grad.
 """
 
 from __future__ import annotations
@@ -24,7 +26,12 @@ from test_lowering import (
     xent,
 )
 
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.ops import Kind
+from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, lane_order
 from pjit_pipe.lowering import lower
+from pjit_pipe.lowering.plan import build_plan
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
@@ -100,8 +107,20 @@ def zb_h1():
     return step, fns, params, x, y
 
 
-def test_tick_loop_copies_no_carried_store(zb_h1):
-    step, fns, params, x, y = zb_h1
+@pytest.fixture(scope="module")
+def zb_h1_forward_last():
+    P, m = 4, 6  # (at m=4 no tick holds both a W and an F)
+    sched = make_schedule("zb-h1", P, m)
+    table = pack_ticks(sched, Costs(1, 2, 1), orders=(FORWARD_LAST,))
+    fns, params = tiny_model(P)
+    x, y = batch(m * 2, seed=1)
+    step = lower(sched, fns, xent, mesh_of(1, P), params, x, y, ticks=table)
+    return step, fns, params, x, y
+
+
+@pytest.mark.parametrize("program", ["zb_h1", "zb_h1_forward_last"])
+def test_tick_loop_copies_no_carried_store(program, request):
+    step, fns, params, x, y = request.getfixturevalue(program)
     low = step._low
     compiled = step._vg.lower(list(params), x, y).compile()
     ((dtype, size),) = low.msg_spec.sizes.items()
@@ -118,3 +137,50 @@ def test_tick_loop_copies_no_carried_store(zb_h1):
     ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert_trees_close(grads, ref_grads)
+
+
+def _w_pool_peak(table: PackedTicks) -> int:
+    """The most W-pool rows (F to the stage's last W or BW) a worker holds, counted
+    op by op in the order its ticks run them."""
+    peak = 0
+    for w in table.schedule.alive_workers:
+        held = 0
+        for tick in table.ticks:
+            for _, op in tick.get(w, ()):
+                held += {Kind.F: 1, Kind.W: -1, Kind.BW: -1}.get(op.kind, 0)
+                peak = max(peak, held)
+    return peak
+
+
+def test_forward_last_reuses_a_slot_its_tick_read(zb_h1_forward_last):
+    """Under B, W, F an F may write the W-pool slot that a W of its tick read last,
+    so the store is sized by the rows in flight counted in run order; the same
+    ticks run F first need one slot more."""
+    step = zb_h1_forward_last[0]
+    low = step._low
+    table = low.ticks
+    assert table.order == FORWARD_LAST
+    assert any(
+        [op.kind for _, op in es][-2:] == [Kind.W, Kind.F]
+        for tick in table.ticks
+        for es in tick.values()
+    )
+    assert low.plan.res_slots == _w_pool_peak(table)
+    forward_first = PackedTicks(
+        table.schedule,
+        1,
+        tuple(
+            {
+                w: (
+                    *lane_order([e for e in es if e[1].kind is not Kind.OPT]),
+                    *(e for e in es if e[1].kind is Kind.OPT),
+                )
+                for w, es in tick.items()
+            }
+            for tick in table.ticks
+        ),
+        FORWARD_FIRST,
+    )
+    forward_first.check()
+    plan = build_plan(forward_first, False, low.topo.workers, split=low.st.split)
+    assert plan.res_slots == _w_pool_peak(forward_first) == low.plan.res_slots + 1

@@ -10,16 +10,29 @@ The rule for one worker's ops in one tick (`fits`). An op occupies lanes:
 F the activation lane (it sends an activation down), B the gradient lane (it
 sends an input gradient up), W the accumulation lane (it adds into a
 parameter gradient) and BW both the gradient and the accumulation lanes. A
-tick holds ops in strictly increasing lane order, so at most one F, one B and
-one W (or one F and one BW), in the order F, B, W. Why this rule:
+table runs its lanes in one fixed order, its `order`, and a tick holds a
+worker's ops in strictly increasing lane position in that order: at most one
+F, one B and one W (or one F and one BW). Why this rule:
 - each lane is one conditional of the tick body writing one store, so a tick
   costs at most three conditionals however it is packed;
 - a tick sends at most one activation and one gradient per worker, the two
   message channels (nothing queues behind anything);
-- the order F, B, W is the order of the local dependencies of one stage and
-  microbatch (F's residuals feed B, B's feed W), so F(s,j), B(s,j), W(s,j)
-  may share a tick; a dependency on a message (another stage's output) needs
-  an earlier tick, even from the same worker.
+- a same-tick dependency must run earlier in the order: a dependency on a
+  message (another stage's output) needs an earlier tick, even from the same
+  worker; one on the worker's own residuals an earlier lane of the tick.
+
+Two orders exist, and `pack_ticks` keeps whichever table is cheaper:
+- F, B, W (`FORWARD_FIRST`) is the order of one stage and microbatch's local
+  dependencies, so F(s,j), B(s,j), W(s,j) may share a tick (the last stage's
+  forward and backward of one microbatch in one tick), and F's message leaves
+  first, its transfer overlapping the tick's B and W;
+- B, W, F (`FORWARD_LAST`) frees before it allocates: "B(j), W(j), F(j+k)"
+  never holds more than the worker held before the tick, where F, B, W peaks
+  one microbatch above it before B and W free theirs. Within a memory limit
+  (the schedule's own peak, the default) that is often the difference
+  between packing a steady-state tick and not; but the last stage's F(j) and
+  B(j) need two ticks, and F's transfer is no longer hidden behind the tick.
+
 A table may run a worker's ops in another order than its program (a younger
 op ahead of one that waits for a message), never past one of its OPTs; its
 activation memory is then `peak_memory()`, not the schedule's.
@@ -40,38 +53,54 @@ OPTs came before it, so no op may move past another.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pjit_pipe.ir.engine import Engine, Key, MicrobatchGrads, StageGrads, Tensor, stream_order
 from pjit_pipe.ir.lockstep import iteration_ticks
-from pjit_pipe.ir.ops import COMM_KINDS, Kind, Op, Worker
+from pjit_pipe.ir.ops import COMM_KINDS, COMPUTE_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 
 Entry = tuple[int, Op]  # (iteration, op)
 Tick = Mapping[Worker, tuple[Entry, ...]]
 
-# The lanes each compute kind occupies (see the module docstring).
-LANES: dict[Kind, tuple[int, ...]] = {Kind.F: (0,), Kind.B: (1,), Kind.W: (2,), Kind.BW: (1, 2)}
+LaneOrder = tuple[Kind, Kind, Kind]  # the order a table runs its F, B and W lanes in
+FORWARD_FIRST: LaneOrder = (Kind.F, Kind.B, Kind.W)
+FORWARD_LAST: LaneOrder = (Kind.B, Kind.W, Kind.F)
+LANE_ORDERS = (FORWARD_FIRST, FORWARD_LAST)
 
 
-def fits(ops: Sequence[Op]) -> bool:
-    """Whether one worker may run these ops, in this order, in one tick."""
+@functools.cache  # the packer asks millions of times
+def lanes(kind: Kind, order: LaneOrder = FORWARD_FIRST) -> tuple[int, ...]:
+    """The positions in `order` of the lanes a compute kind occupies (BW: B's and W's,
+    adjacent in every order)."""
+    if kind is Kind.BW:
+        return (order.index(Kind.B), order.index(Kind.W))
+    return (order.index(kind),)
+
+
+def fits(ops: Sequence[Op], order: LaneOrder = FORWARD_FIRST) -> bool:
+    """Whether one worker may run these ops, in this order, in one tick of a table
+    whose lane order is `order`."""
     lane = -1
     compute_done = False
     for op in ops:
         if op.kind is Kind.OPT:
             compute_done = True
             continue
-        if compute_done or op.kind not in LANES or LANES[op.kind][0] <= lane:
+        if compute_done or op.kind not in COMPUTE_KINDS:
             return False
-        lane = LANES[op.kind][-1]
+        taken = lanes(op.kind, order)
+        if taken[0] <= lane:
+            return False
+        lane = taken[-1]
     return True
 
 
-def lane_order(entries: Sequence[Entry]) -> list[Entry]:
-    """A worker's compute entries of one tick in the order they run (F, B, W)."""
-    return sorted(entries, key=lambda e: LANES[e[1].kind][0])
+def lane_order(entries: Sequence[Entry], order: LaneOrder = FORWARD_FIRST) -> list[Entry]:
+    """A worker's compute entries of one tick in the order they run."""
+    return sorted(entries, key=lambda e: lanes(e[1].kind, order)[0])
 
 
 def compute_only(schedule: Schedule) -> Schedule:
@@ -95,13 +124,15 @@ def is_message(key: Key, op: Op) -> bool:
 class PackedTicks:
     """A schedule run for `iterations` back-to-back iterations as a tick table.
 
-    ticks[t][w]: the (iteration, op) entries worker w runs in tick t, in order
-    (a worker missing from a tick idles). Compute ops and OPTs only.
+    ticks[t][w]: the (iteration, op) entries worker w runs in tick t, in the
+    order they run (a worker missing from a tick idles). Compute ops and OPTs
+    only. order: the lane order every tick runs its ops in (module docstring).
     """
 
     schedule: Schedule
     iterations: int
     ticks: tuple[Tick, ...]
+    order: LaneOrder = FORWARD_FIRST
 
     def __len__(self) -> int:
         return len(self.ticks)
@@ -147,7 +178,7 @@ class PackedTicks:
             kept = {w: es for w, es in kept.items() if es}
             if kept:
                 ticks.append(kept)
-        return PackedTicks(self.schedule, 1, tuple(ticks))
+        return PackedTicks(self.schedule, 1, tuple(ticks), self.order)
 
     def placement(self) -> dict[tuple[Worker, int, Op], tuple[int, int]]:
         """(worker, iteration, op) -> (tick, position within the worker's tuple)."""
@@ -165,8 +196,11 @@ class PackedTicks:
         where = self.placement()
         for t, tick in enumerate(self.ticks):
             for w, entries in tick.items():
-                if not fits([op for _, op in entries]):
-                    raise ScheduleError(f"tick {t}, worker {w}: {entries} breaks the lane rule")
+                if not fits([op for _, op in entries], self.order):
+                    order = ", ".join(self.order)
+                    raise ScheduleError(
+                        f"tick {t}, worker {w}: {entries} breaks the lane rule (order {order})"
+                    )
         opt_end: dict[int, int] = {}
         opt_ticks: dict[tuple[int, int, int], set[int]] = {}  # (stage, iteration, mb or -1)
         producers: dict[tuple, list[tuple[int, int, Worker]]] = {}

@@ -2,7 +2,7 @@
 
 The SPMD program scans over ticks; on each tick every device reads one row of
 its own table. A row has one `OpRow` per lane (F, B, W/BW: a tick runs at
-most one op of each, in that order): which branch to run (idle, or F/B/W/BW
+most one op of each, in the table's lane order, ir/ticks.py): which branch to run (idle, or F/B/W/BW
 of one virtual stage), the microbatch, and the buffer slots it reads and
 writes. Slots are assigned here, on the host, by interval allocation over the
 tick timeline, so buffers are sized by the in-flight peak and not by the
@@ -34,7 +34,7 @@ import numpy as np
 
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.ir.ticks import LaneOrder, PackedTicks
 from pjit_pipe.lowering.routes import Route, fewest_routes
 
 KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW)
@@ -110,6 +110,7 @@ class TickPlan:
     act_shifts: Shifts
     grad_shifts: Shifts
     branches: tuple[tuple[Kind, int], ...]
+    order: LaneOrder  # the order the tick body runs its lanes in (the table's)
     updates: np.ndarray  # bool (ticks,): some stage steps its optimizer after this tick
     # The sets of (activation, gradient) ppermute indices a tick runs; `rows.sends`
     # picks one per tick. One set, every ppermute, unless skipping the idle ones
@@ -129,7 +130,7 @@ class _Slots:
 
     def take(self, write_tick: int, last_read: int, strict: bool = False) -> int:
         """A slot free at `write_tick`; `strict`: its last read must be in an earlier
-        tick (a residual written by F may be read by W later in the same tick)."""
+        tick (the writer runs before the tick's readers)."""
         for i, t in enumerate(self.free_from):
             if t < write_tick or (t == write_tick and not strict):
                 self.free_from[i] = last_read
@@ -225,15 +226,18 @@ def build_plan(
 
     res_slot: dict[tuple[int, int, int], int] = {}
     bres_slot: dict[tuple[int, int, int], int] = {}
+    # F writes residual slots, B, W and BW read them. With F first in the tick a slot
+    # read last in tick t is busy through t; with F last, the tick's F may take it.
+    strict = table.order[-1] is not Kind.F
     if not remat:
         for op, (w, t) in sorted(when.items(), key=lambda kv: kv[1][1]):
             if op.kind is Kind.F:
                 key = (op.stage, op.mb, op.replica)
                 _, last = last_use((Kind.B, Kind.W, Kind.BW), *key)
-                res_slot[key] = res_alloc[w].take(t, last, strict=True)
+                res_slot[key] = res_alloc[w].take(t, last, strict)
                 if op.stage in split:
                     _, last = last_use((Kind.B, Kind.BW), *key)
-                    bres_slot[key] = bres_alloc[w].take(t, last, strict=True)
+                    bres_slot[key] = bres_alloc[w].take(t, last, strict)
 
     K = max((len(a.free_from) for a in msg_alloc.values()), default=0)
     R = max((len(a.free_from) for a in res_alloc.values()), default=0)
@@ -321,6 +325,7 @@ def build_plan(
         act_shifts=act_shifts,
         grad_shifts=grad_shifts,
         branches=tuple(branches),
+        order=table.order,
         updates=updates,
         sends=sends,
     )

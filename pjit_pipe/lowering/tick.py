@@ -1,9 +1,9 @@
 """The tick body and the tick loop: what every device runs, tick by tick.
 
 Every device scans over the rows of its own tick table (plan.py). In each
-tick it reads the message rows its lanes need, runs up to one op per lane, F
-then B then W/BW (each group of ops of tick_ops.py is its own two-way
-`lax.cond`), then the ppermutes of the two message channels run (all of them,
+tick it reads the message rows its lanes need, runs up to one op per lane in
+the table's lane order, F, B, W/BW or B, W/BW, F (ir/ticks.py; each group of
+ops of tick_ops.py is its own two-way `lax.cond`), then the ppermutes of the two message channels run (all of them,
 or, in a gated plan, the set the tick uses) and the received messages are
 stored in the slots the row names. After the loop the parameter gradients are summed
 over the live replicas of each stage.
@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering.async_weights import AsyncWeights
@@ -197,30 +198,42 @@ class TickProgram:
         return lax.cond(which > 0, functools.partial(run, op), lambda *c: c, *carry)
 
     def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow, back_params=None):
-        """One tick: this device's F, B and W lanes, then every ppermute of the plan.
-        B and W read `back_params` when given (asynchronous weights), else `params`."""
+        """One tick: this device's F, B and W lanes in the table's lane order (ir/ticks.py),
+        then every ppermute of the plan. B and W read `back_params` when given
+        (asynchronous weights), else `params`."""
         ops = self.ops
         act = self.msg_spec.zeros()  # the activation this tick sends (F)
         grad = self.msg_spec.zeros()  # the input gradient this tick sends (B or BW)
         loss = ops.no_loss()
+        grads = list(grads)
         back = params if back_params is None else back_params
         f_in, b_in, w_in = self.inboxes(msgs, row)
 
-        if ops.forwards[0]:
+        def forward_lane() -> None:
+            nonlocal act, res, loss
+            if not ops.forwards[0]:
+                return
+            res_w, bres_w = row.f.res_w, row.f.bres_w
+            if plan.order[-1] is Kind.F:  # F writes slots the tick's B, W, BW read
+                res_w, bres_w = (_after(grad, slot) for slot in (res_w, bres_w))
 
             def forward(op, act, res, loss):
                 act, res_out, loss = op(params, x, y, f_in, res, row.f)
                 res = Residuals(
-                    {k: b.at[row.f.bres_w].set(res_out.b[k]) for k, b in res.b.items()},
+                    {k: b.at[bres_w].set(res_out.b[k]) for k, b in res.b.items()},
                     {  # F writes the head of the W-pool row (stages.StageVjp.w_head_width)
-                        k: lax.dynamic_update_slice(b, res_out.w[k][None], (row.f.res_w, 0))
+                        k: lax.dynamic_update_slice(b, res_out.w[k][None], (res_w, 0))
                         for k, b in res.w.items()
                     },
                 )
                 return act, res, loss
 
             act, res, loss = self.lane(ops.forwards, row.f, forward, act, res, loss)
-        if ops.input_grads[0]:
+
+        def input_grad_lane() -> None:
+            nonlocal grad, res
+            if not ops.input_grads[0]:
+                return
 
             def input_grad(op, grad, res):
                 grad, put, _ = op(back, x, y, b_in, res, row.b)
@@ -230,18 +243,24 @@ class TickProgram:
                 return grad, res._replace(w=kept)
 
             grad, res = self.lane(ops.input_grads, row.b, input_grad, grad, res)
-        grads = list(grads)
-        for c, group in enumerate(ops.weight_grads):
-            if not group[0]:
-                continue
 
-            def weight_grad(op, grad, acc):
-                # A W sends nothing (its message is zeros); a BW's tick has no B (the lane
-                # rule), so the gradient channel holds one of them: their sum.
-                msg, dpar, _ = op(back, x, y, w_in, res, row.w)
-                return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
+        def weight_grad_lane() -> None:
+            nonlocal grad
+            for c, group in enumerate(ops.weight_grads):
+                if not group[0]:
+                    continue
 
-            grad, grads[c] = self.lane(group, row.w, weight_grad, grad, grads[c])
+                def weight_grad(op, grad, acc):
+                    # A W sends nothing (its message is zeros); a BW's tick has no B (the
+                    # lane rule), so the gradient channel holds one of them: their sum.
+                    msg, dpar, _ = op(back, x, y, w_in, res, row.w)
+                    return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
+
+                grad, grads[c] = self.lane(group, row.w, weight_grad, grad, grads[c])
+
+        lanes = {Kind.F: forward_lane, Kind.B: input_grad_lane, Kind.W: weight_grad_lane}
+        for kind in plan.order:
+            lanes[kind]()
         if len(plan.sends) == 1:
             received = self.send(plan, plan.sends[0], act, grad)
         else:  # only the ppermutes some device uses in this tick
@@ -303,3 +322,24 @@ class TickProgram:
             grads = {k: g * factor.astype(g.dtype) for k, g in grads.items()}
         value = self.loss.loss(total, count)
         return ((value, self.loss.aux(total)) if with_aux else value), grads
+
+
+def _after(token: Buffers, index: jax.Array) -> jax.Array:
+    """`index`, computed from `token` as well, so that XLA runs what uses it after
+    whatever made `token` (it orders ops by data dependence only).
+
+    Under the lane order B, W, F the tick's F writes residual slots that its B, W
+    and BW have just read (their conds take the stores as read-only operands).
+    Unless F's in-place writes depend on those conds, XLA cannot tell that the
+    reads come first and copies the whole residual store on every tick. F's slot
+    indices are therefore made to depend on the gradient message, the output of
+    the B and W lanes: max(index, -|bits of one element|) is `index` exactly
+    (an index is >= 0, the other side <= 0), whatever the element holds, NaN
+    included, and XLA does not fold it away (an optimization_barrier or a
+    pass-through output does not survive to its copy insertion)."""
+    leaf = jnp.ravel(jax.tree.leaves(token)[0])[0]
+    if jnp.iscomplexobj(leaf):
+        leaf = leaf.real
+    if jnp.issubdtype(leaf.dtype, jnp.floating):  # its bits: no NaN to convert
+        leaf = lax.bitcast_convert_type(leaf, jnp.dtype(f"int{leaf.dtype.itemsize * 8}"))
+    return lax.max(index, -lax.abs(leaf.astype(jnp.int32)))

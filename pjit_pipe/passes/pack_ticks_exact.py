@@ -3,12 +3,18 @@
 It solves the problem `pack_ticks` solves greedily, so that tests can measure
 how far the greedy is from the optimum: place each compute op in a tick so
 that the sum of the tick lengths is least (a tick lasts as long as its
-slowest worker, a message leaving a worker after its op plus C), under the
+slowest worker, a message leaving a worker after its op plus C), plus
+`Costs.tick` for each tick that holds an op (as `packed_time` prices a
+table: an empty tick is dropped from it), under the
 lane rule of ir/ticks.py, every dependency (a message from an earlier tick,
-a residual from an earlier lane) and the memory limit. A worker may run its
-ops in any order the dependencies allow, as the greedy may.
+a residual from an earlier lane) and the memory limit (the peak inside each
+tick, in its lane order). A worker may run its ops in any order the
+dependencies allow, as the greedy may. The lane order is fixed within one
+MILP, so there is one per order (F, B, W and B, W, F), and the better wins,
+as `pack_ticks` keeps the better of its tables.
 
-Variables: x[i, t] = 1 when op i runs in tick t, and each tick's length L_t.
+Variables: x[i, t] = 1 when op i runs in tick t, each tick's length L_t and,
+with a priced tick, u_t >= x[i, t] (continuous: at the optimum it is 0 or 1).
 The horizon is the larger of the greedy's and the unpacked table's tick
 counts (both feasible), so the optimum is over tables of at most that many ticks. OPTs run
 at the end of the last tick. Only sizes of a few dozen ops solve quickly.
@@ -26,9 +32,17 @@ import numpy as np
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import Engine, Tensor
 from pjit_pipe.ir.memory import MEMORY_DELTA, largest_peak, limit_units
-from pjit_pipe.ir.ops import Kind, Worker
+from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, compute_only, is_message
+from pjit_pipe.ir.ticks import (
+    LANE_ORDERS,
+    Entry,
+    LaneOrder,
+    PackedTicks,
+    compute_only,
+    is_message,
+    lanes,
+)
 from pjit_pipe.passes.pack_ticks import pack_ticks
 
 
@@ -68,37 +82,75 @@ def exact_bounds(
     mem_limit: float | None = None,
     time_limit: float = 60.0,
 ) -> ExactResult:
-    """Solve `exact_pack`'s MILP for at most `time_limit` seconds and report the best
-    table found and the proven lower bound (the optimum lies between them)."""
+    """Solve `exact_pack`'s MILP, once per lane order (ir/ticks.py), for at most
+    `time_limit` seconds each, and report the best table found and the proven lower
+    bound (the optimum lies between them)."""
     costs = costs or Costs()
-    sched = compute_only(schedule)
-    # Horizon: the greedy's and the unpacked table's tick counts (both feasible);
-    # the greedy's table is HiGHS's first solution.
     greedy = pack_ticks(schedule, costs, 1, mem_limit)
-    horizon = max(len(greedy), len(PackedTicks.one_op_per_tick(schedule)))
+    unpacked = PackedTicks.one_op_per_tick(schedule)
+    # Horizon: the greedy's and the unpacked table's tick counts (both feasible).
+    horizon = max(len(greedy), len(unpacked))
+    results = [
+        # The greedy's table is HiGHS's first solution for its own order, the unpacked
+        # table (valid in every order) for the other.
+        _solve(
+            schedule,
+            costs,
+            mem_limit,
+            time_limit,
+            order,
+            horizon,
+            greedy if greedy.order == order else unpacked,
+        )
+        for order in LANE_ORDERS
+    ]
+    best = min(results, key=lambda r: r.time)
+    bound = min(r.bound for r in results)
+    return ExactResult(best.table, best.time, bound, all(r.optimal for r in results))
+
+
+def _solve(
+    schedule: Schedule,
+    costs: Costs,
+    mem_limit: float | None,
+    time_limit: float,
+    order: LaneOrder,
+    horizon: int,
+    start_table: PackedTicks,
+) -> ExactResult:
+    """The MILP for tables of lane order `order` and at most `horizon` ticks, started
+    from `start_table` (a feasible table of at most that many ticks, any order whose
+    ticks also fit this one)."""
+    sched = compute_only(schedule)
     flow, duration = Engine(sched), costs.duration_fn(sched)
-    ops = [(w, op) for w, _, op in sched.ops() if op.kind in LANES]
+    ops = [(w, op) for w, _, op in sched.ops() if op.kind in COMPUTE_KINDS]
     producer = {}
     for i, (w, op) in enumerate(ops):
         for key in flow.produces(w, op):
             producer[key] = i
     crosses = {key for w, op in ops for key, cross in flow.deps(w, op) if cross}
 
+    def lane(i: int) -> int:  # the first lane op i occupies in the order
+        return lanes(ops[i][1].kind, order)[0]
+
     n, T = len(ops), horizon
     x = lambda i, t: i * T + t  # noqa: E731
     length = lambda t: n * T + t  # noqa: E731
-    cols = n * T + T
-    start = np.zeros(cols)  # the greedy's table as a solution
-    tick_of = {(w, op): t for (w, _, op), (t, _) in greedy.placement().items()}
+    used = lambda t: n * T + T + t  # noqa: E731  (1 when tick t holds an op; priced Costs.tick)
+    ticked = costs.tick > 0
+    cols = n * T + T + (T if ticked else 0)
+    start = np.zeros(cols)
+    tick_of = {(w, op): t for (w, _, op), (t, _) in start_table.placement().items()}
     for i, op_key in enumerate(ops):
         start[x(i, tick_of[op_key])] = 1.0
-    # (producer, consumer, least tick gap): a message needs a later tick.
+    # (producer, consumer, least tick gap): a message needs a later tick, and so
+    # does a residual whose producer runs in a later lane than its consumer.
     edges = []
     for i, (w, op) in enumerate(ops):
         for key, _ in flow.deps(w, op):
             p = producer.get(key)
             if p is not None and isinstance(key, Tensor):
-                edges.append((p, i, 1 if is_message(key, op) else 0))
+                edges.append((p, i, 1 if is_message(key, op) or lane(p) > lane(i) else 0))
     # Each op's window of ticks: after its longest chain of predecessors, before
     # its longest chain of successors (ops are listed per worker in program
     # order, and a dependency never points to a later-listed op's predecessor).
@@ -115,6 +167,10 @@ def exact_bounds(
     rows: list[tuple[float, float, dict[int, float]]] = []
     for i in range(n):
         rows.append((1, 1, {x(i, t): 1.0 for t in range(early[i], late[i] + 1)}))
+        if ticked:  # a tick that holds an op is paid for (an empty one is dropped)
+            for t in range(early[i], late[i] + 1):
+                rows.append((-np.inf, 0, {x(i, t): 1.0, used(t): -1.0}))
+                start[used(t)] = max(start[used(t)], start[x(i, t)])
     for p, c, gap in edges:  # by each tick t, c has run only if p ran by t - gap
         for t in range(early[c], late[c] + 1):
             coefs = {x(c, u): 1.0 for u in range(early[c], t + 1)}
@@ -127,27 +183,29 @@ def exact_bounds(
     cap = limit_units(largest_peak(schedule) if mem_limit is None else mem_limit, sched.chunks)
     for mine in by_worker.values():
         for t in range(T):
-            for lane in range(3):
-                coefs = {x(i, t): 1.0 for i in mine if lane in LANES[ops[i][1].kind]}
+            for position in range(3):
+                coefs = {x(i, t): 1.0 for i in mine if position in lanes(ops[i][1].kind, order)}
                 if len(coefs) > 1:
                     rows.append((-np.inf, 1, coefs))
             # The tick lasts at least until each op's end (plus C when it sends).
             for i in mine:
                 w, op = ops[i]
-                first = LANES[op.kind][0]
                 send = costs.c if any(k in crosses for k in flow.produces(w, op)) else 0.0
                 coefs = {length(t): 1.0}
                 for k in mine:
-                    if LANES[ops[k][1].kind][0] <= first:
+                    if lane(k) <= lane(i):
                         coefs[x(k, t)] = -duration(*ops[k]) - (send if k == i else 0.0)
                 rows.append((0, np.inf, coefs))
                 tick_end = -sum(start[k] * v for k, v in coefs.items() if k != length(t))
                 start[length(t)] = max(start[length(t)], tick_end)
-            if cap < np.inf:  # F's memory counts from its tick, a release after its tick
+            if cap < np.inf:
+                # The tick's peak: with F first, the memory before it plus its F (a
+                # release counts after its tick); with F last, the memory after it.
                 coefs = {}
                 for i in mine:
                     d = MEMORY_DELTA[ops[i][1].kind]
-                    for u in range(t + 1 if d > 0 else t):
+                    counted = d > 0 or order[-1] is Kind.F
+                    for u in range(t + 1 if counted else t):
                         coefs[x(i, u)] = coefs.get(x(i, u), 0.0) + d
                 rows.append((-np.inf, cap, coefs))
 
@@ -155,9 +213,10 @@ def exact_bounds(
     h.setOptionValue("output_flag", bool(os.environ.get("PJIT_PIPE_HIGHS_LOG")))
     h.setOptionValue("time_limit", float(time_limit))
     cost = np.zeros(cols)
-    cost[n * T :] = 1.0
+    cost[n * T : n * T + T] = 1.0
+    cost[n * T + T :] = costs.tick
     lo, hi = np.zeros(cols), np.ones(cols)
-    hi[n * T :] = np.inf
+    hi[n * T : n * T + T] = np.inf
     for i in range(n):  # outside its window an op cannot run
         hi[[x(i, t) for t in range(T) if not early[i] <= t <= late[i]]] = 0.0
     h.addCols(cols, cost, lo, hi, 0, [], [], [])
@@ -196,11 +255,14 @@ def exact_bounds(
     for w, _, op in sched.ops():
         if op.kind is Kind.OPT:
             ticks[-1].setdefault(w, []).append((0, op))
-    ordered = tuple({w: tuple(sorted(es, key=_lane_key)) for w, es in tk.items()} for tk in ticks)
-    table = PackedTicks(schedule, 1, ordered)
+    ordered = tuple(
+        {w: tuple(sorted(es, key=lambda e: _lane_key(e, order))) for w, es in tk.items()}
+        for tk in ticks
+    )
+    table = PackedTicks(schedule, 1, ordered, order)
     best = info.objective_function_value
     return ExactResult(table, best, best if optimal else info.mip_dual_bound, optimal)
 
 
-def _lane_key(entry: Entry) -> int:
-    return LANES[entry[1].kind][0] if entry[1].kind in LANES else 3
+def _lane_key(entry: Entry, order: LaneOrder) -> int:
+    return lanes(entry[1].kind, order)[0] if entry[1].kind in COMPUTE_KINDS else 3

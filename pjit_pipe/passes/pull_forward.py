@@ -1,6 +1,6 @@
 """A local search on a packed tick table: pull ops one tick earlier.
 
-The greedy of `pack_ticks` builds a table tick by tick; it cuts from a tick
+The greedy (passes/greedy_ticks.py) builds a table tick by tick; it cuts from a tick
 an op that would lengthen it, not knowing the ticks to come. Once the table
 is whole, moving such an op one tick earlier can shorten the two ticks in
 sum. `PullForward` makes every such move that keeps the table valid by
@@ -11,15 +11,11 @@ limit, until none is left (or a few passes).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from pjit_pipe.ir.engine import Stamped
 from pjit_pipe.ir.memory import MEMORY_DELTA
-from pjit_pipe.ir.ops import Kind, Worker
-from pjit_pipe.ir.ticks import LANES, Entry, PackedTicks, fits, lane_order
-
-if TYPE_CHECKING:  # pack_ticks imports this module
-    from pjit_pipe.passes.pack_ticks import _Greedy
+from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
+from pjit_pipe.ir.ticks import Entry, PackedTicks, fits, lane_order
+from pjit_pipe.passes.greedy_ticks import GreedyPacker
 
 
 class PullForward:
@@ -29,7 +25,7 @@ class PullForward:
     once the next ticks are known). Each worker's ops keep their relative order
     except within the tick an op joins (lane order), so memory is re-checked."""
 
-    def __init__(self, greedy: _Greedy, table: PackedTicks):
+    def __init__(self, greedy: GreedyPacker, table: PackedTicks):
         self.g = greedy
         self.ticks = [{w: list(es) for w, es in tick.items()} for tick in table.ticks]
         self.cap = greedy.cap
@@ -67,14 +63,14 @@ class PullForward:
 
     def _try(self, w: Worker, entry: Entry, t: int) -> bool:
         it, op = entry
-        if op.kind not in LANES:
+        if op.kind not in COMPUTE_KINDS:
             return False
         here, there = self.ticks[t], self.ticks[t + 1]
         mine = here.get(w, [])
         if any(o.kind is Kind.OPT for _, o in mine):
             return False
-        joined = lane_order([*mine, entry])
-        if not fits([o for _, o in joined]) or not self._ready(w, entry, t, joined):
+        joined = lane_order([*mine, entry], self.g.order)
+        if not fits([o for _, o in joined], self.g.order) or not self._ready(w, entry, t, joined):
             return False
         rest = [e for e in there[w] if e != entry]
         before = self._length(here) + self._length(there)

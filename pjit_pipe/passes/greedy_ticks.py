@@ -1,0 +1,299 @@
+"""The greedy that packs a schedule into ticks, one tick at a time.
+
+`pack_ticks` (passes/pack_ticks.py) runs it in each of a few variants and lane
+orders and keeps the cheapest table. Each tick, every worker lists its ready
+ops, oldest first: an op is ready when each message it reads was made in an
+earlier tick and each residual earlier or in an earlier lane of this tick
+(ir/ticks.py's rule); a younger op may overtake an older one that waits, but
+only within the memory limit and leaving room for the rest of the program in
+program order (so the greedy never deadlocks), and never past an OPT. Each
+worker's picks are priced by the time it would keep the tick, and the tick's
+length is then chosen by a rule (`RULES`): the shortest that lets every
+ready worker run one op, the longest anyone asks for, or the one that keeps
+the workers busiest per unit of tick. The OPTs of a stage run together at the
+end of the tick that completes its gradients (one reduction).
+"""
+
+from __future__ import annotations
+
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
+from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units
+from pjit_pipe.ir.ops import Kind, Op, Worker
+from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.ir.ticks import (
+    FORWARD_FIRST,
+    Entry,
+    LaneOrder,
+    PackedTicks,
+    is_message,
+    lane_order,
+    lanes,
+)
+
+# How the greedy picks each tick's length from the workers' ready prefixes.
+RULES = ("utilization", "shortest", "longest")
+# The greedy variants pack_ticks prices: (rule, whether a W may overtake, whether a W
+# waits for a tick its worker has nothing else for). A lazy W lets a staggered
+# table run a stage's last W's after the next iteration has started elsewhere.
+VARIANTS = [(r, o, False) for r in RULES for o in (True, False)] + [(r, True, True) for r in RULES]
+
+
+_SCAN = 64  # how far past a worker's oldest unplaced op the greedy looks for ready ones
+
+
+class _Worker:
+    """One worker's unplaced entries, in program order, and its memory so far."""
+
+    def __init__(self, entries: list[Entry], cap: float):
+        self.entries = entries
+        self.position = {e: i for i, e in enumerate(entries)}
+        self.placed = [False] * len(entries)
+        self.ptr = 0  # the oldest unplaced entry
+        self.memory = 0
+        self.cap = cap
+        self.after_opt = -1  # tick of this worker's latest OPT: its next op runs later
+
+    def advance(self) -> None:
+        while self.ptr < len(self.entries) and self.placed[self.ptr]:
+            self.ptr += 1
+
+
+class GreedyPacker:
+    """Build a table one tick at a time under one variant and lane order (module
+    docstring); `run(rule)` returns it."""
+
+    def __init__(
+        self,
+        sched: Schedule,
+        costs: Costs,
+        iterations: int,
+        mem_limit: float,
+        overtaking_w: bool = True,
+        lazy_w: bool = False,
+        order: LaneOrder = FORWARD_FIRST,
+    ):
+        self.sched, self.costs, self.iterations = sched, costs, iterations
+        self.order = order  # the lane order of the table (ir/ticks.py)
+        self.overtaking_w = overtaking_w  # whether a W may run ahead of an older op
+        self.lazy_w = lazy_w  # whether a W runs only in a tick the worker has nothing else for
+        self.flow = Engine(sched)
+        self.duration = costs.duration_fn(sched)
+        self.crosses = set()
+        for w, _, op in sched.ops():
+            for key, cross in self.flow.deps(w, op):
+                if cross:
+                    self.crosses.add(key)
+        cap = self.cap = limit_units(mem_limit, sched.chunks)
+        # Per (worker, op): what it waits for (key, whether a message) and what it makes.
+        self.deps = {
+            (w, op): [(k, is_message(k, op)) for k, _ in self.flow.deps(w, op)]
+            for w, _, op in sched.ops()
+        }
+        self.produces = {(w, op): self.flow.produces(w, op) for w, _, op in sched.ops()}
+        # Per (worker, op): its duration, and C when it sends a message to another worker.
+        self.cost = {
+            (w, op): (
+                self.duration(w, op),
+                costs.c if any(k in self.crosses for k in self.produces[(w, op)]) else 0.0,
+            )
+            for w, _, op in sched.ops()
+        }
+        self.workers = {
+            w: _Worker([(it, op) for it in range(iterations) for op in sched.program(w)], cap)
+            for w in sched.alive_workers
+        }
+        self.done: dict[Stamped, int] = {}  # (iteration, key) -> tick it became available in
+        self.counts: dict[tuple, int] = {}
+        self.opts_left = {it: self.flow.num_opt for it in range(iterations)}
+        self.opt_tick: dict[int, int] = {}
+        self.holders: dict[int, int] = {}  # stage -> how many workers run an OPT of it
+        for _, _, op in sched.ops():
+            if op.kind is Kind.OPT:
+                self.holders[op.stage] = self.holders.get(op.stage, 0) + 1
+
+    def run(self, rule: str) -> PackedTicks:
+        ticks: list[dict[Worker, tuple[Entry, ...]]] = []
+        left = sum(len(st.entries) for st in self.workers.values())
+        while left:
+            t = len(ticks)
+            picks = {w: self._picks(w, st, t) for w, st in self.workers.items()}
+            tick = {w: es for w, es in _cut(picks, rule, self.order).items() if es}
+            for w, es in tick.items():
+                for e in es:
+                    self._place(w, e, t)
+            for w, extra in self._opts(t).items():
+                tick[w] = (*tick.get(w, ()), *extra)
+            if not tick:
+                stuck = [
+                    f"{w}: {st.entries[st.ptr][1]}"
+                    for w, st in self.workers.items()
+                    if st.ptr < len(st.entries)
+                ]
+                raise DeadlockError(f"tick packing is stuck at tick {t}: {', '.join(stuck[:6])}")
+            left -= sum(len(es) for es in tick.values())
+            ticks.append(tick)
+        return PackedTicks(self.sched, self.iterations, tuple(ticks), self.order)
+
+    def _place(self, w: Worker, entry: Entry, t: int) -> None:
+        st = self.workers[w]
+        st.placed[st.position[entry]] = True
+        st.advance()
+        it, op = entry
+        st.memory += MEMORY_DELTA.get(op.kind, 0)
+        for k in self.produces[(w, op)]:
+            key = (it, k)
+            self.counts[key] = self.counts.get(key, 0) + 1
+            if self.counts[key] == self.flow.aggregate_size(k):
+                self.done[key] = t
+
+    def _opts(self, t: int) -> dict[Worker, tuple[Entry, ...]]:
+        """The OPTs that run at the end of tick t: those whose stage's gradients are
+        complete, every holder's at once (one reduction), each holder having run
+        everything before its OPT."""
+        extra: dict[Worker, list[Entry]] = {}
+        while True:
+            at: dict[tuple[int, int], list[Worker]] = {}
+            for w, st in self.workers.items():
+                if st.ptr < len(st.entries) and st.entries[st.ptr][1].kind is Kind.OPT:
+                    it, op = st.entries[st.ptr]
+                    at.setdefault((op.stage, it), []).append(w)
+            ready = [
+                (key, ws)
+                for key, ws in at.items()
+                if len(ws) == self.holders[key[0]] and (key[1], StageGrads(key[0])) in self.done
+            ]
+            if not ready:
+                return {w: tuple(es) for w, es in extra.items()}
+            for (_, it), ws in ready:
+                for w in ws:
+                    st = self.workers[w]
+                    entry = st.entries[st.ptr]
+                    self._place(w, entry, t)
+                    st.after_opt = t
+                    extra.setdefault(w, []).append(entry)
+                self.opts_left[it] -= len(ws)
+                self.opt_tick[it] = t
+
+    def _ready(self, w: Worker, it: int, op: Op, t: int, here: dict[Stamped, int]) -> bool:
+        """Whether op may run in tick t: the barrier is behind it, each message was
+        made in an earlier tick, each residual earlier or in an earlier lane of t
+        (`here`: what the worker's ops chosen for t make, by lane position)."""
+        barrier = it > 0 and not self.sched.staggered
+        if barrier and (self.opts_left[it - 1] or self.opt_tick.get(it - 1, -1) >= t):
+            return False
+        lane = lanes(op.kind, self.order)[0]
+        for key, message in self.deps[(w, op)]:
+            k = (it, key)
+            if not (self.done.get(k, t) < t or (not message and here.get(k, lane) < lane)):
+                return False
+        return True
+
+    def _picks(self, w: Worker, st: _Worker, t: int) -> list[tuple[Entry, float]]:
+        """The worker's ready ops for tick t, oldest first (a younger op overtakes
+        an older one that waits, within the memory limit and never past an OPT),
+        each with the worker's time in the tick if the tick kept the ops up to it."""
+        if st.after_opt >= t:
+            return []
+        chosen: list[Entry] = []
+        here: dict[Stamped, int] = {}
+        for skip_w in (True, False) if self.lazy_w else (False,):
+            self._choose(w, st, t, skip_w, chosen, here)
+            if chosen:
+                break
+        return [
+            (chosen[n - 1], self.worker_time(w, lane_order(chosen[:n], self.order)))
+            for n in range(1, len(chosen) + 1)
+        ]
+
+    def worker_time(self, w: Worker, entries: list[Entry]) -> float:
+        """How long worker w keeps a tick running `entries`, in the order given (the
+        table's lane order): its ops, and C after each op that sends a message (as
+        `simulator.simulate.packed_events` prices it)."""
+        busy = end = 0.0
+        for _, op in entries:
+            took, send = self.cost[(w, op)]
+            busy += took
+            if send:
+                end = max(end, busy + send)
+        return max(busy, end)
+
+    def _choose(
+        self,
+        w: Worker,
+        st: _Worker,
+        t: int,
+        skip_w: bool,
+        chosen: list[Entry],
+        here: dict[Stamped, int],
+    ) -> None:
+        """Add to `chosen` the worker's ready ops for tick t, oldest first (W's left
+        out when `skip_w`), and what they make to `here`."""
+        taken = {lane for _, o in chosen for lane in lanes(o.kind, self.order)}
+        for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
+            if st.placed[i]:
+                continue
+            it, op = st.entries[i]
+            if op.kind is Kind.OPT:
+                break
+            if op.kind is Kind.W and (skip_w or (i > st.ptr and not self.overtaking_w)):
+                continue  # a W kept in program order (or for an idle tick) fills a later bubble
+            if not taken.isdisjoint(lanes(op.kind, self.order)):
+                continue
+            if not self._ready(w, it, op, t, here):
+                continue
+            # Ops of a tick run in lane order (an op's same-tick dependencies are in
+            # earlier lanes), so memory peaks in that order too. An op that overtakes
+            # must leave room for the rest of the program, in program order, from
+            # the memory after the tick (no deadlock).
+            mem = peak = st.memory
+            for _, o in lane_order([*chosen, (it, op)], self.order):
+                mem += MEMORY_DELTA[o.kind]
+                peak = max(peak, mem)
+            skip = {st.position[e] for e in chosen} | {i}
+            if peak > st.cap or (i > st.ptr and mem + self._rise(st, skip) > st.cap):
+                continue
+            chosen.append((it, op))
+            taken.update(lanes(op.kind, self.order))
+            lane = lanes(op.kind, self.order)[-1]
+            here.update(((it, k), lane) for k in self.produces[(w, op)])
+            if len(taken) == 3:  # every lane holds an op
+                break
+
+    @staticmethod
+    def _rise(st: _Worker, skip: set[int]) -> int:
+        """How far the worker's memory must still rise running its unplaced ops in
+        program order (the entries in `skip` left out: the tick's): an op that
+        overtakes keeps this much room free, so the program order stays possible
+        (no deadlock)."""
+        total = rise = 0
+        for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
+            if not st.placed[i] and i not in skip:
+                total += MEMORY_DELTA.get(st.entries[i][1].kind, 0)
+                rise = max(rise, total)
+        return rise
+
+
+def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str, order: LaneOrder):
+    """Each worker's longest list of picks (oldest first) within the tick length the
+    rule picks, in lane order."""
+    firsts = [p[0][1] for p in picks.values() if p]
+    if not firsts:
+        return {}
+    floor = max(firsts)  # every ready worker runs at least one op
+    lengths = sorted({tm for p in picks.values() for _, tm in p if tm >= floor})
+    if rule == "shortest":
+        length = floor
+    elif rule == "longest":
+        length = lengths[-1]
+    else:
+
+        def work(x: float) -> float:
+            return sum(max((tm for _, tm in p if tm <= x), default=0.0) for p in picks.values())
+
+        length = max(lengths, key=lambda x: (work(x) / x if x else float("inf"), x))
+    out = {}
+    for w, p in picks.items():
+        kept = [e for e, tm in p if tm <= length]
+        out[w] = tuple(lane_order(kept, order))
+    return out
