@@ -26,7 +26,8 @@ then pulled back through the cheap param-only chain.
   which B stores.
 - W evaluates only the param-only chain, then for each site transposes the
   site with its stored data operands fixed (one `dot_general` per dense
-  weight, a scatter-add for an embedding gather), takes the parameter-sized
+  weight, contracted so that it yields the weight's own layout:
+  `_dot_weight_grad`; a scatter-add for an embedding gather), takes the parameter-sized
   cotangents B stored for elementwise sites (below) as they are, sums the
   contributions of a parameter read twice, and pulls them back through the
   param-only chain (`jax.vjp` of that chain).
@@ -130,6 +131,51 @@ def _struct(aval: Any) -> jax.ShapeDtypeStruct:
 
 def _inexact(aval: Any) -> bool:
     return jnp.issubdtype(aval.dtype, jnp.inexact)
+
+
+def _dot_weight_grad(eqn: Any, data: jax.Array, ct: jax.Array, param_side: int) -> jax.Array:
+    """The cotangent of a `dot_general`'s param operand (`param_side` 0: lhs, 1: rhs)
+    given its data operand and the output cotangent `ct`.
+
+    JAX's transpose rule contracts ct with the data operand in the order (ct,
+    data) and then transposes the result into the param's layout; in W, where ct
+    is read from the W-pool rather than produced in the same program, XLA's CPU
+    backend turns that transpose into a copy of ct for every weight (a third of
+    W's time on a GPT block stage). Contracting in the order (data, ct) for an rhs
+    param and (ct, data) for an lhs param yields the param's own dimension order
+    whenever its contracting dimensions are in the data operand's order (a
+    Dense kernel, every projection of an attention block), so no transpose is
+    left; where they are not, the one transpose left is the rule's own.
+    """
+    (lhs_c, rhs_c), (lhs_b, rhs_b) = eqn.params["dimension_numbers"]
+    param_c, param_b = (lhs_c, lhs_b) if param_side == 0 else (rhs_c, rhs_b)
+    data_c, data_b = (rhs_c, rhs_b) if param_side == 0 else (lhs_c, lhs_b)
+    param_rank = len(eqn.invars[param_side].aval.shape)
+    data_free = [d for d in range(data.ndim) if d not in data_c and d not in data_b]
+    param_free = [d for d in range(param_rank) if d not in param_c and d not in param_b]
+    nb = len(data_b)
+    # ct's dimensions: the batch ones, lhs's free ones, rhs's free ones.
+    first = nb if param_side == 1 else nb + len(param_free)
+    ct_data_free = list(range(first, first + len(data_free)))
+    dot = lambda a, b, dims: jax.lax.dot_general(  # noqa: E731
+        a,
+        b,
+        dims,
+        precision=eqn.params.get("precision"),
+        preferred_element_type=eqn.params.get("preferred_element_type"),
+    )
+    batch = list(range(nb))
+    kept_c = sorted(data_c)  # the data operand's contracting dims, in its order
+    param_of_c = [param_c[list(data_c).index(d)] for d in kept_c]
+    if param_side == 1:  # result: batch, data's contracting dims, ct's param-free dims
+        out = dot(data, ct, ((data_free, ct_data_free), (list(data_b), batch)))
+        dims = [*param_b, *param_of_c, *param_free]
+    else:  # result: batch, ct's param-free dims, data's contracting dims
+        out = dot(ct, data, ((ct_data_free, data_free), (batch, list(data_b))))
+        dims = [*param_b, *param_free, *param_of_c]
+    if dims != list(range(param_rank)):
+        out = jax.lax.transpose(out, [dims.index(d) for d in range(param_rank)])
+    return out.astype(eqn.invars[param_side].aval.dtype)
 
 
 class SplitBackward:
@@ -320,6 +366,10 @@ class SplitBackward:
                 for n, o in zip(site.cot, e.outs, strict=True)
             ]
             primals = [args[i] for i in slots]
+            if e.eqn.primitive.name == "dot_general" and len(slots) == 1:
+                data_side = 1 - slots[0]
+                add(e.ins[slots[0]], _dot_weight_grad(e.eqn, args[data_side], out_cts[0], slots[0]))
+                continue
             if site.linear:
                 cts = jax.linear_transpose(site_fn, *primals)(out_cts)
             else:
