@@ -192,6 +192,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="auto only: improve the heuristic's schedule with the exact MILP engine",
     )
     p.add_argument(
+        "--polish",
+        type=positive_float,
+        default=0.0,
+        metavar="SECONDS",
+        help=(
+            "--json's lockstep_period: polish the packed tick table by exact solves of "
+            "windows of its ticks, at most SECONDS each (synchronous schedules)"
+        ),
+    )
+    p.add_argument(
         "--stagger",
         action="store_true",
         help="step each stage's optimizer as soon as its gradients are done (no barrier)",
@@ -264,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
         args.trace.write_text(json.dumps(chrome_trace(result)))
     if args.json:
         costs = dataclasses.replace(args.costs, tick=args.tick_cost)
-        ticks = pack_ticks(schedule, costs, args.iterations, args.mem_limit)
+        ticks = pack_ticks(schedule, costs, args.iterations, args.mem_limit, polish=args.polish)
         lockstep = simulate(schedule, costs, args.iterations, mode="lockstep", ticks=ticks)
         out = {
             **result.summary(),

@@ -55,6 +55,11 @@ class PipelineOptions:
     layers: the stage cut as inclusive (first, last) ranges of the model's
         layers (its clean cut segments), e.g. a planner's `Plan.stages`; None:
         the cutter balances by `balance`.
+    pack_polish: seconds HiGHS may spend on each window of ticks when it
+        polishes the packed tick table of a synchronous schedule
+        (`pack_ticks(..., polish=)`: 1-9% off the zero-bubble kinds' priced
+        step at P=4, up to about 10 s per compile there); 0, the default,
+        compiles the greedy's table.
     async_weights: schedule="async-1f1b" only: the weights its stale forwards
         read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
         weight stashing) or "latest"; None: "predict" for async-1f1b.
@@ -75,6 +80,7 @@ class PipelineOptions:
     max_programs: int = 8
     layers: tuple[tuple[int, int], ...] | None = None
     async_weights: AsyncWeightsMode | None = None
+    pack_polish: float = 0.0
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -103,6 +109,11 @@ class PipelineOptions:
                 raise OptionError(
                     f"{name}: expected a positive number of {_UNITS[name]}, got {value!r}"
                 )
+        if not _is_number(self.pack_polish) or self.pack_polish < 0:
+            raise OptionError(
+                f"pack_polish: expected a number of seconds >= 0 (0: no polish), "
+                f"got {self.pack_polish!r}"
+            )
         if not isinstance(self.remat, bool):
             raise OptionError(f"remat: expected True or False, got {self.remat!r}")
         if self.optimizer is not None and not (

@@ -62,6 +62,7 @@ def pipeline(
     max_programs: int = 8,
     plan: Plan | Literal["auto"] | None = None,
     async_weights: AsyncWeightsMode | None = None,
+    pack_polish: float = 0.0,
 ) -> Pipelined | AutoPlanned | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
@@ -90,6 +91,7 @@ def pipeline(
             search_time=search_time,
             max_programs=max_programs,
             async_weights=async_weights,
+            pack_polish=pack_polish,
         )
         check_auto_options(stages, schedule, mesh, chunks, failed)
         checked = PipelineOptions(stages=1, **settings)  # the other options fail here, not later
@@ -128,6 +130,7 @@ def pipeline(
         max_programs=max_programs,
         layers=layers,
         async_weights=async_weights,
+        pack_polish=pack_polish,
     )
     return pipeline_with(module, options)
 

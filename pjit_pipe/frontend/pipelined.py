@@ -251,7 +251,13 @@ class Pipelined:
             costs = costs if isinstance(costs, Costs) else Costs()
             # The tick table the program runs: ops packed by their priced costs (an
             # asynchronous schedule is not packed: pack_ticks gives it one op per tick).
-            ticks = pack_ticks(self.schedule, costs, 1, self.options.mem_limit)
+            ticks = pack_ticks(
+                self.schedule,
+                costs,
+                1,
+                self.options.mem_limit,
+                polish=self.options.pack_polish,
+            )
             return lower(
                 self.schedule,
                 cut.stage_fns(),
