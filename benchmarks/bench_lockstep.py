@@ -22,12 +22,18 @@
 6. With --step-time (alone): seconds per compiled train step of the tiny GPT
    on 2x4 and of a dense MLP on 1x4 (CPU: compare runs of one session only).
 
+With --polish SECONDS (alone): the P=4 m=8 synchronous cases packed within
+their own peak by the greedy, then polished by exact solves of windows of
+ticks (`pack_ticks(..., polish=SECONDS)`, passes/tick_milp.py), with the
+seconds polishing took.
+
 With --exact SECONDS: the exact optimum of the P=4 cases (pack_ticks_exact,
 HiGHS), own peak / unbounded, or [lower bound, best found] where HiGHS does
 not prove it within SECONDS per solve.
 
 Run: python benchmarks/bench_lockstep.py [--quick] [--compile] [--exact SECONDS]
      python benchmarks/bench_lockstep.py [--messages] [--step-time] [--compile-only]
+     python benchmarks/bench_lockstep.py --polish SECONDS
 """
 
 from __future__ import annotations
@@ -130,6 +136,38 @@ def grid(sizes, exact: float = 0.0) -> list[tuple[float, float]]:
             label = f"zb-h1 4x4 m=8, {len(failed)} failed"
             ratios.append(row(label, sched, costs_text))
     return ratios
+
+
+def polished(seconds: float) -> None:
+    """Own-peak lockstep/steady at P=4 m=8: the greedy's table against the polished one."""
+    print("| kind, P=4 m=8 | costs | greedy | polished | s |")
+    print("|---|---|---|---|---|")
+    counts = [0, 0, 0]
+    for costs_text in COSTS:
+        costs = Costs.parse(costs_text)
+        for kind in KINDS:
+            if kind == "async-1f1b":  # its table keeps the stream order: not packed
+                continue
+            chunks = 2 if kind == "interleaved-1f1b" else None
+            sched = make_schedule(kind, 4, 8, chunks=chunks, costs=costs)
+            event = simulate(sched, costs, ITERATIONS).steady_period
+            ratios = []
+            start = time.perf_counter()
+            for polish in (0.0, seconds):
+                table = pack_ticks(sched, costs, ITERATIONS, polish=polish)
+                lockstep = simulate(sched, costs, ITERATIONS, mode="lockstep", ticks=table)
+                ratios.append(lockstep.steady_period / event)
+            took = time.perf_counter() - start
+            print(f"| {kind} | {costs_text} | {ratios[0]:.3f} | {ratios[1]:.3f} | {took:.0f} |")
+            counts = [
+                counts[0] + 1,
+                counts[1] + (ratios[0] <= 1.05),
+                counts[2] + (ratios[1] <= 1.05),
+            ]
+    print(
+        f"\nwithin 1.05 x steady_period: {counts[1]} of {counts[0]} greedy, "
+        f"{counts[2]} polished ({seconds:g} s per window)"
+    )
 
 
 def staggering() -> None:
@@ -329,10 +367,20 @@ def main(argv: list[str] | None = None) -> None:
         metavar="SECONDS",
         help="also solve the P=4 cases exactly (HiGHS, SECONDS per solve; minutes in all)",
     )
+    parser.add_argument(
+        "--polish",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="only the P=4 greedy against polished tables (SECONDS per window)",
+    )
     parser.add_argument("--messages", action="store_true", help="only the messages table")
     parser.add_argument("--step-time", action="store_true", help="only the train step times")
     parser.add_argument("--compile-only", action="store_true", help="only the compile times")
     args = parser.parse_args(argv)
+    if args.polish:
+        polished(args.polish)
+        return
     if args.messages or args.step_time or args.compile_only:
         for wanted, part in ((args.messages, messages), (args.step_time, step_times)):
             if wanted:
