@@ -22,8 +22,8 @@
 6. With --step-time (alone): seconds per compiled train step of the tiny GPT
    on 2x4 and of a dense MLP on 1x4 (CPU: compare runs of one session only).
 
-With --polish SECONDS (alone): the P=4 m=8 synchronous cases packed within
-their own peak by the greedy, then polished by exact solves of windows of
+With --polish SECONDS (alone): the synchronous cases of the grid (P=4 m=8
+and, without --quick, P=8 m=32) packed within their own peak by the greedy, then polished by exact solves of windows of
 ticks (`pack_ticks(..., polish=SECONDS)`, passes/tick_milp.py), with the
 seconds polishing took.
 
@@ -44,6 +44,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import itertools
 import math
 import time
 
@@ -138,18 +139,18 @@ def grid(sizes, exact: float = 0.0) -> list[tuple[float, float]]:
     return ratios
 
 
-def polished(seconds: float) -> None:
-    """Own-peak lockstep/steady at P=4 m=8: the greedy's table against the polished one."""
-    print("| kind, P=4 m=8 | costs | greedy | polished | s |")
+def polished(seconds: float, sizes) -> None:
+    """Own-peak lockstep/steady: the greedy's table against the polished one."""
+    print("| kind, P, m | costs | greedy | polished | s |")
     print("|---|---|---|---|---|")
     counts = [0, 0, 0]
-    for costs_text in COSTS:
+    for (P, m), costs_text in itertools.product(sizes, COSTS):
         costs = Costs.parse(costs_text)
         for kind in KINDS:
             if kind == "async-1f1b":  # its table keeps the stream order: not packed
                 continue
             chunks = 2 if kind == "interleaved-1f1b" else None
-            sched = make_schedule(kind, 4, 8, chunks=chunks, costs=costs)
+            sched = make_schedule(kind, P, m, chunks=chunks, costs=costs)
             event = simulate(sched, costs, ITERATIONS).steady_period
             ratios = []
             start = time.perf_counter()
@@ -158,7 +159,11 @@ def polished(seconds: float) -> None:
                 lockstep = simulate(sched, costs, ITERATIONS, mode="lockstep", ticks=table)
                 ratios.append(lockstep.steady_period / event)
             took = time.perf_counter() - start
-            print(f"| {kind} | {costs_text} | {ratios[0]:.3f} | {ratios[1]:.3f} | {took:.0f} |")
+            print(
+                f"| {kind} P={P} m={m} | {costs_text} | {ratios[0]:.3f} | {ratios[1]:.3f} "
+                f"| {took:.0f} |",
+                flush=True,
+            )
             counts = [
                 counts[0] + 1,
                 counts[1] + (ratios[0] <= 1.05),
@@ -372,14 +377,14 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         metavar="SECONDS",
-        help="only the P=4 greedy against polished tables (SECONDS per window)",
+        help="only the greedy against polished tables (SECONDS per window)",
     )
     parser.add_argument("--messages", action="store_true", help="only the messages table")
     parser.add_argument("--step-time", action="store_true", help="only the train step times")
     parser.add_argument("--compile-only", action="store_true", help="only the compile times")
     args = parser.parse_args(argv)
     if args.polish:
-        polished(args.polish)
+        polished(args.polish, [(4, 8)] if args.quick else [(4, 8), (8, 32)])
         return
     if args.messages or args.step_time or args.compile_only:
         for wanted, part in ((args.messages, messages), (args.step_time, step_times)):
