@@ -252,14 +252,17 @@ def test_polish_stays_between_the_optimum_and_the_greedy(width):
         assert packed_time(polished, costs) == pytest.approx(optimum)
 
 
-def test_polish_refuses_what_it_cannot_solve():
+def test_polish_refuses_bad_input_and_keeps_staggered_tables_valid():
     with pytest.raises(ScheduleError, match="polish must be a number of seconds"):
         pack_ticks(make_schedule("1f1b", 2, 2), COSTS, polish=-1)
-    staggered = stagger(make_schedule("1f1b", 2, 2))
-    with pytest.raises(ValueError, match="one iteration of a synchronous schedule"):
-        polish_ticks(pack_ticks(staggered, COSTS), COSTS)
-    # pack_ticks polishes synchronous tables only: a staggered one is the greedy's.
-    assert pack_ticks(staggered, COSTS, polish=1.0) == pack_ticks(staggered, COSTS)
+    asynchronous = make_schedule("async-1f1b", 2, 4)
+    with pytest.raises(ValueError, match="not asynchronous"):
+        polish_ticks(pack_ticks(asynchronous, COSTS), COSTS)
+    # A staggered schedule: its polished iteration, repeated, or the greedy's table.
+    staggered = stagger(make_schedule("zb-h2", 4, 4))
+    table = pack_ticks(staggered, COSTS, 2, polish=1.0)
+    table.check()
+    assert packed_time(table, COSTS) <= packed_time(pack_ticks(staggered, COSTS, 2), COSTS)
 
 
 def _forward_ticks(table: PackedTicks, worker: Worker) -> list[int]:

@@ -24,11 +24,14 @@ from test_lowering import (
     xent,
 )
 
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.lowering import lower
 from pjit_pipe.passes import stagger
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
+from pjit_pipe.simulator.simulate import packed_time
 
 M = 4
 PATTERNS = [(D, P, ((r, s),)) for D, P in ((2, 4), (4, 2)) for r in range(D) for s in range(P)] + [
@@ -69,6 +72,20 @@ def test_variant_equals_fault_free_step(fault_free, D, P, failed):
     assert_trees_close(grads, grads0)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert_trees_close(grads, ref_grads)
+
+
+def test_polished_rerouted_table_equals_fault_free_step(fault_free):
+    """A re-routed variant's tick table polished by exact windows (passes/tick_milp.py)
+    runs its ops in other ticks than the greedy's, with the same numbers."""
+    fns, params, x, y, (loss0, grads0), _ = fault_free[(2, 4)]
+    sched = schedule_with_failures("zb-h1", 4, M, 2, [(0, 1)], time_limit=2.0)
+    costs = Costs(1, 2, 1)
+    table = pack_ticks(sched, costs, polish=1.0)
+    assert packed_time(table, costs) < packed_time(pack_ticks(sched, costs), costs)
+    step = lower(sched, fns, xent, mesh_of(2, 4), params, x, y, ticks=table)
+    loss, grads = step.value_and_grad(params, x, y)
+    assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
+    assert_trees_close(grads, grads0)
 
 
 def test_rerouted_work_crosses_replicas():

@@ -198,7 +198,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         metavar="SECONDS",
         help=(
             "--json's lockstep_period: polish the packed tick table by exact solves of "
-            "windows of its ticks, at most SECONDS each (synchronous schedules)"
+            "windows of its ticks, at most SECONDS each (not async-1f1b)"
         ),
     )
     p.add_argument(

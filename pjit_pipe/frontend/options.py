@@ -56,7 +56,7 @@ class PipelineOptions:
         layers (its clean cut segments), e.g. a planner's `Plan.stages`; None:
         the cutter balances by `balance`.
     pack_polish: seconds HiGHS may spend on each window of ticks when it
-        polishes the packed tick table of a synchronous schedule
+        polishes the packed tick table of a schedule (not async-1f1b)
         (`pack_ticks(..., polish=)`: 1-9% off the zero-bubble kinds' priced
         step at P=4, up to about 10 s per compile there); 0, the default,
         compiles the greedy's table.

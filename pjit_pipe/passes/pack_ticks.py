@@ -73,11 +73,12 @@ def pack_ticks(
     trades memory for speed (`PackedTicks.peak_memory` tells what a table holds).
     An asynchronous schedule gets its unpacked table (module docstring).
 
-    polish > 0 improves a synchronous schedule's one-iteration table by exact
-    solves of windows of its ticks (`tick_milp.polish_ticks`, HiGHS, at most
-    `polish` seconds per window; 2 is plenty at P=4 m=8, where it takes up to
-    10 s in all and finds 1-9% on the zero-bubble kinds). Staggered and
-    re-routed schedules are packed by the greedy alone."""
+    polish > 0 improves the one-iteration table by exact solves of windows of
+    its ticks (`tick_milp.polish_ticks`, HiGHS, at most `polish` seconds per
+    window; 2 is plenty at P=4 m=8, where it takes up to 15 s in all and finds
+    1-9% on the zero-bubble kinds). More iterations repeat it; a staggered
+    schedule keeps the cheaper of that and the greedy's own multi-iteration
+    table."""
     if not isinstance(iterations, int) or iterations < 1:
         raise ScheduleError(f"iterations must be a positive integer, got {iterations!r}")
     orders = tuple(orders)
@@ -155,7 +156,7 @@ def _pack(
             price = packed_time(table, costs)
             if price < best_price - 1e-9:
                 best, best_price = table, price
-    if polish and not schedule.staggered:  # (iterations == 1: a synchronous one is repeated)
+    if polish and iterations == 1:  # (more iterations repeat a polished one above)
         best = polish_ticks(best, costs, mem_limit, polish)
     return best
 

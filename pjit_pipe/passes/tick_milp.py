@@ -9,7 +9,9 @@ dependency (a message from an earlier tick, a residual from an earlier lane)
 and the memory limit (the peak inside each tick, in its lane order). A worker
 may run its ops in any order the dependencies allow, as the greedy may. The
 lane order is fixed within one MILP. OPTs run at the end of the last tick, so
-the tables are those of one synchronous iteration.
+the tables are those of one iteration that steps every stage at its end
+(valid for a staggered schedule too, which only asks that each stage step
+before its next iteration).
 
 Variables: x[i, t] = 1 when op i runs in tick t, each tick's length L_t and,
 with a priced tick, u_t >= x[i, t] (continuous: at the optimum it is 0 or 1).
@@ -64,16 +66,16 @@ def polish_ticks(
     width: int = 8,
     rounds: int = 2,
 ) -> PackedTicks:
-    """`table` (one iteration of a synchronous schedule) improved by re-solving
+    """`table` (one iteration of a schedule that is not asynchronous) improved by re-solving
     windows of `width` ticks exactly (HiGHS, at most `seconds` each), half a
     window apart, for up to `rounds` sweeps or until a sweep finds nothing;
     never more expensive than `table`. mem_limit as in `pack_ticks`."""
     schedule = table.schedule
-    if table.iterations != 1 or schedule.staggered or schedule.asynchronous:
+    if table.iterations != 1 or schedule.asynchronous:
         raise ValueError(
-            "polish_ticks: table must hold one iteration of a synchronous schedule "
-            f"(iterations={table.iterations}, staggered={schedule.staggered}, "
-            f"asynchronous={schedule.asynchronous}); polish that table, then repeat it"
+            "polish_ticks: table must hold one iteration of a schedule that is not "
+            f"asynchronous (iterations={table.iterations}, asynchronous="
+            f"{schedule.asynchronous}); polish one iteration's table, then repeat it"
         )
     best, price = table, packed_time(table, costs)
     step = max(1, width // 2)
