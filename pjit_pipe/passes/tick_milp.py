@@ -63,13 +63,16 @@ def polish_ticks(
     costs: Costs,
     mem_limit: float | None = None,
     seconds: float = 2.0,
-    width: int = 8,
+    width: int | None = None,
     rounds: int = 2,
 ) -> PackedTicks:
     """`table` (one iteration of a schedule that is not asynchronous) improved by re-solving
     windows of `width` ticks exactly (HiGHS, at most `seconds` each), half a
     window apart, for up to `rounds` sweeps or until a sweep finds nothing;
-    never more expensive than `table`. mem_limit as in `pack_ticks`."""
+    never more expensive than `table`. mem_limit as in `pack_ticks`. The
+    default width, 2P ticks for P stages, is about a microbatch's round trip
+    through the pipeline (P forwards, P backwards), so one window can move
+    everything one round trip holds in flight."""
     schedule = table.schedule
     if table.iterations != 1 or schedule.asynchronous:
         raise ValueError(
@@ -77,6 +80,7 @@ def polish_ticks(
             f"asynchronous (iterations={table.iterations}, asynchronous="
             f"{schedule.asynchronous}); polish one iteration's table, then repeat it"
         )
+    width = width or max(4, 2 * schedule.stages)
     best, price = table, packed_time(table, costs)
     step = max(1, width // 2)
     for _ in range(rounds):
