@@ -21,13 +21,15 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse
 import statistics
 import sys
-import time
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(__file__))
+
+from bench_lowering import round_times
 
 import pjit_pipe as pp
 from pjit_pipe.lowering import lower
@@ -90,13 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         )  # fmt: skip
         programs[name] = lambda step=step: step.value_and_grad(sp, x, y, rngs)
     losses = {name: float(f()[0]) for name, f in programs.items()}
-    times = {name: [] for name in programs}
-    order = list(programs)
-    for r in range(args.rounds):
-        for name in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            jax.block_until_ready(programs[name]())
-            times[name].append(time.perf_counter() - start)
+    times = round_times(programs, args.rounds)
     print(f"device: {jax.devices()[0].platform}")
     print(f"dropout MLP, mesh 1x{P}, m={m} x {rows} rows, {args.rounds} rounds:")
     for name, t in times.items():

@@ -23,7 +23,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_backward import HeavySecond, mse
+from bench_lowering import round_times
 
 import pjit_pipe as pp
 from models.gpt import GPT, GPTConfig, lm_loss
@@ -78,15 +78,7 @@ def _case(name, model, x, y, loss, D, P, m, kinds, rounds, given: str | None = N
             )
     if not programs:
         return
-    for f in programs.values():
-        jax.block_until_ready(f())
-    times = {k: [] for k in programs}
-    order = list(programs)
-    for r in range(rounds):
-        for k in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            jax.block_until_ready(programs[k]())
-            times[k].append(time.perf_counter() - start)
+    times = round_times(programs, rounds)
     for kind in dict.fromkeys(k for k, _ in programs):
         print(f"    {kind}, {rounds} rounds:")
         for label in ("F, B, W only", "both orders"):

@@ -22,7 +22,6 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 import argparse
 import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -33,6 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_backward import HeavySecond, mse
+from bench_lowering import round_times
 
 import pjit_pipe as pp
 from models.gpt import GPT, GPTConfig, lm_loss
@@ -72,15 +72,7 @@ def _case(name, model, x, y, loss, D, P, m, kinds, rounds, failed=()):
                     ]
     finally:
         param_layout.MAX_CLASS_OVERHEAD = default
-    for f in programs.values():
-        jax.block_until_ready(f())
-    times = {k: [] for k in programs}
-    order = list(programs)
-    for r in range(rounds):
-        for k in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            jax.block_until_ready(programs[k]())
-            times[k].append(time.perf_counter() - start)
+    times = round_times(programs, rounds)
     print(f"  {name}, mesh {D}x{P}, m={m}, {rounds} rounds:")
     for kind in kinds:
         over = ", ".join(f"{o:.3f}" for o in notes[(kind, "overhead")])

@@ -135,10 +135,12 @@ def chunked_schedule(P: int, v: int, m: int, D: int, layout, split: bool):
     return replicated("chunked", P, m, D, program, chunks=v, layout=tuple(layout))
 
 
-def check_value_and_grad(sched, D: int, P: int, remat: bool = False):
+def check_value_and_grad(sched, D: int, P: int, remat: bool = False, ticks=None):
+    """The compiled program of `sched` (running the tick table `ticks`, None: the
+    lowering's own) gives jax.value_and_grad's numbers on the tiny model."""
     fns, params = tiny_model(P * sched.chunks)
     x, y = batch(D * sched.microbatches * MB, seed=1)
-    step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, remat=remat)
+    step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, remat=remat, ticks=ticks)
     loss, grads = step.value_and_grad(params, x, y)
     ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))

@@ -9,14 +9,7 @@ import math
 
 import numpy as np
 import pytest
-from test_lowering import (
-    assert_trees_close,
-    batch,
-    mesh_of,
-    reference_value_and_grad,
-    tiny_model,
-    xent,
-)
+from test_lowering import check_value_and_grad
 
 from pjit_pipe.cli import main
 from pjit_pipe.ir.costs import Costs
@@ -24,7 +17,6 @@ from pjit_pipe.ir.memory import largest_peak
 from pjit_pipe.ir.ops import BW, B, F, Kind, W, Worker
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, fits, lane_order
-from pjit_pipe.lowering import lower
 from pjit_pipe.lowering.plan import LANE_OF, build_plan
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.greedy_ticks import GreedyPacker
@@ -211,13 +203,7 @@ def test_packed_zb_h1_matches_unpipelined():
         sum(op.kind is not Kind.OPT for _, op in es) for tick in table.ticks for es in tick.values()
     )
     assert busiest == 3
-    fns, params = tiny_model(4)
-    x, y = batch(4 * 2, seed=1)
-    step = lower(sched, fns, xent, mesh_of(1, 4), params, x, y, ticks=table)
-    loss, grads = step.value_and_grad(params, x, y)
-    ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
-    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-    assert_trees_close(grads, ref_grads)
+    check_value_and_grad(sched, 1, 4, ticks=table)
 
 
 def test_polished_table_is_faster_valid_and_matches_unpipelined():
@@ -230,13 +216,7 @@ def test_polished_table_is_faster_valid_and_matches_unpipelined():
     table.check()
     assert max(table.peak_memory().values()) <= largest_peak(sched) + 1e-9
     assert packed_time(table, COSTS) < packed_time(greedy, COSTS)
-    fns, params = tiny_model(4)
-    x, y = batch(4 * 2, seed=2)
-    step = lower(sched, fns, xent, mesh_of(1, 4), params, x, y, ticks=table)
-    loss, grads = step.value_and_grad(params, x, y)
-    ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
-    assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
-    assert_trees_close(grads, ref_grads)
+    check_value_and_grad(sched, 1, 4, ticks=table)
 
 
 @pytest.mark.parametrize("width", [2, 5, 100])
