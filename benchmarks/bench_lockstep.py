@@ -62,14 +62,14 @@ COSTS = ("1,1,1,0", "1,2,1,0", "5,6,4,1")
 
 
 def periods(
-    schedule, costs: Costs, mem_limit: float | None = None, orders=LANE_ORDERS
+    schedule, costs: Costs, mem_limit: float | None = None, orders=LANE_ORDERS, polish=0.0
 ) -> tuple[float, float, float, PackedTicks]:
     """(event steady period, one-op-per-tick lockstep period, packed lockstep period, table);
     packed within `mem_limit` (None: the schedule's own peak, pack_ticks' default) in
-    the cheaper of the lane `orders`."""
+    the cheaper of the lane `orders`, polished `polish` seconds per window (0: not)."""
     event = simulate(schedule, costs, ITERATIONS).steady_period
     before = simulate(schedule, costs, ITERATIONS, mode="lockstep").steady_period
-    table = pack_ticks(schedule, costs, ITERATIONS, mem_limit, orders)
+    table = pack_ticks(schedule, costs, ITERATIONS, mem_limit, orders, polish)
     after = simulate(schedule, costs, ITERATIONS, mode="lockstep", ticks=table).steady_period
     return event, before, after, table
 
@@ -151,13 +151,11 @@ def polished(seconds: float, sizes) -> None:
                 continue
             chunks = 2 if kind == "interleaved-1f1b" else None
             sched = make_schedule(kind, P, m, chunks=chunks, costs=costs)
-            event = simulate(sched, costs, ITERATIONS).steady_period
-            ratios = []
             start = time.perf_counter()
-            for polish in (0.0, seconds):
-                table = pack_ticks(sched, costs, ITERATIONS, polish=polish)
-                lockstep = simulate(sched, costs, ITERATIONS, mode="lockstep", ticks=table)
-                ratios.append(lockstep.steady_period / event)
+            ratios = [
+                after / event
+                for event, _, after, _ in (periods(sched, costs, polish=p) for p in (0.0, seconds))
+            ]
             took = time.perf_counter() - start
             print(
                 f"| {kind} P={P} m={m} | {costs_text} | {ratios[0]:.3f} | {ratios[1]:.3f} "

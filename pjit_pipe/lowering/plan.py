@@ -2,8 +2,8 @@
 
 The SPMD program scans over ticks; on each tick every device reads one row of
 its own table. A row has one `OpRow` per lane (F, B, W/BW: a tick runs at
-most one op of each, in the table's lane order, ir/ticks.py): which branch to run (idle, or F/B/W/BW
-of one virtual stage), the microbatch, and the buffer slots it reads and
+most one op of each, in the table's lane order, ir/ticks.py): which branch
+to run (idle, or F/B/W/BW of one virtual stage), the microbatch, and the buffer slots it reads and
 writes. Slots are assigned here, on the host, by interval allocation over the
 tick timeline, so buffers are sized by the in-flight peak and not by the
 number of microbatches. Stored values sit in two residual pools with their
