@@ -1,22 +1,23 @@
 """The tick plan: a packed tick table (ir/ticks.py) as per-device integer rows.
 
-The SPMD program scans over ticks; on each tick every device reads one row of
-its own table. A row has one `OpRow` per lane (F, B, W/BW: a tick runs at
+The SPMD program scans over ticks; on each tick every device reads one row
+of its own table. A row has one `OpRow` per lane (F, B, W/BW: a tick runs at
 most one op of each, in the table's lane order, ir/ticks.py): which branch
-to run (idle, or F/B/W/BW of one virtual stage), the microbatch, and the buffer slots it reads and
-writes. Slots are assigned here, on the host, by interval allocation over the
-tick timeline, so buffers are sized by the in-flight peak and not by the
-number of microbatches. Stored values sit in two residual pools with their
-own slots (stages.py): a split stage's B-pool row lives from F to B, and
-W-pool rows live from F to the stage's last backward op (W or BW), so B
-frees what only B reads. Messages travel on two channels, activations (made by
-F) and input gradients (made by B or BW): each leaves its device in the tick
-that makes it and lands in a slot of the receiver's message store at the end
-of that tick. Each ppermute carries one channel along one (replica, position)
-shift of the worker grid when that needs no more ppermutes, so it is a
-permutation even when re-routed microbatches cross replicas; otherwise the
-pairs are split into the fewest partial permutations (routes.py). A channel
-runs only the ppermutes its messages use.
+to run (idle, or F/B/W/BW of one virtual stage), the microbatch, and the
+buffer slots it reads and writes. Slots are assigned here, on the host, by
+interval allocation over the tick timeline, so buffers are sized by the
+in-flight peak and not by the number of microbatches. Stored values sit in
+two residual pools with their own slots (stages.py): a split stage's B-pool
+row lives from F to B, and W-pool rows live from F to the stage's last
+backward op (W or BW), so B frees what only B reads. Messages travel on two
+channels, activations (made by F) and input gradients (made by B or BW):
+each leaves its device in the tick that makes it and lands in a slot of the
+receiver's message store at the end of that tick. Each ppermute carries one
+channel along one (replica, position) shift of the worker grid when that
+needs no more ppermutes, so it is a permutation even when re-routed
+microbatches cross replicas; otherwise the pairs are split into the fewest
+partial permutations (routes.py). A channel runs only the ppermutes its
+messages use.
 
 Devices are the live workers in a given order (`Topology.workers`): row i of
 every table belongs to worker i. Each device also gets its own list of the
