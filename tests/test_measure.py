@@ -62,6 +62,18 @@ def test_measured_costs_are_positive_cached_and_steer_auto():
     assert make_schedule("auto", 2, m, costs=swapped).programs != pm.schedule.programs
 
 
+def test_a_single_stage_is_measured_without_a_boundary():
+    """One stage sends no message: no transfer cost, and an idle tick still costs time."""
+    m = 2
+    model = LightThenHeavy()
+    x = jax.random.normal(jax.random.key(0), (m * 4, 8))
+    y = jax.random.normal(jax.random.key(1), (m * 4, 4))
+    pm = pp.pipeline(model, stages=1, microbatches=m, schedule="auto", mesh=pp.make_mesh(1, 1))
+    costs = pm.measure_costs(pm.init(jax.random.key(2), x), x, y, mse)
+    assert costs.c == 0 and costs.tick > 0
+    assert costs.f[0] > 0 and costs.w[0] > 0
+
+
 def test_balance_by_measured_time_cuts_the_model():
     from models.mlp import Chain, Dense
     from pjit_pipe.frontend.cut import cut_module
