@@ -46,6 +46,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench_lowering import median_times
+from timing import quartiles
 
 import pjit_pipe as pp
 from models.gpt import GPT, Block, GPTConfig, lm_loss
@@ -166,15 +167,6 @@ def mse(out, y):
     return jnp.mean((out - y) ** 2)
 
 
-def _quartiles(values: list[float]) -> tuple[float, float, float]:
-    import statistics
-
-    if len(values) < 2:
-        return values[0], values[0], values[0]
-    q1, q2, q3 = statistics.quantiles(values, n=4, method="inclusive")
-    return q1, q2, q3
-
-
 def heavy_second_stage(pairs: int, quick: bool) -> None:
     """zb-h1 over 1f1b on the 1x2 pipeline, both packed with measured costs.
 
@@ -282,7 +274,7 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
     for label, kind, name in rows:
         print(
             f"    {label:24s} {kind:11s} {len(tables[name]):3d} ticks"
-            f"  wall {_quartiles(wall[name])[1] * 1e3:8.2f}  CPU {_quartiles(cpu[name])[1] * 1e3:8.2f}"
+            f"  wall {quartiles(wall[name])[1] * 1e3:8.2f}  CPU {quartiles(cpu[name])[1] * 1e3:8.2f}"
             f"  priced {packed_time(tables[name], costs):8.2f}"
             f"  peak {max(tables[name].peak_memory().values()):g}  ({tables[name].schedule.kind})"
         )
@@ -291,14 +283,14 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
         for clock, t in (("wall", wall), ("CPU", cpu)):
             for kind in ("zb-h1", *extra)[: len(names) - 1]:
                 ratios = [z / o for z, o in zip(t[names[kind]], t[names["1f1b"]], strict=True)]
-                q1, med, q3 = _quartiles(ratios)
+                q1, med, q3 = quartiles(ratios)
                 target = " (target <= 1.05)" if kind == "zb-h1" else ""
                 print(
                     f"    {kind} / 1f1b, {label:24s} {clock:4s} {med:.3f} [{q1:.3f}, {q3:.3f}]"
                     + target
                 )
     extra = [(p - z) / idle for p, z in zip(wall["padded"], wall[zb], strict=True)]
-    q1, med, q3 = _quartiles(extra)
+    q1, med, q3 = quartiles(extra)
     print(
         f"    an idle tick of the real tick body (zb-h1 + {idle} empty ticks): {med * 1e3:.3f} ms"
         f" [{q1 * 1e3:.3f}, {q3 * 1e3:.3f}]; measured by costs='measure': {costs.tick:.3f} ms"

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 
-from bench_lowering import round_times
+from timing import round_times
 
 import pjit_pipe as pp
 from pjit_pipe.lowering import lower

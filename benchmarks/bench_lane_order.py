@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(__file__))
 
 from bench_backward import HeavySecond, mse
-from bench_lowering import round_times
+from timing import round_times
 
 import pjit_pipe as pp
 from models.gpt import GPT, GPTConfig, lm_loss

@@ -79,22 +79,6 @@ def median_times(fs: dict[str, Callable[[], object]], repeats: int) -> dict[str,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def round_times(programs: dict, rounds: int) -> dict:
-    """Wall time of each call of each program over `rounds` rounds, after one
-    warm-up call each; every other round runs them in reverse order, so drift in
-    machine load hits all alike and per-round ratios pair calls made side by side."""
-    for f in programs.values():
-        jax.block_until_ready(f())
-    times: dict = {k: [] for k in programs}
-    order = list(programs)
-    for r in range(rounds):
-        for k in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
-            jax.block_until_ready(programs[k]())
-            times[k].append(time.perf_counter() - start)
-    return times
-
-
 def scan_accumulation(fns, params, x, y, m: int):
     """The baseline: value_and_grad per microbatch, summed by a lax.scan."""
 
