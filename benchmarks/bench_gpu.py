@@ -24,6 +24,9 @@ In each mode:
    microbatches of `jax.value_and_grad`: the median of the per-round ratios, the
    ticks of each program, its first call (trace and compile), and its worst
    gradient error against the scan's.
+3. Where the time goes: each stage's F, B, W and fused BW timed alone and the
+   tick's fixed cost (`costs="measure"`), and each program's step against the
+   lockstep price of the table it runs under those costs (`packed_time`).
 With one stage there is no bubble: every kind does the scan's work, so the
 ratio is what the tick-synchronous program costs over the plainest loop.
 """
@@ -61,6 +64,7 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
     from pjit_pipe.lowering import lower
     from pjit_pipe.passes.pack_ticks import pack_ticks
     from pjit_pipe.schedules import KINDS
+    from pjit_pipe.simulator.simulate import packed_time
 
     device = jax.devices()[0]
     print(
@@ -107,7 +111,7 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
     scan = scan_accumulation(lambda p, xb: model.apply(p, xb), lm_loss, m)
     ref_loss, ref_grads = jax.block_until_ready(scan(params, x, y))
     programs = {"lax.scan": lambda: scan(params, x, y)}
-    notes = {}
+    notes, pipelines = {}, {}
     for kind in KINDS:
         start = time.perf_counter()
         pm = pp.pipeline(
@@ -132,6 +136,7 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
             f"  loss err {loss_error:.1e}  worst grad err {error:.1e} ({pm.schedule.kind})"
         )
         programs[kind] = lambda vg=vg: vg(params, x, y)
+        pipelines[kind] = (pm, step)
         print(f"   compiled {kind}: {notes[kind]}", flush=True)
     times = round_times(programs, rounds)
     base = times["lax.scan"]
@@ -141,6 +146,30 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
         print(
             f"   {name:17s} {quartiles(t)[1] * 1e3:8.2f} ms  {med:5.3f} [{q1:.3f}, {q3:.3f}]"
             f"  {notes.get(name, '')}"
+        )
+
+    # 3. The ops alone, and each step against its table's price.
+    print(f"3. lax.scan per microbatch {quartiles(base)[1] * 1e3 / m:.3f} ms; ops alone (ms):")
+    measured = {}
+    for kind, (pm, step) in pipelines.items():
+        chunks = pm.schedule.chunks
+        if chunks not in measured:
+            measured[chunks] = pm.measure_costs(params, x, y, lm_loss)
+            ms = pm.stage_times  # seconds, per virtual stage
+            for s in range(len(ms.f)):
+                print(
+                    f"   {chunks} chunk(s), stage {s}: F {ms.f[s] * 1e3:.3f}  B {ms.b[s] * 1e3:.3f}"
+                    f"  W {ms.w[s] * 1e3:.3f}  BW {ms.bw[s] * 1e3:.3f}"
+                    f"  F not split {ms.f_fused[s] * 1e3:.3f}"
+                )
+            print(f"   {chunks} chunk(s): the tick {ms.tick * 1e3:.4f}", flush=True)
+        table = step._low.ticks
+        if table is None:
+            continue
+        priced = packed_time(table, measured[chunks])
+        ran = quartiles(times[kind])[1] * 1e3
+        print(
+            f"   {kind:17s} step {ran:8.2f} ms  priced {priced:8.2f} ms  step/priced {ran / priced:.3f}"
         )
     sys.stdout.flush()
 
