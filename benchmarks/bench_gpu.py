@@ -27,6 +27,11 @@ In each mode:
 3. Where the time goes: each stage's F, B, W and fused BW timed alone and the
    tick's fixed cost (`costs="measure"`), and each program's step against the
    lockstep price of the table it runs under those costs (`packed_time`).
+4. One microbatch's forward and backward as two programs against one: the
+   jitted `jax.value_and_grad` of the model, and a jitted `jax.vjp` forward
+   that returns its residuals and a jitted backward that reads them, with every
+   residual kept and with `jax.checkpoint`'s dots_saveable (what pjit_pipe's F
+   keeps: lowering/stages.py); part 3 gives pjit_pipe's own F and BW.
 With one stage there is no bubble: every kind does the scan's work, so the
 ratio is what the tick-synchronous program costs over the plainest loop.
 """
@@ -39,6 +44,11 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MODES = {
     "off": "--xla_gpu_enable_command_buffer=",
@@ -49,22 +59,12 @@ CHUNKED = ("interleaved-1f1b", "zb-v")  # kinds that need two chunks per device
 
 
 def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
-    """Both parts in this process, under the XLA_FLAGS its parent set for `mode`."""
+    """Every part in this process, under the XLA_FLAGS its parent set for `mode`."""
     import jax
     import jax.numpy as jnp
 
-    sys.path.insert(0, os.path.dirname(__file__))
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from timing import quartiles, round_times
-
     import pjit_pipe as pp
     from models.gpt import GPT, GPTConfig, lm_loss
-    from pjit_pipe.frontend.measure import tick_seconds
-    from pjit_pipe.ir.costs import Costs
-    from pjit_pipe.lowering import lower
-    from pjit_pipe.passes.pack_ticks import pack_ticks
-    from pjit_pipe.schedules import KINDS
-    from pjit_pipe.simulator.simulate import packed_time
 
     device = jax.devices()[0]
     print(
@@ -81,24 +81,59 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
     x = jax.random.randint(jax.random.key(0), (m * rows, config.seq_len), 0, config.vocab)
     y = jnp.roll(x, -1, axis=1)
     params = model.init(jax.random.key(1), x)
-    mesh = pp.make_mesh(data=1, stage=1)
     print(f"   GPT {config}, m={m} x {rows} sequences", flush=True)
+    run = Run(model, lm_loss, params, x, y, m, pp.make_mesh(data=1, stage=1), rounds)
+    tick_cost(run, jax.ShapeDtypeStruct((rows, config.seq_len, config.d_model), jnp.float32), idle)
+    times, pipelines = kinds_against_scan(run)
+    against_price(run, times, pipelines)
+    split_against_fused(run, x[:rows], y[:rows])
 
-    # 1. A tick's own cost.
-    message = jax.ShapeDtypeStruct((rows, config.seq_len, config.d_model), jnp.float32)
-    print(f"1. idle loop (tick_seconds): {tick_seconds(mesh, message) * 1e6:8.1f} us a tick")
-    pm = pp.pipeline(model, stages=1, microbatches=m, schedule="zb-h1", mesh=mesh)
-    cut = pm.cut(params, x)
-    split = cut.split(params)
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """What every part times: a model, its loss, a batch of m microbatches, a 1x1 mesh."""
+
+    model: Any
+    loss_fn: Callable
+    params: Any
+    x: Any
+    y: Any
+    m: int
+    mesh: Any
+    rounds: int
+
+    def pipeline(self, kind: str) -> Any:
+        import pjit_pipe as pp
+
+        chunks = 2 if kind in CHUNKED else 1
+        return pp.pipeline(
+            self.model, stages=1, microbatches=self.m, schedule=kind, mesh=self.mesh, chunks=chunks
+        )
+
+
+def tick_cost(run: Run, message: Any, idle: int) -> None:
+    """Part 1: the idle loop that costs="measure" times, and an empty tick of the real
+    tick body (zb-h1's table with `idle` empty ticks appended, against the table)."""
+    from timing import quartiles, round_times
+
+    from pjit_pipe.frontend.measure import tick_seconds
+    from pjit_pipe.ir.costs import Costs
+    from pjit_pipe.lowering import lower
+    from pjit_pipe.passes.pack_ticks import pack_ticks
+
+    print(f"1. idle loop (tick_seconds): {tick_seconds(run.mesh, message) * 1e6:8.1f} us a tick")
+    pm = run.pipeline("zb-h1")
+    cut = pm.cut(run.params, run.x)
+    split = cut.split(run.params)
     table = pack_ticks(pm.schedule, Costs(), 1)
     padded = dataclasses.replace(table, ticks=table.ticks + ({},) * idle)
-    steps = {
-        name: lower(t.schedule, cut.stage_fns(), lm_loss, mesh, split, x, y, ticks=t)
-        for name, t in (("table", table), ("padded", padded))
-    }
-    times = round_times(
-        {k: lambda s=s: s.value_and_grad(split, x, y) for k, s in steps.items()}, rounds
-    )
+    programs = {}
+    for name, t in (("table", table), ("padded", padded)):
+        step = lower(
+            t.schedule, cut.stage_fns(), run.loss_fn, run.mesh, split, run.x, run.y, ticks=t
+        )
+        programs[name] = lambda step=step: step.value_and_grad(split, run.x, run.y)
+    times = round_times(programs, run.rounds)
     extra = [(p - t) / idle for p, t in zip(times["padded"], times["table"], strict=True)]
     q1, med, q3 = quartiles(extra)
     print(
@@ -107,25 +142,28 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
         flush=True,
     )
 
-    # 2. Every kind against the scan.
-    scan = scan_accumulation(lambda p, xb: model.apply(p, xb), lm_loss, m)
+
+def kinds_against_scan(run: Run) -> tuple[dict, dict]:
+    """Part 2: every kind's step against the scan; returns (round times by program,
+    {kind: (pipeline, its compiled step)})."""
+    import jax
+    import jax.numpy as jnp
+    from timing import quartiles, round_times
+
+    from pjit_pipe.schedules import KINDS
+
+    params, x, y = run.params, run.x, run.y
+    scan = scan_accumulation(lambda p, xb: run.model.apply(p, xb), run.loss_fn, run.m)
     ref_loss, ref_grads = jax.block_until_ready(scan(params, x, y))
     programs = {"lax.scan": lambda: scan(params, x, y)}
     notes, pipelines = {}, {}
     for kind in KINDS:
         start = time.perf_counter()
-        pm = pp.pipeline(
-            model,
-            stages=1,
-            microbatches=m,
-            schedule=kind,
-            mesh=mesh,
-            chunks=2 if kind in CHUNKED else 1,
-        )
-        vg = pm.value_and_grad(lm_loss)
+        pm = run.pipeline(kind)
+        vg = pm.value_and_grad(run.loss_fn)
         loss, grads = jax.block_until_ready(vg(params, x, y))
         first = time.perf_counter() - start
-        _, step = pm.program(params, x, y, lm_loss)
+        _, step = pm.program(params, x, y, run.loss_fn)
         error = max(
             float(jnp.max(jnp.abs(g - r)) / jnp.maximum(jnp.max(jnp.abs(r)), 1e-30))
             for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True)
@@ -138,23 +176,31 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
         programs[kind] = lambda vg=vg: vg(params, x, y)
         pipelines[kind] = (pm, step)
         print(f"   compiled {kind}: {notes[kind]}", flush=True)
-    times = round_times(programs, rounds)
+    times = round_times(programs, run.rounds)
     base = times["lax.scan"]
-    print(f"2. {rounds} rounds; median ms, and the median per-round ratio over lax.scan:")
+    print(f"2. {run.rounds} rounds; median ms, and the median per-round ratio over lax.scan:")
     for name, t in times.items():
         q1, med, q3 = quartiles([a / b for a, b in zip(t, base, strict=True)])
         print(
             f"   {name:17s} {quartiles(t)[1] * 1e3:8.2f} ms  {med:5.3f} [{q1:.3f}, {q3:.3f}]"
             f"  {notes.get(name, '')}"
         )
+    return times, pipelines
 
-    # 3. The ops alone, and each step against its table's price.
-    print(f"3. lax.scan per microbatch {quartiles(base)[1] * 1e3 / m:.3f} ms; ops alone (ms):")
+
+def against_price(run: Run, times: dict, pipelines: dict) -> None:
+    """Part 3: the ops timed alone, and each step against its table's lockstep price."""
+    from timing import quartiles
+
+    from pjit_pipe.simulator.simulate import packed_time
+
+    scan_mb = quartiles(times["lax.scan"])[1] * 1e3 / run.m
+    print(f"3. lax.scan per microbatch {scan_mb:.3f} ms; ops alone (ms):")
     measured = {}
     for kind, (pm, step) in pipelines.items():
         chunks = pm.schedule.chunks
         if chunks not in measured:
-            measured[chunks] = pm.measure_costs(params, x, y, lm_loss)
+            measured[chunks] = pm.measure_costs(run.params, run.x, run.y, run.loss_fn)
             ms = pm.stage_times  # seconds, per virtual stage
             for s in range(len(ms.f)):
                 print(
@@ -170,6 +216,40 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
         ran = quartiles(times[kind])[1] * 1e3
         print(
             f"   {kind:17s} step {ran:8.2f} ms  priced {priced:8.2f} ms  step/priced {ran / priced:.3f}"
+        )
+
+
+def split_against_fused(run: Run, x: Any, y: Any) -> None:
+    """Part 4: one microbatch's value_and_grad as one program, and as a forward
+    program and a backward program that pass the vjp residuals through memory."""
+    import jax
+    import jax.numpy as jnp
+    from timing import quartiles, round_times
+
+    params = run.params
+
+    def loss(p, x, y):
+        return run.loss_fn(run.model.apply(p, x), y)
+
+    fused = jax.jit(jax.value_and_grad(loss))
+    programs, stored = {"value_and_grad": lambda: fused(params, x, y)}, {}
+    policies = (("every residual", None), ("dots_saveable", jax.checkpoint_policies.dots_saveable))
+    for name, policy in policies:
+        stage = loss if policy is None else jax.checkpoint(loss, policy=policy)
+        forward = jax.jit(lambda p, x, y, stage=stage: jax.vjp(lambda p: stage(p, x, y), p))
+        backward = jax.jit(lambda pullback: pullback(jnp.ones(())))
+        _, pullback = forward(params, x, y)  # a pytree of the residuals
+        stored[name] = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(pullback))
+        programs[f"F, {name}"] = lambda f=forward: f(params, x, y)
+        programs[f"BW, {name}"] = lambda b=backward, r=pullback: b(r)
+    t = {k: quartiles(v)[1] * 1e3 for k, v in round_times(programs, run.rounds).items()}
+    print(f"4. one microbatch; value_and_grad {t['value_and_grad']:.3f} ms; F + BW (ms):")
+    for name, size in stored.items():
+        f, bw = t[f"F, {name}"], t[f"BW, {name}"]
+        print(
+            f"   {name:15s} F {f:.3f}  BW {bw:.3f}  sum {f + bw:.3f}"
+            f"  over value_and_grad {(f + bw) / t['value_and_grad']:.2f}"
+            f"  residuals {size / 2**20:.1f} MiB"
         )
     sys.stdout.flush()
 
