@@ -3,9 +3,10 @@ against a plain gradient-accumulation scan over the same microbatches.
 
     python benchmarks/bench_gpu.py [--modes off,default,conditional] [--rounds N] [--quick]
 
-Runs on the default backend's first device: a GPU where there is one (on a CPU
-the script runs the same, to check it; the command-buffer flags then change
-nothing).
+Runs on the default backend's first device: a GPU where there is one. On a
+machine without one (no `nvidia-smi`) it runs the tiny GPT in the default
+mode alone unless told otherwise: the command-buffer flags change nothing on
+a CPU, and the GPU's model would take minutes a step there.
 
 Each command-buffer mode runs in a child process (XLA reads XLA_FLAGS once):
 - off: `--xla_gpu_enable_command_buffer=`: every kernel is launched from the
@@ -41,6 +42,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -279,24 +281,26 @@ def scan_accumulation(apply, loss_fn, m: int):
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--modes", default="off,default,conditional", help="comma-separated")
+    ap.add_argument("--modes", help="comma-separated (default: all three on a GPU machine)")
     ap.add_argument("--rounds", type=int, default=30)
     ap.add_argument("--idle", type=int, default=256, help="empty ticks appended in part 1")
-    ap.add_argument("--quick", action="store_true", help="the tiny GPT (a CPU check)")
+    ap.add_argument("--quick", action="store_true", help="the tiny GPT (always without a GPU)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mode")
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # set in the child processes
     args = ap.parse_args(argv)
     if args.mode is not None:
         run_mode(args.mode, args.rounds, args.quick, args.idle)
         return
-    modes = args.modes.split(",")
+    gpu = shutil.which("nvidia-smi") is not None  # not jax: the parent must not take the GPU
+    modes = (args.modes or ("off,default,conditional" if gpu else "default")).split(",")
+    quick = args.quick or not gpu
     unknown = sorted(set(modes) - set(MODES))
     if unknown:
         ap.error(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
     for mode in modes:
         flags = f"{os.environ.get('XLA_FLAGS', '')} {MODES[mode]}".strip()
         child = [sys.executable, __file__, "--mode", mode, "--rounds", str(args.rounds)]
-        child += ["--idle", str(args.idle), *(["--quick"] if args.quick else [])]
+        child += ["--idle", str(args.idle), *(["--quick"] if quick else [])]
         try:
             done = subprocess.run(
                 child, env={**os.environ, "XLA_FLAGS": flags}, timeout=args.timeout

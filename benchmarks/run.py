@@ -22,6 +22,7 @@ BENCHMARKS = [
     "bench_lockstep",
     "bench_lane_order",
     "bench_async",
+    "bench_gpu",
 ]
 
 
