@@ -73,7 +73,9 @@ def fit_bandwidth(sizes: Sequence[int], times: Sequence[float]) -> float:
     """bytes/s of time = latency + bytes / bandwidth (see the module docstring)."""
     if len(sizes) > 1:
         slope = np.polyfit(np.asarray(sizes, float), np.asarray(times, float), 1)[0]
-        if slope > 0:
+        # Flat times fit a slope of rounding noise (1e-23 s/byte, numpy 2.4), not 0:
+        # a slope that explains under a millionth of the largest time is flat.
+        if slope * max(sizes) > 1e-6 * max(times):
             return float(1 / slope)
     return float(sizes[-1] / max(times[-1], 1e-9))
 
