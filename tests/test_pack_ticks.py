@@ -13,7 +13,7 @@ from test_lowering import check_value_and_grad
 
 from pjit_pipe.cli import main
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.memory import largest_peak
+from pjit_pipe.ir.memory import MemoryBound, largest_peak, split_stages
 from pjit_pipe.ir.ops import BW, B, F, Kind, W, Worker
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, fits, lane_order
@@ -230,6 +230,36 @@ def test_polish_stays_between_the_optimum_and_the_greedy(width):
     assert optimum - 1e-9 <= packed_time(polished, costs) <= packed_time(greedy, costs) + 1e-9
     if width >= len(greedy):  # one window holds the whole table: the exact optimum
         assert packed_time(polished, costs) == pytest.approx(optimum)
+
+
+def pool_rows(table: PackedTicks) -> tuple[int, int]:
+    """The (B-pool, W-pool) rows the lowering's slot allocator sizes for `table`."""
+    sched = table.schedule
+    plan = build_plan(table, False, tuple(sched.alive_workers), split=split_stages(sched))
+    return plan.bres_slots, plan.res_slots
+
+
+@pytest.mark.parametrize(
+    "kind, costs, polish",
+    [
+        ("zb-h1", "1,2,1,0", 0.0),
+        ("zb-h2", "1,2,1,0", 0.0),
+        ("zb-h2", "5,6,4,1", 0.0),
+        ("auto", "1,2,1,0", 0.0),
+        pytest.param("zb-h2", "5,6,4,1", 1.0, marks=pytest.mark.slow),
+    ],
+)
+def test_packed_tables_need_no_more_residual_rows_than_the_schedule(kind, costs, polish):
+    """Units alone let a table keep the schedule's peak while one residual pool holds
+    a row more (each of these tables did, packed in units only): the default bound
+    holds each pool to the schedule's own peak too, in the greedy and the MILP."""
+    costs = Costs.parse(costs)
+    sched = make_schedule(kind, 4, 8, costs=costs if kind == "auto" else None)
+    unpacked = pool_rows(PackedTicks.one_op_per_tick(sched))
+    # The packer's model of the pools is the allocator's on the unpacked table.
+    assert MemoryBound.of(sched, None).rows == unpacked
+    rows = pool_rows(pack_ticks(sched, costs, polish=polish))
+    assert rows[0] <= unpacked[0] and rows[1] <= unpacked[1]
 
 
 def test_polish_refuses_bad_input_and_keeps_staggered_tables_valid():

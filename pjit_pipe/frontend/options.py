@@ -60,8 +60,8 @@ class PipelineOptions:
         (`pack_ticks(..., polish=)`: 1-9% off the zero-bubble kinds' priced
         step at P=4, up to about 10 s per compile there); 0, the default,
         compiles the greedy's table. A polished table stays within the same
-        activation units but may need a residual row more in one pool (the
-        units do not tell the pools apart). HiGHS stops at its time limit, so the
+        memory bound (activation units, and each residual pool's rows:
+        `ir.memory.MemoryBound`). HiGHS stops at its time limit, so the
         polished table can differ between machines: leave it off on a
         multi-host mesh, where every process must compile the same program.
     async_weights: schedule="async-1f1b" only: the weights its stale forwards

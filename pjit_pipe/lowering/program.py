@@ -24,7 +24,7 @@ import optax
 from jax.sharding import Mesh
 
 from pjit_pipe.errors import BatchError, CutError, MeshError, OptimizerError, OptionError
-from pjit_pipe.ir.ops import Kind
+from pjit_pipe.ir.memory import split_stages
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
@@ -127,7 +127,7 @@ def lower(
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     # Stages run as separate B and W get the split backward (see the docstring).
-    split = {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
+    split = set(split_stages(schedule))
     if remat or not split_backward:
         split = set()
     loss = LossLayout(loss_fn, has_aux)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
-from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units
+from pjit_pipe.ir.memory import MemoryBound
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import (
@@ -45,13 +45,12 @@ _SCAN = 64  # how far past a worker's oldest unplaced op the greedy looks for re
 class _Worker:
     """One worker's unplaced entries, in program order, and its memory so far."""
 
-    def __init__(self, entries: list[Entry], cap: float):
+    def __init__(self, entries: list[Entry]):
         self.entries = entries
         self.position = {e: i for i, e in enumerate(entries)}
         self.placed = [False] * len(entries)
         self.ptr = 0  # the oldest unplaced entry
-        self.memory = 0
-        self.cap = cap
+        self.memory = (0, 0, 0)  # (units, B-pool rows, W-pool rows): MemoryBound.delta
         self.after_opt = -1  # tick of this worker's latest OPT: its next op runs later
 
     def advance(self) -> None:
@@ -68,7 +67,7 @@ class GreedyPacker:
         sched: Schedule,
         costs: Costs,
         iterations: int,
-        mem_limit: float,
+        mem_limit: float | None,
         overtaking_w: bool = True,
         lazy_w: bool = False,
         order: LaneOrder = FORWARD_FIRST,
@@ -84,7 +83,9 @@ class GreedyPacker:
             for key, cross in self.flow.deps(w, op):
                 if cross:
                     self.crosses.add(key)
-        cap = self.cap = limit_units(mem_limit, sched.chunks)
+        # What each worker may hold (mem_limit as in pack_ticks: None, the schedule's own).
+        self.bound = MemoryBound.of(sched, mem_limit)
+        self.delta = {op: self.bound.delta(op) for _, _, op in sched.ops()}
         # Per (worker, op): what it waits for (key, whether a message) and what it makes.
         self.deps = {
             (w, op): [(k, is_message(k, op)) for k, _ in self.flow.deps(w, op)]
@@ -100,7 +101,7 @@ class GreedyPacker:
             for w, _, op in sched.ops()
         }
         self.workers = {
-            w: _Worker([(it, op) for it in range(iterations) for op in sched.program(w)], cap)
+            w: _Worker([(it, op) for it in range(iterations) for op in sched.program(w)])
             for w in sched.alive_workers
         }
         self.done: dict[Stamped, int] = {}  # (iteration, key) -> tick it became available in
@@ -140,7 +141,7 @@ class GreedyPacker:
         st.placed[st.position[entry]] = True
         st.advance()
         it, op = entry
-        st.memory += MEMORY_DELTA.get(op.kind, 0)
+        st.memory = add(st.memory, self.delta[op])
         for k in self.produces[(w, op)]:
             key = (it, k)
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -248,11 +249,14 @@ class GreedyPacker:
             # the memory after the tick (no deadlock).
             mem = peak = st.memory
             for _, o in lane_order([*chosen, (it, op)], self.order):
-                mem += MEMORY_DELTA[o.kind]
-                peak = max(peak, mem)
-            skip = {st.position[e] for e in chosen} | {i}
-            if peak > st.cap or (i > st.ptr and mem + self._rise(st, skip) > st.cap):
+                mem = add(mem, self.delta[o])
+                peak = highest(peak, mem)
+            if not self.bound.admits(peak):
                 continue
+            if i > st.ptr:
+                rise = self._rise(st, {st.position[e] for e in chosen} | {i})
+                if not self.bound.admits(add(mem, rise)):
+                    continue
             chosen.append((it, op))
             taken.update(lanes(op.kind, self.order))
             lane = lanes(op.kind, self.order)[-1]
@@ -260,18 +264,27 @@ class GreedyPacker:
             if len(taken) == 3:  # every lane holds an op
                 break
 
-    @staticmethod
-    def _rise(st: _Worker, skip: set[int]) -> int:
+    def _rise(self, st: _Worker, skip: set[int]) -> tuple[int, ...]:
         """How far the worker's memory must still rise running its unplaced ops in
-        program order (the entries in `skip` left out: the tick's): an op that
-        overtakes keeps this much room free, so the program order stays possible
-        (no deadlock)."""
-        total = rise = 0
+        program order (the entries in `skip` left out: the tick's), per resource:
+        an op that overtakes keeps this much room free, so the program order stays
+        possible (no deadlock)."""
+        total = rise = (0, 0, 0)
         for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
             if not st.placed[i] and i not in skip:
-                total += MEMORY_DELTA.get(st.entries[i][1].kind, 0)
-                rise = max(rise, total)
+                total = add(total, self.delta[st.entries[i][1]])
+                rise = highest(rise, total)
         return rise
+
+
+# Held memory as (units, B-pool rows, W-pool rows) (ir.memory.MemoryBound), summed and
+# maxed by hand: the greedy's inner loop runs these a hundred thousand times.
+def add(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
+
+
+def highest(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
+    return max(a[0], b[0]), max(a[1], b[1]), max(a[2], b[2])
 
 
 def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str, order: LaneOrder):

@@ -39,7 +39,6 @@ import dataclasses
 from collections.abc import Mapping, Sequence
 
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.memory import largest_peak
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import (
     LANE_ORDERS,
@@ -67,10 +66,12 @@ def pack_ticks(
 
     mem_limit bounds each worker's in-flight activation memory (docs/design.md
     section 3 units) when a younger op runs ahead of one that waits. None takes
-    the schedule's own peak (the largest worker's): one SPMD program sizes every
-    device's residual store for the largest, so the packed program then holds no
-    more activations than the unpacked one. A larger limit (math.inf: none)
-    trades memory for speed (`PackedTicks.peak_memory` tells what a table holds).
+    the schedule's own peak (the largest worker's), in units and in each residual
+    pool's rows (`ir.memory.MemoryBound`): one SPMD program sizes every device's
+    residual stores for the largest, so the packed program then holds no more
+    than the unpacked one. A number bounds the units alone; a larger one
+    (math.inf: none) trades memory for speed (`PackedTicks.peak_memory` tells
+    what a table holds).
     An asynchronous schedule gets its unpacked table (module docstring).
 
     polish > 0 improves the one-iteration table by exact solves of windows of
@@ -128,8 +129,6 @@ def _pack(
 ) -> PackedTicks:
     """`pack_ticks` without its argument check and cache."""
     sched = compute_only(schedule)
-    if mem_limit is None:
-        mem_limit = largest_peak(schedule)
     # The unpacked table is a candidate too: packing never makes a schedule slower.
     # (With one op per worker and tick it is a table of every lane order.)
     best = dataclasses.replace(PackedTicks.one_op_per_tick(schedule, iterations), order=orders[0])

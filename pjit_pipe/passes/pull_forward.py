@@ -12,10 +12,9 @@ limit, until none is left (or a few passes).
 from __future__ import annotations
 
 from pjit_pipe.ir.engine import Stamped
-from pjit_pipe.ir.memory import MEMORY_DELTA
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
 from pjit_pipe.ir.ticks import Entry, PackedTicks, fits, lane_order
-from pjit_pipe.passes.greedy_ticks import GreedyPacker
+from pjit_pipe.passes.greedy_ticks import GreedyPacker, add, highest
 
 
 class PullForward:
@@ -28,7 +27,6 @@ class PullForward:
     def __init__(self, greedy: GreedyPacker, table: PackedTicks):
         self.g = greedy
         self.ticks = [{w: list(es) for w, es in tick.items()} for tick in table.ticks]
-        self.cap = greedy.cap
 
     def run(self, passes: int = 3) -> list[dict[Worker, tuple[Entry, ...]]]:
         for _ in range(passes):
@@ -108,9 +106,11 @@ class PullForward:
         return True
 
     def _memory_ok(self, w: Worker, t: int, joined: list[Entry], rest: list[Entry]) -> bool:
-        total = peak = 0
+        """Whether worker w stays within the greedy's memory bound with `joined` in
+        tick t and `rest` in tick t + 1."""
+        total = peak = (0, 0, 0)
         for u, tick in enumerate(self.ticks):
             for _, o in joined if u == t else rest if u == t + 1 else tick.get(w, []):
-                total += MEMORY_DELTA.get(o.kind, 0)
-                peak = max(peak, total)
-        return peak <= self.cap
+                total = add(total, self.g.delta[o])
+                peak = highest(peak, total)
+        return self.g.bound.admits(peak)

@@ -6,7 +6,8 @@ its slowest worker, a message leaving a worker after its op plus C), plus
 `Costs.tick` for each tick that holds an op (as `packed_time` prices a table:
 an empty tick is dropped from it), under the lane rule of ir/ticks.py, every
 dependency (a message from an earlier tick, a residual from an earlier lane)
-and the memory limit (the peak inside each tick, in its lane order). A worker
+and the memory bound (ir.memory.MemoryBound: the peak of the units and of each
+residual pool's rows inside each tick, in its lane order). A worker
 may run its ops in any order the dependencies allow, as the greedy may. The
 lane order is fixed within one MILP. OPTs run at the end of the last tick, so
 the tables are those of one iteration that steps every stage at its end
@@ -39,7 +40,7 @@ import numpy as np
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import Engine, Tensor
-from pjit_pipe.ir.memory import MEMORY_DELTA, largest_peak, limit_units
+from pjit_pipe.ir.memory import MemoryBound
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import Entry, LaneOrder, PackedTicks, compute_only, is_message, lanes
@@ -201,7 +202,7 @@ def solve_ticks(
             ends.append(before + sends[i])
         return max(ends)
 
-    cap = limit_units(largest_peak(schedule) if mem_limit is None else mem_limit, sched.chunks)
+    bound = MemoryBound.of(sched, mem_limit)
     in_start: list[list[int]] = [[] for _ in range(T)]
     for i, t in enumerate(tick_of):
         in_start[t].append(i)
@@ -230,14 +231,19 @@ def solve_ticks(
                     if first_lane[k] <= first_lane[i]:
                         coefs[x(k, t)] = -took[k] - (sends[i] if k == i else 0.0)
                 rows.append((0, np.inf, coefs))
-        if cap < np.inf:
-            # The tick's peak: with F first, the memory before it plus its F (a
-            # release counts after its tick); with F last, the memory after it.
-            # Ops fixed in earlier ticks add a constant, folded into the bound.
+        # The tick's peak of each resource (units, B-pool rows, W-pool rows): with F
+        # first, the memory before it plus its F (a release counts after its tick);
+        # with F last, the memory after it. Only F allocates. Ops fixed in earlier
+        # ticks add a constant, folded into the bound.
+        for r, cap in enumerate(bound.caps):
+            if cap == np.inf:
+                continue
             for mine in by_worker.values():
                 coefs, constant = {}, 0.0
                 for i in mine:
-                    d = MEMORY_DELTA[ops[i][1].kind]
+                    d = bound.delta(ops[i][1])[r]
+                    if d == 0:
+                        continue
                     last = t if d > 0 or order[-1] is Kind.F else t - 1
                     if fixed[i]:
                         constant += d if early[i] <= last else 0.0
