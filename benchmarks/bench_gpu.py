@@ -1,12 +1,15 @@
-"""The tick body on one accelerator: what a tick costs, and each kind's step time
+"""The tick body on accelerators: what a tick costs, and each kind's step time
 against a plain gradient-accumulation scan over the same microbatches.
 
-    python benchmarks/bench_gpu.py [--modes off,default,conditional] [--rounds N] [--quick]
+    python benchmarks/bench_gpu.py [--modes off,default,conditional] [--rounds N]
+                                   [--stages P] [--quick]
 
-Runs on the default backend's first device: a GPU where there is one. On a
+Runs on the default backend's devices: GPUs where there are some. On a
 machine without one (no `nvidia-smi`) it runs the tiny GPT in the default
 mode alone unless told otherwise: the command-buffer flags change nothing on
-a CPU, and the GPU's model would take minutes a step there.
+a CPU, and the GPU's model would take minutes a step there. `--stages P`
+pipelines over the first P devices (mesh 1xP; the model gets at least 2P
+blocks); the scan and part 4 run on the first device.
 
 Each command-buffer mode runs in a child process (XLA reads XLA_FLAGS once):
 - off: `--xla_gpu_enable_command_buffer=`: every kernel is launched from the
@@ -20,8 +23,8 @@ In each mode:
 1. What a tick costs beside its ops: `tick_seconds` (the idle loop that
    `costs="measure"` times), and the real tick body: zb-h1's table with N empty
    ticks appended, timed against the table alone in the same rounds.
-2. A GPT's value_and_grad on a 1x1 mesh under every kind (interleaved-1f1b and
-   zb-v run two chunks on the one device) against `lax.scan` over the
+2. A GPT's value_and_grad on the mesh under every kind (interleaved-1f1b and
+   zb-v run two chunks on each device) against `lax.scan` over the
    microbatches of `jax.value_and_grad`: the median of the per-round ratios, the
    ticks of each program, its first call (trace and compile), and its worst
    gradient error against the scan's.
@@ -33,8 +36,9 @@ In each mode:
    that returns its residuals and a jitted backward that reads them, with every
    residual kept and with `jax.checkpoint`'s dots_saveable (what pjit_pipe's F
    keeps: lowering/stages.py); part 3 gives pjit_pipe's own F and BW.
-With one stage there is no bubble: every kind does the scan's work, so the
-ratio is what the tick-synchronous program costs over the plainest loop.
+With one stage (the default) there is no bubble: every kind does the scan's
+work, so the ratio is what the tick-synchronous program costs over the
+plainest loop.
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ MODES = {
 CHUNKED = ("interleaved-1f1b", "zb-v")  # kinds that need two chunks per device
 
 
-def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
+def run_mode(mode: str, rounds: int, quick: bool, idle: int, stages: int) -> None:
     """Every part in this process, under the XLA_FLAGS its parent set for `mode`."""
     import jax
     import jax.numpy as jnp
@@ -79,12 +83,14 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int) -> None:
     else:
         config = GPTConfig(vocab=512, seq_len=256, d_model=512, n_heads=8, n_layers=4, d_ff=2048)
         m, rows = 8, 16
+    # Enough blocks for two chunks on every stage.
+    config = dataclasses.replace(config, n_layers=max(config.n_layers, 2 * stages))
     model = GPT(config)
     x = jax.random.randint(jax.random.key(0), (m * rows, config.seq_len), 0, config.vocab)
     y = jnp.roll(x, -1, axis=1)
     params = model.init(jax.random.key(1), x)
-    print(f"   GPT {config}, m={m} x {rows} sequences", flush=True)
-    run = Run(model, lm_loss, params, x, y, m, pp.make_mesh(data=1, stage=1), rounds)
+    print(f"   GPT {config}, m={m} x {rows} sequences, mesh 1x{stages}", flush=True)
+    run = Run(model, lm_loss, params, x, y, m, pp.make_mesh(data=1, stage=stages), rounds)
     tick_cost(run, jax.ShapeDtypeStruct((rows, config.seq_len, config.d_model), jnp.float32), idle)
     times, pipelines = kinds_against_scan(run)
     against_price(run, times, pipelines)
@@ -109,7 +115,12 @@ class Run:
 
         chunks = 2 if kind in CHUNKED else 1
         return pp.pipeline(
-            self.model, stages=1, microbatches=self.m, schedule=kind, mesh=self.mesh, chunks=chunks
+            self.model,
+            stages=self.mesh.shape["stage"],
+            microbatches=self.m,
+            schedule=kind,
+            mesh=self.mesh,
+            chunks=chunks,
         )
 
 
@@ -286,10 +297,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--idle", type=int, default=256, help="empty ticks appended in part 1")
     ap.add_argument("--quick", action="store_true", help="the tiny GPT (always without a GPU)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds per mode")
+    ap.add_argument(
+        "--stages", type=int, default=1, help="pipeline positions, one device each (mesh 1xP)"
+    )
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # set in the child processes
     args = ap.parse_args(argv)
     if args.mode is not None:
-        run_mode(args.mode, args.rounds, args.quick, args.idle)
+        run_mode(args.mode, args.rounds, args.quick, args.idle, args.stages)
         return
     gpu = shutil.which("nvidia-smi") is not None  # not jax: the parent must not take the GPU
     modes = (args.modes or ("off,default,conditional" if gpu else "default")).split(",")
@@ -300,7 +314,8 @@ def main(argv: list[str] | None = None) -> None:
     for mode in modes:
         flags = f"{os.environ.get('XLA_FLAGS', '')} {MODES[mode]}".strip()
         child = [sys.executable, __file__, "--mode", mode, "--rounds", str(args.rounds)]
-        child += ["--idle", str(args.idle), *(["--quick"] if quick else [])]
+        child += ["--idle", str(args.idle), "--stages", str(args.stages)]
+        child += ["--quick"] if quick else []
         try:
             done = subprocess.run(
                 child, env={**os.environ, "XLA_FLAGS": flags}, timeout=args.timeout
