@@ -120,3 +120,40 @@ def test_five_staggered_steps_equal_five_synchronous_ones(kind, D, P, failed):
     ref, want = unpipelined_training(fns, params, opt, batches)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
     assert_trees_close(got, ref)
+
+
+def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(monkeypatch):
+    """On a whole mesh the replicas of a position step together, so a device psums
+    its gradients over the replicas only at the ticks where its own stage steps,
+    not at every stage's step (which multiplied the reduction traffic by the
+    number of stages). Counted at run time: a callback inside the reduction."""
+    import jax
+
+    from pjit_pipe.lowering.topology import Topology
+
+    calls: list[int] = []
+    plain = Topology.reduce_over_replicas
+
+    def counted(self, tree):
+        jax.debug.callback(lambda pos: calls.append(int(pos)), jax.lax.axis_index("stage"))
+        return plain(self, tree)
+
+    monkeypatch.setattr(Topology, "reduce_over_replicas", counted)
+    D, P, iterations = 2, 4, 2
+    sched = stagger(make_schedule("zb-h2", P, M, replicas=D))
+    fns, params = tiny_model(P)
+    opt = optax.sgd(0.1)
+    batches = [batch(D * M * MB, seed=50 + i) for i in range(iterations)]
+    xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
+    step = lower(
+        sched, fns, xent, mesh_of(D, P), params, *batches[0], optimizer=opt, iterations=iterations
+    )
+    got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
+    jax.effects_barrier()
+    # The stages step in several ticks, so reducing at every update tick would make
+    # D * P calls per update tick; each device reduces once per iteration.
+    assert int(np.count_nonzero(step._low.step_plan.updates)) > iterations
+    assert sorted(calls) == sorted([p for p in range(P) for _ in range(D * iterations)])
+    ref, want = unpipelined_training(fns, params, opt, batches)
+    np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
+    assert_trees_close(got, ref)

@@ -105,7 +105,16 @@ class StageOptimizer:
             grads, params, chunks, opt, done, wcarry = state
             mine = ((row.update >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads, pos).items()}
-            g = prog.topo.reduce_over_replicas(g)
+            if prog.topo.complete:
+                # The replicas of a position step its chunks in the same tick, so the
+                # members of each 'data' group agree on this predicate: a position with
+                # nothing to step skips the psum, and a device reduces its gradients
+                # only at its own steps, not at every stage's.
+                g = lax.cond(jnp.any(mine), prog.topo.reduce_over_replicas, lambda t: t, g)
+            else:
+                # (The chain of ppermutes of a failed mesh names every position's
+                # pairs in one collective: every device runs it.)
+                g = prog.topo.reduce_over_replicas(g)
             if weights is not None:  # one microbatch's gradient per step
                 g = weights.step_gradients(g)
             elif prog.loss.weighted:  # per chunk, its iteration's count / total weight
