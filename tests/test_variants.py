@@ -122,26 +122,29 @@ def test_five_staggered_steps_equal_five_synchronous_ones(kind, D, P, failed):
     assert_trees_close(got, ref)
 
 
-def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(monkeypatch):
+@pytest.mark.parametrize("kind, P, v", [("zb-h2", 4, 1), ("interleaved-1f1b", 2, 2)])
+def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(monkeypatch, kind, P, v):
     """On a whole mesh the replicas of a position step together, so a device psums
-    its gradients over the replicas only at the ticks where its own stage steps,
-    not at every stage's step (which multiplied the reduction traffic by the
-    number of stages). Counted at run time: a callback inside the reduction."""
+    a chunk's gradients over the replicas only at that chunk's step, not at every
+    stage's step (which multiplied the reduction traffic by the number of
+    stages). Counted at run time: a callback inside the reduction."""
     import jax
 
     from pjit_pipe.lowering.topology import Topology
 
-    calls: list[int] = []
+    calls: list[int] = []  # the position of each reduction run
+    shapes: set[tuple[int, ...]] = set()  # what was reduced
     plain = Topology.reduce_over_replicas
 
     def counted(self, tree):
+        shapes.update(leaf.shape for leaf in jax.tree.leaves(tree))
         jax.debug.callback(lambda pos: calls.append(int(pos)), jax.lax.axis_index("stage"))
         return plain(self, tree)
 
     monkeypatch.setattr(Topology, "reduce_over_replicas", counted)
-    D, P, iterations = 2, 4, 2
-    sched = stagger(make_schedule("zb-h2", P, M, replicas=D))
-    fns, params = tiny_model(P)
+    D, iterations = 2, 2
+    sched = stagger(make_schedule(kind, P, M, chunks=v, replicas=D))
+    fns, params = tiny_model(P * v)
     opt = optax.sgd(0.1)
     batches = [batch(D * M * MB, seed=50 + i) for i in range(iterations)]
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
@@ -151,9 +154,10 @@ def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(monkeypa
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     jax.effects_barrier()
     # The stages step in several ticks, so reducing at every update tick would make
-    # D * P calls per update tick; each device reduces once per iteration.
+    # D * P * v calls per update tick; each device reduces each chunk once an iteration.
     assert int(np.count_nonzero(step._low.step_plan.updates)) > iterations
-    assert sorted(calls) == sorted([p for p in range(P) for _ in range(D * iterations)])
+    assert sorted(calls) == sorted([p for p in range(P) for _ in range(D * v * iterations)])
+    assert all(len(shape) == 1 for shape in shapes)  # one chunk's row, not all v
     ref, want = unpipelined_training(fns, params, opt, batches)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
     assert_trees_close(got, ref)

@@ -107,10 +107,19 @@ class StageOptimizer:
             g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads, pos).items()}
             if prog.topo.complete:
                 # The replicas of a position step its chunks in the same tick, so the
-                # members of each 'data' group agree on this predicate: a position with
-                # nothing to step skips the psum, and a device reduces its gradients
-                # only at its own steps, not at every stage's.
-                g = lax.cond(jnp.any(mine), prog.topo.reduce_over_replicas, lambda t: t, g)
+                # members of each 'data' group agree on these predicates: a device
+                # reduces a chunk's gradient row only at that chunk's step, not at
+                # every stage's.
+                rows = [
+                    lax.cond(
+                        mine[c, 0],
+                        prog.topo.reduce_over_replicas,
+                        lambda t: t,
+                        {k: b[c] for k, b in g.items()},
+                    )
+                    for c in range(v)
+                ]
+                g = {k: jnp.stack([r[k] for r in rows]) for k in g}
             else:
                 # (The chain of ppermutes of a failed mesh names every position's
                 # pairs in one collective: every device runs it.)
