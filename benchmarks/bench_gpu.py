@@ -99,7 +99,7 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int, stages: int) -> Non
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """What every part times: a model, its loss, a batch of m microbatches, a 1x1 mesh."""
+    """What every part times: a model, its loss, a batch of m microbatches, a 1xP mesh."""
 
     model: Any
     loss_fn: Callable
