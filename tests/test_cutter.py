@@ -103,6 +103,38 @@ def test_remat_jit_vmap_blocks_are_clean_cuts():
     assert rel_err(out, model.apply(params, x)) < 1e-6
 
 
+def test_cuts_on_several_threads_leave_linen_untouched():
+    """Failure variants compile on several threads (runtime/variants.py), each
+    cutting the model. The cutter's hooks into linen's transforms must not leak
+    between them: swapped in and out per cut, they raced and left a finished
+    cut's hook in place, and every later linen trace of a transformed child
+    then failed. Afterwards a plain init and apply run as before."""
+    import threading
+
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    model = Transformed()
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    want = model.apply(params, x)
+    errors: list[BaseException] = []
+
+    def cut_repeatedly():
+        try:
+            for _ in range(4):
+                cut = cut_module(model, params, x, 4)
+                assert cut.keys == (("inp",), ("remat",), ("jit",), ("out", "vmap"))
+        except BaseException as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=cut_repeatedly) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    again = model.init(jax.random.key(0), x)  # no cut active: linen as it was
+    assert rel_err(model.apply(again, x), want) < 1e-6
+
+
 def test_liveness_looks_into_remat_jit_scan_and_cond():
     def f(a, b, c, d):
         u = jax.checkpoint(lambda a, b: a * 2)(a, b)  # b unused inside

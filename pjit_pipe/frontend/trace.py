@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import threading
 from collections.abc import Callable, Iterator, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -330,13 +331,22 @@ def _transform_name(module: nn.Module) -> str:
     return type(module).__name__.removesuffix(base) or type(module).__name__
 
 
-@contextlib.contextmanager
-def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
-    """While running, linen's lifted transforms (nn.remat, nn.jit, nn.vmap of a
-    child) report the child and its arguments to `run` before entering their trace."""
-    original = linen_transforms.get_module_scopes
+# The run that linen's lifted transforms report to (`run_module`), per thread and
+# context. The hooks that read it are installed once and for good and do nothing
+# outside such a run: swapping flax's globals in and out per run raced when
+# failure variants compile on several threads (runtime/variants.py), and could
+# leave a finished run's hook in place, which then broke any later linen trace.
+_LINEN_RUN: ContextVar[Run | None] = ContextVar("pjit_pipe_linen_run", default=None)
+_install_lock = threading.Lock()
+_flax_get_module_scopes: Callable[..., Any] | None = None
 
-    def hooked(module, args=None, kwargs=None):
+
+def _reported_module_scopes(module, args=None, kwargs=None):
+    """flax's `get_module_scopes`, which its lifted transforms (nn.remat, nn.jit,
+    nn.vmap of a child) call before entering their trace: inside a run it reports
+    the child and its arguments to the run first."""
+    run = _LINEN_RUN.get()
+    if run is not None:
         scope = getattr(module, "scope", None)
         if scope is not None and not scope.path and run.wrapped_root is None:
             run.wrapped_root = _transform_name(module)
@@ -350,29 +360,43 @@ def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
             args, kwargs = run.enter_transformed(
                 module.name, _transform_name(module), tuple(args), dict(kwargs or {})
             )
-        return original(module, args, kwargs)
-
-    linen_transforms.get_module_scopes = hooked
-    axes_scan.lax = _LaxSeenBy(run)
-    try:
-        yield
-    finally:
-        linen_transforms.get_module_scopes = original
-        axes_scan.lax = jax.lax
+    return _flax_get_module_scopes(module, args, kwargs)
 
 
-class _LaxSeenBy:
-    """`jax.lax` for flax's nn.scan while a run is active: its `scan` goes through the
-    run (which may cut it to the stage's iterations)."""
-
-    def __init__(self, run: Run):
-        self._run = run
+class _LaxSeenByRuns:
+    """`jax.lax` for flax's nn.scan: inside a run its `scan` goes through the run
+    (which may cut it to the stage's iterations)."""
 
     def scan(self, body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
-        return self._run.scan(jax.lax.scan, body, init, xs, **kwargs)
+        run = _LINEN_RUN.get()
+        if run is None:
+            return jax.lax.scan(body, init, xs, **kwargs)
+        return run.scan(jax.lax.scan, body, init, xs, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(jax.lax, name)
+
+
+def _install_linen_hooks() -> None:
+    global _flax_get_module_scopes
+    with _install_lock:
+        if _flax_get_module_scopes is None:
+            _flax_get_module_scopes = linen_transforms.get_module_scopes
+            linen_transforms.get_module_scopes = _reported_module_scopes
+            axes_scan.lax = _LaxSeenByRuns()
+
+
+@contextlib.contextmanager
+def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
+    """While running, linen's lifted transforms (nn.remat, nn.jit, nn.vmap of a
+    child) report the child and its arguments to `run` before entering their trace,
+    and flax's nn.scan runs through it."""
+    _install_linen_hooks()
+    token = _LINEN_RUN.set(run)
+    try:
+        yield
+    finally:
+        _LINEN_RUN.reset(token)
 
 
 def run_module(module: nn.Module, variables: Any, x: Any, run: Run) -> Any:
