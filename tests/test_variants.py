@@ -122,15 +122,22 @@ def test_five_staggered_steps_equal_five_synchronous_ones(kind, D, P, failed):
     assert_trees_close(got, ref)
 
 
-@pytest.mark.parametrize("kind, P, v", [("zb-h2", 4, 1), ("interleaved-1f1b", 2, 2)])
-def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(monkeypatch, kind, P, v):
-    """On a whole mesh the replicas of a position step together, so a device psums
-    a chunk's gradients over the replicas only at that chunk's step, not at every
-    stage's step (which multiplied the reduction traffic by the number of
-    stages). Counted at run time: a callback inside the reduction."""
+@pytest.mark.parametrize(
+    "kind, D, P, v, failed",
+    [("zb-h2", 2, 4, 1, ()), ("interleaved-1f1b", 2, 2, 2, ()), ("1f1b", 4, 2, 1, ((2, 1),))],
+    ids=["zb-h2-2x4", "interleaved-2x2", "1f1b-4x2-rerouted"],
+)
+def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(
+    monkeypatch, kind, D, P, v, failed
+):
+    """Every holder of a stage steps it in the same tick, so a device reduces a
+    chunk's gradients over the replicas (a psum, or a chain of ppermutes on a mesh
+    with a failed worker) only at that chunk's step, not at every stage's step
+    (which multiplied the reduction traffic by the number of stages). Counted at
+    run time: a callback inside the reduction."""
     import jax
 
-    from pjit_pipe.lowering.topology import Topology
+    from pjit_pipe.lowering.topology import SURVIVOR_AXIS, Topology
 
     calls: list[int] = []  # the position of each reduction run
     shapes: set[tuple[int, ...]] = set()  # what was reduced
@@ -138,12 +145,19 @@ def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(monkeypa
 
     def counted(self, tree):
         shapes.update(leaf.shape for leaf in jax.tree.leaves(tree))
-        jax.debug.callback(lambda pos: calls.append(int(pos)), jax.lax.axis_index("stage"))
+        if self.complete:
+            pos = jax.lax.axis_index("stage")
+        else:  # the survivors are one flat axis
+            pos = jnp.asarray(self.positions)[jax.lax.axis_index(SURVIVOR_AXIS)]
+        jax.debug.callback(lambda p: calls.append(int(p)), pos)
         return plain(self, tree)
 
     monkeypatch.setattr(Topology, "reduce_over_replicas", counted)
-    D, iterations = 2, 2
-    sched = stagger(make_schedule(kind, P, M, chunks=v, replicas=D))
+    iterations = 2
+    if failed:
+        sched = schedule_with_failures(kind, P, M, D, failed, time_limit=1.0)
+    else:
+        sched = stagger(make_schedule(kind, P, M, chunks=v, replicas=D))
     fns, params = tiny_model(P * v)
     opt = optax.sgd(0.1)
     batches = [batch(D * M * MB, seed=50 + i) for i in range(iterations)]
@@ -153,10 +167,12 @@ def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(monkeypa
     )
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     jax.effects_barrier()
-    # The stages step in several ticks, so reducing at every update tick would make
-    # D * P * v calls per update tick; each device reduces each chunk once an iteration.
+    # The stages step in several ticks, so reducing at every update tick would make a
+    # call per device and update tick; each live device reduces each chunk once an
+    # iteration.
     assert int(np.count_nonzero(step._low.step_plan.updates)) > iterations
-    assert sorted(calls) == sorted([p for p in range(P) for _ in range(D * v * iterations)])
+    live = [w.stage for w in sched.alive_workers]
+    assert sorted(calls) == sorted(p for p in live for _ in range(v * iterations))
     assert all(len(shape) == 1 for shape in shapes)  # one chunk's row, not all v
     ref, want = unpipelined_training(fns, params, opt, batches)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)

@@ -105,25 +105,21 @@ class StageOptimizer:
             grads, params, chunks, opt, done, wcarry = state
             mine = ((row.update >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads, pos).items()}
-            if prog.topo.complete:
-                # The replicas of a position step its chunks in the same tick, so the
-                # members of each 'data' group agree on these predicates: a device
-                # reduces a chunk's gradient row only at that chunk's step, not at
-                # every stage's.
-                rows = [
-                    lax.cond(
-                        mine[c, 0],
-                        prog.topo.reduce_over_replicas,
-                        lambda t: t,
-                        {k: b[c] for k, b in g.items()},
-                    )
-                    for c in range(v)
-                ]
-                g = {k: jnp.stack([r[k] for r in rows]) for k in g}
-            else:
-                # (The chain of ppermutes of a failed mesh names every position's
-                # pairs in one collective: every device runs it.)
-                g = prog.topo.reduce_over_replicas(g)
+            # Every holder of a stage steps it in the same tick, so the devices that
+            # reduce together (a 'data' group, or a position's chain on a mesh with a
+            # failed worker) agree on these predicates: a device reduces a chunk's
+            # gradient row only at that chunk's step, not at every stage's. (XLA
+            # sets up the collectives of every branch before the program runs.)
+            rows = [
+                lax.cond(
+                    mine[c, 0],
+                    prog.topo.reduce_over_replicas,
+                    lambda t: t,
+                    {k: b[c] for k, b in g.items()},
+                )
+                for c in range(v)
+            ]
+            g = {k: jnp.stack([r[k] for r in rows]) for k in g}
             if weights is not None:  # one microbatch's gradient per step
                 g = weights.step_gradients(g)
             elif prog.loss.weighted:  # per chunk, its iteration's count / total weight
