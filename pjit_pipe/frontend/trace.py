@@ -33,20 +33,17 @@ per-iteration outputs (ys) are used, or that runs in reverse, is one event.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import threading
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Any
 
-import flax.core.axes_scan as axes_scan
 import flax.linen as nn
-import flax.linen.transforms as linen_transforms
 import jax
 
 from pjit_pipe.errors import CutError
+from pjit_pipe.frontend.linen_hooks import transforms_seen_from_outside
 
 
 @dataclass(frozen=True)
@@ -324,87 +321,12 @@ def drive(run: Run, forward: Callable[[], Any]) -> Any:
     return out
 
 
-def _transform_name(module: nn.Module) -> str:
-    """ "Checkpoint", "Jit", "Scan", ...: lifted classes are named transform + class
-    ("CheckpointBlock"); a transformed method keeps its class's name."""
-    base = type(module).__mro__[1].__name__
-    return type(module).__name__.removesuffix(base) or type(module).__name__
-
-
-# The run that linen's lifted transforms report to (`run_module`), per thread and
-# context. The hooks that read it are installed once and for good and do nothing
-# outside such a run: swapping flax's globals in and out per run raced when
-# failure variants compile on several threads (runtime/variants.py), and could
-# leave a finished run's hook in place, which then broke any later linen trace.
-_LINEN_RUN: ContextVar[Run | None] = ContextVar("pjit_pipe_linen_run", default=None)
-_install_lock = threading.Lock()
-_flax_get_module_scopes: Callable[..., Any] | None = None
-
-
-def _reported_module_scopes(module, args=None, kwargs=None):
-    """flax's `get_module_scopes`, which its lifted transforms (nn.remat, nn.jit,
-    nn.vmap of a child) call before entering their trace: inside a run it reports
-    the child and its arguments to the run first."""
-    run = _LINEN_RUN.get()
-    if run is not None:
-        scope = getattr(module, "scope", None)
-        if scope is not None and not scope.path and run.wrapped_root is None:
-            run.wrapped_root = _transform_name(module)
-        if (
-            not run._depth
-            and run._pending is None
-            and scope is not None
-            and len(scope.path) == 1
-            and args is not None
-        ):
-            args, kwargs = run.enter_transformed(
-                module.name, _transform_name(module), tuple(args), dict(kwargs or {})
-            )
-    return _flax_get_module_scopes(module, args, kwargs)
-
-
-class _LaxSeenByRuns:
-    """`jax.lax` for flax's nn.scan: inside a run its `scan` goes through the run
-    (which may cut it to the stage's iterations)."""
-
-    def scan(self, body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
-        run = _LINEN_RUN.get()
-        if run is None:
-            return jax.lax.scan(body, init, xs, **kwargs)
-        return run.scan(jax.lax.scan, body, init, xs, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(jax.lax, name)
-
-
-def _install_linen_hooks() -> None:
-    global _flax_get_module_scopes
-    with _install_lock:
-        if _flax_get_module_scopes is None:
-            _flax_get_module_scopes = linen_transforms.get_module_scopes
-            linen_transforms.get_module_scopes = _reported_module_scopes
-            axes_scan.lax = _LaxSeenByRuns()
-
-
-@contextlib.contextmanager
-def _transforms_seen_from_outside(run: Run) -> Iterator[None]:
-    """While running, linen's lifted transforms (nn.remat, nn.jit, nn.vmap of a
-    child) report the child and its arguments to `run` before entering their trace,
-    and flax's nn.scan runs through it."""
-    _install_linen_hooks()
-    token = _LINEN_RUN.set(run)
-    try:
-        yield
-    finally:
-        _LINEN_RUN.reset(token)
-
-
 def run_module(module: nn.Module, variables: Any, x: Any, run: Run) -> Any:
     """`module.apply(variables, x)` driven by `run`; returns the stage's output."""
     args, kwargs = call_args(x)
 
     def forward() -> Any:
-        with nn.intercept_methods(run.intercept), _transforms_seen_from_outside(run):
+        with nn.intercept_methods(run.intercept), transforms_seen_from_outside(run):
             return module.apply(variables, *args, **kwargs)
 
     return drive(run, forward)
