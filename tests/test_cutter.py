@@ -105,10 +105,11 @@ def test_remat_jit_vmap_blocks_are_clean_cuts():
 
 def test_cuts_on_several_threads_leave_linen_untouched():
     """Failure variants compile on several threads (runtime/variants.py), each
-    cutting the model. The cutter's hooks into linen's transforms must not leak
+    tracing the model. The cutter's hooks into linen's transforms must not leak
     between them: swapped in and out per cut, they raced and left a finished
     cut's hook in place, and every later linen trace of a transformed child
-    then failed. Afterwards a plain init and apply run as before."""
+    then failed; and two traces at once saw each other's modules (one runs at a
+    time now). Afterwards a plain init and apply run as before."""
     import threading
 
     x = jax.random.normal(jax.random.key(1), (4, 3))

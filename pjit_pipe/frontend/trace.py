@@ -34,6 +34,7 @@ per-iteration outputs (ys) are used, or that runs in reverse, is one event.
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
 from dataclasses import dataclass
@@ -299,12 +300,21 @@ def boundary(x: Any) -> Any:
     return x if run is None else run.boundary(x)
 
 
+# One run traces at a time in a process. Failure variants compile on two threads
+# (runtime/variants.py), and two cuts of a model with lifted transforms traced at
+# once saw each other's modules (flax's and JAX's trace state is shared between
+# threads). Tracing holds the GIL anyway; XLA's compile, the slow part, still
+# runs in parallel.
+_TRACE_LOCK = threading.RLock()
+
+
 def drive(run: Run, forward: Callable[[], Any]) -> Any:
     """Run `forward()` (the model's whole forward pass, with its calls routed
     through `run`) and return the stage's output."""
     token = _ACTIVE.set(run)
     try:
-        out = forward()
+        with _TRACE_LOCK:
+            out = forward()
     except _StageEnd as end:
         return end.act
     finally:
