@@ -161,6 +161,7 @@ def kinds_against_scan(run: Run) -> tuple[dict, dict]:
     {kind: (pipeline, its compiled step)})."""
     import jax
     import jax.numpy as jnp
+    from baselines import scan_accumulation
     from timing import quartiles, round_times
 
     from pjit_pipe.schedules import KINDS
@@ -265,29 +266,6 @@ def split_against_fused(run: Run, x: Any, y: Any) -> None:
             f"  residuals {size / 2**20:.1f} MiB"
         )
     sys.stdout.flush()
-
-
-def scan_accumulation(apply, loss_fn, m: int):
-    """The baseline: jax.value_and_grad of each microbatch, summed by a lax.scan."""
-    import jax
-    import jax.numpy as jnp
-
-    def loss(params, xb, yb):
-        return loss_fn(apply(params, xb), yb)
-
-    @jax.jit
-    def step(params, x, y):
-        xs = x.reshape(m, -1, *x.shape[1:])
-        ys = y.reshape(m, -1, *y.shape[1:])
-        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-
-        def body(acc, mb):
-            return jax.tree.map(jnp.add, acc, jax.value_and_grad(loss)(params, *mb)), None
-
-        (value, grads), _ = jax.lax.scan(body, zero, (xs, ys))
-        return jax.tree.map(lambda a: a / m, (value, grads))
-
-    return step
 
 
 def main(argv: list[str] | None = None) -> None:

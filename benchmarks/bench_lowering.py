@@ -24,6 +24,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from baselines import scan_accumulation
 from jax.sharding import Mesh
 
 from pjit_pipe.ir.schedule import ScheduleError
@@ -79,36 +80,17 @@ def median_times(fs: dict[str, Callable[[], object]], repeats: int) -> dict[str,
     return {k: statistics.median(v) for k, v in times.items()}
 
 
-def scan_accumulation(fns, params, x, y, m: int):
-    """The baseline: value_and_grad per microbatch, summed by a lax.scan."""
-
-    def loss(params, xb, yb):
-        a = xb
-        for f, p in zip(fns, params, strict=True):
-            a = f(p, a)
-        return xent(a, yb)
-
-    @jax.jit
-    def step(params, x, y):
-        xs = x.reshape(m, -1, *x.shape[1:])
-        ys = y.reshape(m, -1)
-        zero = (jnp.zeros(()), jax.tree.map(jnp.zeros_like, params))
-
-        def body(acc, mb):
-            lv, g = jax.value_and_grad(loss)(params, *mb)
-            return jax.tree.map(jnp.add, acc, (lv, g)), None
-
-        (lv, g), _ = jax.lax.scan(body, zero, (xs, ys))
-        return jax.tree.map(lambda a: a / m, (lv, g))
-
-    return step
-
-
 def one_device(repeats: int, layers: int, width: int, mbsize: int, m: int) -> None:
     fns, params = mlp_stages(1, layers, width)
     x, y = batch(m * mbsize)
     mesh = Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "stage"))
-    base = scan_accumulation(fns, params, x, y, m)
+
+    def model(params, a):  # the stages in a chain: the whole model
+        for f, p in zip(fns, params, strict=True):
+            a = f(p, a)
+        return a
+
+    base = scan_accumulation(model, xent, m)
     fs = {"lax.scan accumulation": lambda: base(params, x, y)}
     for kind in ("gpipe", "1f1b"):
         step = lower(make_schedule(kind, 1, m), fns, xent, mesh, params, x, y)

@@ -30,13 +30,21 @@ def mse(out, y):
     return jnp.mean((out - y) ** 2)
 
 
+def auto_pipeline(stages: int, m: int, rows: int):
+    """(LightThenHeavy pipelined under "auto" on a 1 x stages mesh, x, y) with
+    `rows` rows per microbatch."""
+    x = jax.random.normal(jax.random.key(0), (m * rows, 8))
+    y = jax.random.normal(jax.random.key(1), (m * rows, 4))
+    mesh = pp.make_mesh(1, stages)
+    pm = pp.pipeline(LightThenHeavy(), stages=stages, microbatches=m, schedule="auto", mesh=mesh)
+    return pm, x, y
+
+
 @pytest.mark.slow  # compiles F, B, W, BW of each stage and the pipeline
 def test_measured_costs_are_positive_cached_and_steer_auto():
     m = 4
-    model = LightThenHeavy()
-    x = jax.random.normal(jax.random.key(0), (m * 32, 8))
-    y = jax.random.normal(jax.random.key(1), (m * 32, 4))
-    pm = pp.pipeline(model, stages=2, microbatches=m, schedule="auto", mesh=pp.make_mesh(1, 2))
+    pm, x, y = auto_pipeline(2, m, 32)
+    model = pm.module
     assert pm.measure  # the default for auto
     params = pm.init(jax.random.key(2), x)
     loss, grads = pm.value_and_grad(mse)(params, x, y)
@@ -64,11 +72,7 @@ def test_measured_costs_are_positive_cached_and_steer_auto():
 
 def test_a_single_stage_is_measured_without_a_boundary():
     """One stage sends no message: no transfer cost, and an idle tick still costs time."""
-    m = 2
-    model = LightThenHeavy()
-    x = jax.random.normal(jax.random.key(0), (m * 4, 8))
-    y = jax.random.normal(jax.random.key(1), (m * 4, 4))
-    pm = pp.pipeline(model, stages=1, microbatches=m, schedule="auto", mesh=pp.make_mesh(1, 1))
+    pm, x, y = auto_pipeline(1, 2, 4)
     costs = pm.measure_costs(pm.init(jax.random.key(2), x), x, y, mse)
     assert costs.c == 0 and costs.tick > 0
     assert costs.f[0] > 0 and costs.w[0] > 0

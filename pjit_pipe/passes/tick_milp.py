@@ -203,6 +203,7 @@ def solve_ticks(
         return max(ends)
 
     bound = MemoryBound.of(sched, mem_limit)
+    held = [bound.delta(op) for _, op in ops]  # op i's change of (units, B rows, W rows)
     in_start: list[list[int]] = [[] for _ in range(T)]
     for i, t in enumerate(tick_of):
         in_start[t].append(i)
@@ -241,7 +242,7 @@ def solve_ticks(
             for mine in by_worker.values():
                 coefs, constant = {}, 0.0
                 for i in mine:
-                    d = bound.delta(ops[i][1])[r]
+                    d = held[i][r]
                     if d == 0:
                         continue
                     last = t if d > 0 or order[-1] is Kind.F else t - 1
