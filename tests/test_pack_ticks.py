@@ -16,7 +16,9 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import MemoryBound, largest_peak, split_stages
 from pjit_pipe.ir.ops import BW, B, F, Kind, W, Worker
 from pjit_pipe.ir.schedule import ScheduleError
+from pjit_pipe.ir.text import from_text
 from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, fits, lane_order
+from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.plan import LANE_OF, build_plan
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.greedy_ticks import GreedyPacker
@@ -343,3 +345,23 @@ def test_staggering_pays_in_a_rerouted_table():
         table.check()
         steady.append(simulate(sched, COSTS, 3, mode="lockstep", ticks=table).steady_period)
     assert steady[1] < steady[0]
+
+
+def test_packs_replicas_that_step_their_stages_in_different_orders():
+    """Replica 0's worker at position 1 steps stage 3, then runs stage 1's backward
+    and steps it; replica 1's steps stage 1, then 3. Each stage's OPTs share a tick
+    (one reduction), so the packer takes a worker's run of OPTs in any order (it
+    used to deadlock, as in 82 of 300 random interleaved schedules)."""
+    sched = from_text(
+        "schedule kind=hand stages=2 chunks=2 microbatches=1 replicas=2 layout=0,1,0,1"
+        " staggered=0 failed=-\n"
+        "0:0 | F0.0 F2.0 B2.0 W2.0 BW0.0 OPT0 OPT2\n"
+        "0:1 | F1.0 F3.0 BW3.0 OPT3 B1.0 W1.0 OPT1\n"
+        "1:0 | F0.0 F2.0 B2.0 W2.0 B0.0 W0.0 OPT2 OPT0\n"
+        "1:1 | F1.0 F3.0 B3.0 B1.0 W3.0 W1.0 OPT1 OPT3\n"
+    )
+    validate(sched)
+    for mem_limit in (None, math.inf):
+        table = pack_ticks(sched, COSTS, mem_limit=mem_limit)
+        table.check()
+        assert packed_time(table, COSTS) <= simulate(sched, COSTS, mode="lockstep").makespan

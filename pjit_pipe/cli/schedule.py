@@ -17,6 +17,7 @@ from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import KINDS, make_schedule
+from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import SimResult, simulate
 
 DEFAULT_ITERATIONS = 4
@@ -276,9 +277,14 @@ def run(args: argparse.Namespace) -> int:
         costs = dataclasses.replace(args.costs, tick=args.tick_cost)
         ticks = pack_ticks(schedule, costs, args.iterations, args.mem_limit, polish=args.polish)
         lockstep = simulate(schedule, costs, args.iterations, mode="lockstep", ticks=ticks)
+        # Behind the barrier an iteration's table is priced alone, so no table's
+        # lockstep_period is below this; staggered or asynchronous ones overlap.
+        overlapping = schedule.staggered or schedule.asynchronous
+        bound = None if overlapping else round(lockstep_lower_bound(schedule, costs), 9)
         out = {
             **result.summary(),
             "lockstep_period": round(lockstep.steady_period, 9),
+            "lockstep_bound": bound,
             "kind": schedule.kind,
             "valid": True,
             "schedule": to_json(schedule),

@@ -154,11 +154,16 @@ class GreedyPacker:
         everything before its OPT."""
         extra: dict[Worker, list[Entry]] = {}
         while True:
-            at: dict[tuple[int, int], list[Worker]] = {}
+            # A worker's next OPTs, up to its next compute op, in any order: replicas
+            # may order two stages' OPTs differently, and each stage's must share a tick.
+            at: dict[tuple[int, int], list[tuple[Worker, int]]] = {}
             for w, st in self.workers.items():
-                if st.ptr < len(st.entries) and st.entries[st.ptr][1].kind is Kind.OPT:
-                    it, op = st.entries[st.ptr]
-                    at.setdefault((op.stage, it), []).append(w)
+                i = st.ptr
+                while i < len(st.entries) and st.entries[i][1].kind is Kind.OPT:
+                    if not st.placed[i]:
+                        it, op = st.entries[i]
+                        at.setdefault((op.stage, it), []).append((w, i))
+                    i += 1
             ready = [
                 (key, ws)
                 for key, ws in at.items()
@@ -167,9 +172,9 @@ class GreedyPacker:
             if not ready:
                 return {w: tuple(es) for w, es in extra.items()}
             for (_, it), ws in ready:
-                for w in ws:
+                for w, i in ws:
                     st = self.workers[w]
-                    entry = st.entries[st.ptr]
+                    entry = st.entries[i]
                     self._place(w, entry, t)
                     st.after_opt = t
                     extra.setdefault(w, []).append(entry)

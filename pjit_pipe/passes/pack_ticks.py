@@ -36,6 +36,8 @@ it), so `pack_ticks` returns its unpacked table.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import math
 from collections.abc import Mapping, Sequence
 
 from pjit_pipe.ir.costs import Costs
@@ -49,6 +51,7 @@ from pjit_pipe.ir.ticks import (
 from pjit_pipe.passes.greedy_ticks import VARIANTS, GreedyPacker
 from pjit_pipe.passes.pull_forward import PullForward
 from pjit_pipe.passes.tick_milp import polish_ticks
+from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import packed_time
 
 
@@ -135,6 +138,9 @@ def _pack(
     if schedule.asynchronous:
         return best
     best_price = packed_time(best, costs)
+    # No one-iteration table costs less than this: a table that reaches it is
+    # optimal, so the variants after it (and polishing) cannot improve on it.
+    floor = lockstep_lower_bound(schedule, costs) if iterations == 1 else -math.inf
     if iterations > 1:
         # Behind the iteration barrier every iteration starts from the same state
         # (nothing in flight), so the best one-iteration table, repeated, is as good as
@@ -146,16 +152,18 @@ def _pack(
             best, best_price = table, price
         if not schedule.staggered:
             return best
-    for order in orders:
-        for rule, overtaking_w, lazy_w in VARIANTS:
-            greedy = GreedyPacker(sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order)
-            table = greedy.run(rule)
-            ticks = tuple(PullForward(greedy, table).run())
-            table = PackedTicks(schedule, iterations, ticks, order)
-            price = packed_time(table, costs)
-            if price < best_price - 1e-9:
-                best, best_price = table, price
-    if polish and iterations == 1:  # (more iterations repeat a polished one above)
+    for order, (rule, overtaking_w, lazy_w) in itertools.product(orders, VARIANTS):
+        if best_price <= floor + 1e-9:
+            return best
+        greedy = GreedyPacker(sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order)
+        table = greedy.run(rule)
+        ticks = tuple(PullForward(greedy, table).run())
+        table = PackedTicks(schedule, iterations, ticks, order)
+        price = packed_time(table, costs)
+        if price < best_price - 1e-9:
+            best, best_price = table, price
+    if polish and iterations == 1 and best_price > floor + 1e-9:
+        # (more iterations repeat a polished one above)
         best = polish_ticks(best, costs, mem_limit, polish)
     return best
 

@@ -1,7 +1,9 @@
-"""Work-conserving bounds: what no schedule can beat under a failure pattern.
+"""Lower bounds: what no schedule, and no tick table, can beat.
 
-`lower_bound` is what re-routed schedules are measured against (tests,
-benchmarks) and where the failure-aware search stops early.
+`lower_bound` (work-conserving, under a failure pattern) is what re-routed
+schedules are measured against (tests, benchmarks) and where the
+failure-aware search stops early. `lockstep_lower_bound` is what no tick
+table of a schedule can beat (passes/pack_ticks.py stops at it).
 """
 
 from __future__ import annotations
@@ -9,7 +11,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.engine import Engine, Tensor
 from pjit_pipe.ir.failures import FailurePattern
+from pjit_pipe.ir.ops import COMM_KINDS, Kind, Worker
+from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.ir.ticks import compute_only, is_message
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -46,3 +52,172 @@ def lower_bound(
         _ceil_div(total, len(pattern.survivors(p))) * sum(per_stage[p]) for p in range(stages)
     )
     return max(round_trip, busiest + steps)
+
+
+def lockstep_lower_bound(schedule: Schedule, costs: Costs | None = None) -> float:
+    """A price that no tick table of one iteration of `schedule` can beat: not the
+    packer's, not the exact engine's, under any lane order and any memory limit.
+
+    For a synchronous schedule it bounds `lockstep_period` (behind the barrier an
+    iteration's table is priced alone), so a table that reaches it is optimal and
+    a ratio to the event-driven period above it is out of every table's reach.
+
+    Why it holds. A tick lasts at least as long as each worker's ops in it, and
+    at least an op's duration plus C when that op sends a message (simulate.
+    packed_events). Fix a worker d; its own ops add up to work(d) over the ticks
+    it runs them in. Two kinds of ticks cost more than d's share:
+    - before d's first op of a class K (its ops of one kind and stage, or all
+      of them), a chain of messages leads to that op, one tick per link, and in
+      those ticks d can only run ops that are neither in K nor come after one;
+    - after d's last op of K, the chain of messages it starts runs on, and d
+      can only run ops that are neither in K nor lead to one.
+    In such a tick d runs at most one op per lane (ir/ticks.py's rule), so at
+    most `cap` (the dearest lane-valid set of those ops); a chain op of weight
+    x makes the tick cost at least x, so the tick exceeds d's share by at least
+    max(0, x - cap). The bound is work(d) plus the smaller of those excesses
+    over the ops of K that could come first (last), maximized over workers and
+    classes, plus `costs.tick` for each tick the longest chain needs.
+
+    Example (zb-h2, P=4, m=8, costs 1,2,1,0): the last stage waits 3 ticks for
+    its first forward, and after its last B the gradient still crosses 3
+    stages, each tick holding a B (2) while the last stage has only its W's
+    left (1 per tick): 3 + 32 + 3 x (2 - 1) = 38, where the event-driven period
+    is 35; the packer's table costs 38, so it is optimal and 1.086 is the best
+    any table does.
+    """
+    return _LockstepBound(schedule, costs or Costs()).value()
+
+
+class _LockstepBound:
+    """The DAG of one iteration's ops and the bound of `lockstep_lower_bound`."""
+
+    def __init__(self, schedule: Schedule, costs: Costs):
+        sched = compute_only(schedule)
+        flow, duration = Engine(sched), costs.duration_fn(sched)
+        self.costs = costs
+        self.nodes = [(w, op) for w, _, op in sched.ops() if op.kind not in COMM_KINDS]
+        makers: dict = {}
+        for i, n in enumerate(self.nodes):
+            for key in flow.produces(*n):
+                makers.setdefault(key, []).append(i)
+        n_ops = len(self.nodes)
+        # preds[i] / succs[i]: (op index, whether the edge is a message: a later tick)
+        self.preds: list[list[tuple[int, bool]]] = [[] for _ in range(n_ops)]
+        self.succs: list[list[tuple[int, bool]]] = [[] for _ in range(n_ops)]
+        for i, (w, op) in enumerate(self.nodes):
+            for key, _ in flow.deps(w, op):
+                for p in makers.get(key, ()):
+                    # A gradient sum (W/BW -> OPT) may end in the same tick.
+                    message = isinstance(key, Tensor) and (
+                        self.nodes[p][0] != w or is_message(key, op)
+                    )
+                    self.preds[i].append((p, message))
+                    self.succs[p].append((i, message))
+        self.duration = [duration(*n) for n in self.nodes]
+        # An op whose output crosses to another worker keeps its tick running until
+        # the message has arrived (a message between two stages of one worker is free).
+        sends = [
+            any(m and self.nodes[j][0] != self.nodes[i][0] for j, m in self.succs[i])
+            for i in range(n_ops)
+        ]
+        self.weight = [self.duration[i] + (costs.c if sends[i] else 0.0) for i in range(n_ops)]
+        self.order = _topological(self.preds)
+        self.before = [0] * n_ops  # bit masks: the ops each op (transitively) waits for
+        for i in self.order:
+            for p, _ in self.preds[i]:
+                self.before[i] |= self.before[p] | (1 << p)
+        self.after = [0] * n_ops  # and the ops that wait for it
+        for i in reversed(self.order):
+            for s, _ in self.succs[i]:
+                self.after[i] |= self.after[s] | (1 << s)
+
+    def value(self) -> float:
+        best = 0.0
+        for d in sorted({w for w, _ in self.nodes}):
+            mine = [i for i, (w, _) in enumerate(self.nodes) if w == d]
+            classes: dict = {}
+            for i in mine:
+                op = self.nodes[i][1]
+                classes.setdefault((op.kind, op.stage), []).append(i)
+            heads, tails = [], []
+            for members in [mine, *classes.values()]:
+                inside = sum(1 << i for i in members)
+                reached = successors = 0
+                for i in members:
+                    reached |= self.before[i]
+                    successors |= self.after[i]
+                heads.append(self._excess(d, members, mine, inside | successors, backward=True))
+                tails.append(self._excess(d, members, mine, inside | reached, backward=False))
+            # Head and tail ticks must not overlap: both of one class, or one of them of all ops.
+            extra = max(
+                max(heads[0] + t for t in tails),
+                max(h + tails[0] for h in heads),
+                max(h + t for h, t in zip(heads, tails, strict=True)),
+            )
+            best = max(best, sum(self.duration[i] for i in mine) + extra)
+        return best + self.costs.tick * self._fewest_ticks()
+
+    def _excess(self, d: Worker, members: list[int], mine: list[int], barred: int, backward: bool):
+        """The least excess over worker d's share of the ticks before the first
+        (backward) or after the last (forward) of `members`: d runs only its ops
+        outside `barred` there."""
+        cap = self._cap([i for i in mine if not barred >> i & 1])
+        links = self.preds if backward else self.succs
+        walk = self.order if backward else list(reversed(self.order))
+        chain = [0.0] * len(self.nodes)  # the heaviest excess of a chain that ends (starts) at i
+        for i in walk:
+            for j, message in links[i]:
+                # Only a message puts j in a tick of its own in the chain; d's own op
+                # is in d's share already.
+                own = self.nodes[j][0] == d or not message
+                gain = 0.0 if own else max(0.0, self.weight[j] - cap)
+                chain[i] = max(chain[i], chain[j] + gain)
+        return min(chain[i] for i in members)
+
+    def _cap(self, ops: list[int]) -> float:
+        """The most one tick of a worker can hold of `ops`: one op per lane (one F,
+        one B and one W, or one F and one BW) and its OPTs."""
+        most = dict.fromkeys((Kind.F, Kind.B, Kind.W, Kind.BW), 0.0)
+        opts = 0.0
+        for i in ops:
+            kind = self.nodes[i][1].kind
+            if kind is Kind.OPT:
+                opts += self.duration[i]
+            else:
+                most[kind] = max(most[kind], self.duration[i])
+        lanes = max(most[Kind.F] + most[Kind.B] + most[Kind.W], most[Kind.F] + most[Kind.BW])
+        return lanes + opts
+
+    def _fewest_ticks(self) -> int:
+        """Ticks any table needs: the longest chain of messages, and the most ops a
+        worker runs in one lane."""
+        depth = [1] * len(self.nodes)
+        for i in self.order:
+            for p, message in self.preds[i]:
+                depth[i] = max(depth[i], depth[p] + message)
+        per_lane: dict = {}
+        for w, op in self.nodes:
+            if op.kind is Kind.OPT:
+                continue  # a worker's OPTs share the tick that ends its gradients
+            for lane in {Kind.BW: (Kind.B, Kind.W)}.get(op.kind, (op.kind,)):
+                per_lane[(w, lane)] = per_lane.get((w, lane), 0) + 1
+        return max([*depth, *per_lane.values()], default=0)
+
+
+def _topological(preds: list[list[tuple[int, bool]]]) -> list[int]:
+    """The op indices, each after everything it waits for."""
+    waiting = [len(p) for p in preds]
+    succs: list[list[int]] = [[] for _ in preds]
+    for i, ps in enumerate(preds):
+        for p, _ in ps:
+            succs[p].append(i)
+    ready = [i for i, n in enumerate(waiting) if n == 0]
+    out = []
+    while ready:
+        i = ready.pop()
+        out.append(i)
+        for s in succs[i]:
+            waiting[s] -= 1
+            if waiting[s] == 0:
+                ready.append(s)
+    return out
