@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 
 import flax.linen as nn
@@ -11,8 +12,10 @@ import numpy as np
 import pytest
 
 import pjit_pipe as pp
+from pjit_pipe.cli.train import show_costs
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.schedules import make_schedule
+from pjit_pipe.simulator.simulate import packed_time
 
 
 class LightThenHeavy(nn.Module):
@@ -41,7 +44,7 @@ def auto_pipeline(stages: int, m: int, rows: int):
 
 
 @pytest.mark.slow  # compiles F, B, W, BW of each stage and the pipeline
-def test_measured_costs_are_positive_cached_and_steer_auto():
+def test_measured_costs_are_positive_cached_and_steer_auto(capsys):
     m = 4
     pm, x, y = auto_pipeline(2, m, 32)
     model = pm.module
@@ -68,6 +71,13 @@ def test_measured_costs_are_positive_cached_and_steer_auto():
     assert pm.schedule.programs == make_schedule("auto", 2, m, costs=costs).programs
     swapped = Costs(f=costs.f[::-1], b=costs.b[::-1], w=costs.w[::-1], c=costs.c)
     assert make_schedule("auto", 2, m, costs=swapped).programs != pm.schedule.programs
+
+    # `pjit-pipe train --show-costs` prices a step under them: the compiled table is
+    # at or above the bound no tick table beats.
+    show_costs(pm, True)
+    step = json.loads(capsys.readouterr().out)["step"]
+    assert step["ticks_ms"] == pytest.approx(packed_time(pm.tick_table(), costs))
+    assert 0 < step["bound_ms"] <= step["ticks_ms"] + 1e-9 and step["event_ms"] > 0
 
 
 def test_a_single_stage_is_measured_without_a_boundary():

@@ -176,7 +176,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         start_from = jax.jit(pm.init)(key, x)
     if getattr(args, "show_costs", False):
         params = start_from.params if isinstance(start_from, pp.TrainState) else start_from
-        pm.measure_costs(params, x, y, task.loss_fn)
+        pm.measure_schedule(params, x, y, task.loss_fn)
         show_costs(pm, args.json)
     if args.schedule == "async-1f1b" and not fail and not rejoin:
         state = train_carrying(args, pm, task, start_from, (x, y), checkpoints, on_step, batch)
@@ -263,10 +263,21 @@ def train_carrying(
 
 
 def show_costs(pm: Any, as_json: bool) -> None:
-    """Print the measured per-stage costs (ms per microbatch)."""
+    """Print the measured per-stage costs (ms per microbatch), and what a step costs
+    under them (ms): the event-driven schedule, the tick table the program runs, and
+    the least any tick table of one iteration could cost."""
+    from pjit_pipe.simulator.bounds import lockstep_lower_bound
+    from pjit_pipe.simulator.simulate import packed_time, simulate
+
     table = pm.stage_times.as_dict(pm.stages)
+    costs, schedule = pm.pricing_costs(), pm.schedule
+    step = {
+        "event_ms": simulate(schedule, costs).makespan,
+        "ticks_ms": packed_time(pm.tick_table(), costs),
+        "bound_ms": lockstep_lower_bound(schedule, costs),
+    }
     if as_json:
-        print(json.dumps({"costs": table}), flush=True)
+        print(json.dumps({"costs": table, "step": step}), flush=True)
         return
     print("measured costs (ms per microbatch):")
     for p in range(pm.stages):
@@ -278,6 +289,10 @@ def show_costs(pm: Any, as_json: bool) -> None:
         f"  transfer C {table['c']:.3f}; fixed cost of a tick {table['tick']:.3f}; for "
         f"`pjit-pipe schedule`: --costs {table['costs_arg']} --tick-cost {table['tick']:.4g}"
         f" --fused-costs {table['fused_costs_arg']}"
+    )
+    print(
+        f"  a step: {step['event_ms']:.3f} ms event-driven, {step['ticks_ms']:.3f} ms as the "
+        f"compiled tick table; no tick table of the schedule below {step['bound_ms']:.3f}"
     )
 
 

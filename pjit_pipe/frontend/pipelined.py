@@ -36,6 +36,7 @@ from pjit_pipe.frontend.train_step import TrainStep
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering.topology import Topology
 from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
@@ -136,6 +137,14 @@ class Pipelined:
         self.stage_times = times
         return times.costs(self.stages)
 
+    def measure_schedule(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> None:
+        """With costs="measure": measure the stage costs (once) and make the schedule
+        under them, as the first compile does; `schedule`, `tick_table()` and
+        `pricing_costs()` then tell what the program will run."""
+        if self.measure and self.measured_costs is None:
+            self.measured_costs = self.measure_costs(params, x, y, loss_fn)
+            self._make_schedule(self.measured_costs)
+
     def with_options(self, **changes: Any) -> Pipelined:
         """A copy with some options changed (e.g. another mesh or optimizer), as
         `dataclasses.replace` on `options`: the changes are checked the same way."""
@@ -233,13 +242,29 @@ class Pipelined:
         with microbatch_rngs(example, impls_of(check_rngs(rngs))):
             return self.cut(params, x)
 
+    def pricing_costs(self) -> Costs:
+        """The costs the tick table is packed and priced with: the measured ones once
+        measured, else the ones given, else unit costs."""
+        costs = self.measured_costs or self.options.costs
+        return costs if isinstance(costs, Costs) else Costs()
+
+    def tick_table(self) -> PackedTicks:
+        """The tick table the compiled program runs: the schedule's ops packed by
+        their priced costs (an asynchronous schedule is not packed: pack_ticks gives
+        it one op per tick). Cached by pack_ticks."""
+        return pack_ticks(
+            self.schedule,
+            self.pricing_costs(),
+            1,
+            self.options.mem_limit,
+            polish=self.options.pack_polish,
+        )
+
     def _program(self, params, x, y, loss_fn, has_aux, rngs) -> tuple[StageCut, PipelineStep]:
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
 
         self._batch(x, y)
-        if self.measure and self.measured_costs is None:
-            self.measured_costs = self.measure_costs(params, x, y, loss_fn)
-            self._make_schedule(self.measured_costs)
+        self.measure_schedule(params, x, y, loss_fn)
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         key = ProgramKey(loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals)))
@@ -247,17 +272,7 @@ class Pipelined:
         def build() -> PipelineStep:
             if self.optimizer is not None:
                 check_opt_layout(cut, self.optimizer, params)  # before optax meets a stage
-            costs = self.measured_costs or self.options.costs
-            costs = costs if isinstance(costs, Costs) else Costs()
-            # The tick table the program runs: ops packed by their priced costs (an
-            # asynchronous schedule is not packed: pack_ticks gives it one op per tick).
-            ticks = pack_ticks(
-                self.schedule,
-                costs,
-                1,
-                self.options.mem_limit,
-                polish=self.options.pack_polish,
-            )
+            ticks = self.tick_table()
             return lower(
                 self.schedule,
                 cut.stage_fns(),
