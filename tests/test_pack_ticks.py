@@ -40,6 +40,12 @@ def test_lane_rule():
     assert fits([B(0, 0), W(0, 0), F(0, 1)], FORWARD_LAST)
     assert not fits([F(0, 1), B(0, 0)], FORWARD_LAST)
     assert fits([BW(0, 0), F(0, 1)], FORWARD_LAST) and not fits([BW(0, 0), F(0, 1)])
+    # Two W's share the W lane (ir.ticks.W_PER_TICK); not three, not with a BW.
+    assert fits([F(0, 2), B(0, 1), W(0, 0), W(0, 1)])
+    assert fits([B(0, 1), W(0, 0), W(0, 1), F(0, 2)], FORWARD_LAST)
+    assert not fits([F(0, 2), B(0, 1), W(0, 0), W(0, 1)], w_per_tick=1)
+    assert not fits([W(0, 0), W(0, 1), W(0, 2)])
+    assert not fits([BW(0, 0), W(0, 1)]) and not fits([W(0, 1), BW(0, 0)])
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -139,21 +145,28 @@ def _ops_by_tick(table: PackedTicks, index: dict[Worker, int]) -> set:
     }
 
 
-def test_lowering_plan_runs_the_priced_table():
+@pytest.mark.parametrize("case", ["rerouted-1f1b", "zb-h2-two-ws"])
+def test_lowering_plan_runs_the_priced_table(case):
     """Tick by tick, each device's lanes hold exactly the table's ops, and the
-    optimizer steps follow the table's OPTs (a re-routed, staggered, 2-iteration table)."""
-    sched = stagger(schedule_with_failures("1f1b", 2, 4, 2, [(1, 0)], COSTS, time_limit=1.0))
+    optimizer steps follow the table's OPTs (a re-routed, staggered, 2-iteration table;
+    a table whose ticks hold two W's of a worker, the second in the lane `w2`)."""
+    if case == "rerouted-1f1b":
+        sched = stagger(schedule_with_failures("1f1b", 2, 4, 2, [(1, 0)], COSTS, time_limit=1.0))
+    else:
+        sched = make_schedule("zb-h2", 4, 4, costs=COSTS)
+    m = sched.microbatches
     table = pack_ticks(sched, COSTS, 2)
     devices = tuple(sched.alive_workers)
     plan = build_plan(table, False, devices)
     assert plan.ticks == len(table.ticks)
+    assert np.any(plan.rows.w2.branch) == (case == "zb-h2-two-ws")
     planned = set()
-    for lane in ("f", "b", "w"):
+    for lane in ("f", "b", "w", "w2"):
         rows = getattr(plan.rows, lane)
         for d, t in zip(*np.nonzero(rows.branch), strict=True):
             kind, stage = plan.branches[rows.branch[d, t] - 1]
             it, r, j = plan.inputs[d, rows.mb[d, t]]
-            planned.add((int(d), int(t), lane, kind, stage, int(it) * 4 + int(j), int(r)))
+            planned.add((int(d), int(t), lane[0], kind, stage, int(it) * m + int(j), int(r)))
     index = {w: i for i, w in enumerate(devices)}
     # The input list names each op's microbatch only for the stages that read inputs.
     reads = {e for e in _ops_by_tick(table, index) if e[4] in (0, sched.num_virtual_stages - 1)}
@@ -179,10 +192,10 @@ def test_cli_reports_the_lockstep_period(capsys):
     assert out["lockstep_period"] == pytest.approx(want)
     assert out["steady_period"] <= out["lockstep_period"]
     # --polish: the table pack_ticks(..., polish=) gives, priced the same way.
-    args = ["schedule", "zb-h2", "-P", "4", "-m", "4", "--costs", "1,2,1", "--json"]
+    args = ["schedule", "zb-h2", "-P", "4", "-m", "6", "--costs", "1,2,1", "--json"]
     assert main([*args, "--polish", "1"]) == 0
     polished = json.loads(capsys.readouterr().out)["lockstep_period"]
-    sched = make_schedule("zb-h2", 4, 4, costs=COSTS)
+    sched = make_schedule("zb-h2", 4, 6, costs=COSTS)
     table = pack_ticks(sched, COSTS, 4, polish=1.0)
     assert polished == pytest.approx(
         simulate(sched, COSTS, 4, mode="lockstep", ticks=table).steady_period
@@ -212,7 +225,7 @@ def test_polished_table_is_faster_valid_and_matches_unpipelined():
     """Exact solves of windows of ticks (`pack_ticks(..., polish=)`) find what the
     greedy misses; the table they give may run a worker's microbatches in another
     order, and the compiled program still gives jax.value_and_grad's numbers."""
-    sched = make_schedule("zb-h2", 4, 4)
+    sched = make_schedule("zb-h2", 4, 6)
     greedy = pack_ticks(sched, COSTS)
     table = pack_ticks(sched, COSTS, polish=2.0)
     table.check()

@@ -118,10 +118,47 @@ def zb_h1_forward_last():
     return step, fns, params, x, y
 
 
-@pytest.mark.parametrize("program", ["zb_h1", "zb_h1_forward_last"])
+@pytest.fixture(scope="module")
+def zb_h2_two_ws():
+    """A table whose ticks hold two W's of a worker (ir.ticks.W_PER_TICK), F first."""
+    P, m, costs = 4, 8, Costs(1, 2, 1)
+    sched = make_schedule("zb-h2", P, m, costs=costs)
+    table = pack_ticks(sched, costs, orders=(FORWARD_FIRST,))
+    fns, params = tiny_model(P)
+    x, y = batch(m * 2, seed=1)
+    step = lower(sched, fns, xent, mesh_of(1, P), params, x, y, ticks=table)
+    return step, fns, params, x, y
+
+
+@pytest.fixture(scope="module")
+def zb_h1_two_ws_forward_last():
+    """Ticks "W, W, F": the F writes a W-pool slot one of the two W's read last."""
+    P, m, costs = 2, 4, Costs(1, 4, 1)
+    sched = make_schedule("zb-h1", P, m, costs=costs)
+    table = pack_ticks(sched, costs, orders=(FORWARD_LAST,))
+    fns, params = tiny_model(P)
+    x, y = batch(m * 2, seed=1)
+    step = lower(sched, fns, xent, mesh_of(1, P), params, x, y, ticks=table)
+    return step, fns, params, x, y
+
+
+# The conds of each program's tick: F, B and W lanes, and the second W where a tick has one.
+CONDS = {"zb_h1": 3, "zb_h1_forward_last": 3, "zb_h2_two_ws": 4, "zb_h1_two_ws_forward_last": 4}
+
+
+@pytest.mark.parametrize("program", list(CONDS))
 def test_tick_loop_copies_no_carried_store(program, request):
     step, fns, params, x, y = request.getfixturevalue(program)
     low = step._low
+    two_ws = [
+        [op.kind for _, op in es]
+        for tick in low.ticks.ticks
+        for es in tick.values()
+        if sum(op.kind is Kind.W for _, op in es) == 2
+    ]
+    assert bool(two_ws) == (CONDS[program] == 4)
+    if program == "zb_h1_two_ws_forward_last":
+        assert any(kinds[-3:] == [Kind.W, Kind.W, Kind.F] for kinds in two_ws)
     compiled = step._vg.lower(list(params), x, y).compile()
     ((dtype, size),) = low.msg_spec.sizes.items()
     store = f"{jnp.dtype(dtype).kind}{jnp.dtype(dtype).itemsize * 8}"
@@ -130,7 +167,9 @@ def test_tick_loop_copies_no_carried_store(program, request):
     )
     assert copies == []
     groups = [low.ops.forwards, low.ops.input_grads, *low.ops.weight_grads]
-    assert conds == sum(1 for ids, _ in groups if ids) == 3
+    if two_ws:
+        groups += low.ops.second_weight_grads
+    assert conds == sum(1 for ids, _ in groups if ids) == CONDS[program]
     assert loops == 0
     # The program inspected computes what jax.value_and_grad does.
     loss, grads = compiled(list(params), x, y)

@@ -11,12 +11,17 @@ F the activation lane (it sends an activation down), B the gradient lane (it
 sends an input gradient up), W the accumulation lane (it adds into a
 parameter gradient) and BW both the gradient and the accumulation lanes. A
 table runs its lanes in one fixed order, its `order`, and a tick holds a
-worker's ops in strictly increasing lane position in that order: at most one
-F, one B and one W (or one F and one BW). Why this rule:
-- each lane is one conditional of the tick body writing one store, so a tick
-  costs at most three conditionals however it is packed;
+worker's ops in increasing lane position in that order: at most one F, one B
+and `W_PER_TICK` W's (or one F and one BW). Why this rule:
+- each lane is one conditional of the tick body writing one store (the W
+  lane one per W it holds), so a tick costs a fixed few conditionals however
+  it is packed;
 - a tick sends at most one activation and one gradient per worker, the two
-  message channels (nothing queues behind anything);
+  message channels (nothing queues behind anything); a W sends nothing, so
+  a second one costs no channel. It is what lets the last stage keep up
+  after its last B: the gradient then crosses the other stages one B per
+  tick while it has only W's left, and with one W per tick each of those
+  ticks would cost B - W more than its work (simulator.bounds);
 - a same-tick dependency must run earlier in the order: a dependency on a
   message (another stage's output) needs an earlier tick, even from the same
   worker; one on the worker's own residuals an earlier lane of the tick.
@@ -66,6 +71,7 @@ Entry = tuple[int, Op]  # (iteration, op)
 Tick = Mapping[Worker, tuple[Entry, ...]]
 
 LaneOrder = tuple[Kind, Kind, Kind]  # the order a table runs its F, B and W lanes in
+W_PER_TICK = 2  # the W's one worker may run in one tick (in its W lane, one after the other)
 FORWARD_FIRST: LaneOrder = (Kind.F, Kind.B, Kind.W)
 FORWARD_LAST: LaneOrder = (Kind.B, Kind.W, Kind.F)
 LANE_ORDERS = (FORWARD_FIRST, FORWARD_LAST)
@@ -80,10 +86,11 @@ def lanes(kind: Kind, order: LaneOrder = FORWARD_FIRST) -> tuple[int, ...]:
     return (order.index(kind),)
 
 
-def fits(ops: Sequence[Op], order: LaneOrder = FORWARD_FIRST) -> bool:
+def fits(ops: Sequence[Op], order: LaneOrder = FORWARD_FIRST, w_per_tick: int = W_PER_TICK) -> bool:
     """Whether one worker may run these ops, in this order, in one tick of a table
-    whose lane order is `order`."""
+    whose lane order is `order` (with at most `w_per_tick` W's)."""
     lane = -1
+    ws = 0  # W's in a row in the W lane so far
     compute_done = False
     for op in ops:
         if op.kind is Kind.OPT:
@@ -92,9 +99,13 @@ def fits(ops: Sequence[Op], order: LaneOrder = FORWARD_FIRST) -> bool:
         if compute_done or op.kind not in COMPUTE_KINDS:
             return False
         taken = lanes(op.kind, order)
+        if op.kind is Kind.W and ws and ws < w_per_tick:
+            ws += 1  # another W in the W lane (never after a BW: ws counts W's only)
+            continue
         if taken[0] <= lane:
             return False
         lane = taken[-1]
+        ws = 1 if op.kind is Kind.W else 0
     return True
 
 

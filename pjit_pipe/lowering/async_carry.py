@@ -232,7 +232,7 @@ def _mask(rows: TickRow, live: jax.Array, opt_iteration: jax.Array) -> TickRow:
     """The window's rows without the ops (and steps) of iterations that are not `live`."""
     lanes = {
         name: lane._replace(branch=jnp.where(live[lane.iteration], lane.branch, 0))
-        for name, lane in (("f", rows.f), ("b", rows.b), ("w", rows.w))
+        for name, lane in (("f", rows.f), ("b", rows.b), ("w", rows.w), ("w2", rows.w2))
     }
     return rows._replace(**lanes, update=jnp.where(live[opt_iteration], rows.update, 0))
 

@@ -1,8 +1,9 @@
 """The tick plan: a packed tick table (ir/ticks.py) as per-device integer rows.
 
 The SPMD program scans over ticks; on each tick every device reads one row
-of its own table. A row has one `OpRow` per lane (F, B, W/BW: a tick runs at
-most one op of each, in the table's lane order, ir/ticks.py): which branch
+of its own table. A row has one `OpRow` per lane (F, B, W/BW, and a second W: a
+tick runs at most one F, one B and two W's, in the table's lane order,
+ir/ticks.py): which branch
 to run (idle, or F/B/W/BW of one virtual stage), the microbatch, and the
 buffer slots it reads and writes. Slots are assigned here, on the host, by
 interval allocation over the tick timeline, so buffers are sized by the
@@ -64,6 +65,7 @@ class TickRow(NamedTuple):
     f: OpRow  # the F lane
     b: OpRow  # the B lane
     w: OpRow  # the W lane (W or BW)
+    w2: OpRow  # the W lane's second W, run after the first (ir.ticks.W_PER_TICK)
     self_act: Any  # message slot where an activation this device sends itself lands
     self_grad: Any  # the same for a gradient
     recv_act: Any  # per activation shift (`TickPlan.act_shifts`), the slot its message lands in
@@ -261,7 +263,7 @@ def build_plan(
     branch = {ks: 1 + i for i, ks in enumerate(branches)}
     n = len(devices)
     lanes = {}
-    for lane in ("f", "b", "w"):
+    for lane in ("f", "b", "w", "w2"):
         col = {f: np.zeros((n, T), np.int32) for f in OpRow._fields}
         col["in_slot"][:] = K
         col["g_slot"][:] = K
@@ -272,6 +274,8 @@ def build_plan(
         lanes[lane] = col
     for op, (w, t) in when.items():
         d, col = index[w], lanes[LANE_OF[op.kind]]
+        if op.kind is Kind.W and col["branch"][d, t]:  # the tick's second W
+            col = lanes["w2"]
         col["branch"][d, t] = branch[(op.kind, op.stage)]
         col["mb"][d, t] = local[w].get((op.replica, op.mb), 0)
         col["in_slot"][d, t] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
@@ -310,6 +314,7 @@ def build_plan(
         f=OpRow(**lanes["f"]),
         b=OpRow(**lanes["b"]),
         w=OpRow(**lanes["w"]),
+        w2=OpRow(**lanes["w2"]),
         self_act=self_slot[True],
         self_grad=self_slot[False],
         recv_act=recv[True],

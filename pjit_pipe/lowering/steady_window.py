@@ -123,7 +123,7 @@ def _input_rows(
     wanted: list[tuple[list, list]] = [([], []) for _ in range(n)]  # per device: prev, current
     cells = []  # (lane, device, tick, iteration, (replica, microbatch))
     lanes = {}
-    for name in ("f", "b", "w"):
+    for name in ("f", "b", "w", "w2"):
         lane = getattr(rows, name)
         it = np.where(lane.branch > 0, lane.iteration - k + 1, CURRENT).astype(np.int32)
         lanes[name] = lane._replace(iteration=it, mb=np.zeros_like(lane.mb))

@@ -1,9 +1,10 @@
 """The tick body and the tick loop: what every device runs, tick by tick.
 
 Every device scans over the rows of its own tick table (plan.py). In each
-tick it reads the message rows its lanes need, runs up to one op per lane in
-the table's lane order, F, B, W/BW or B, W/BW, F (ir/ticks.py; each group of
-ops of tick_ops.py is its own two-way `lax.cond`), then the ppermutes of the
+tick it reads the message rows its lanes need, runs up to one op per lane (two
+W's in the W lane) in the table's lane order, F, B, W/BW or B, W/BW, F
+(ir/ticks.py; each group of ops of tick_ops.py is its own two-way `lax.cond`,
+and a second W has conds of its own, in plans whose table has one), then the ppermutes of the
 two message channels run (all of them, or, in a gated plan, the set the tick
 uses) and the received messages are stored in the slots the row names. After
 the loop the parameter gradients are summed over the live replicas of each
@@ -166,19 +167,23 @@ class TickProgram:
     # before the first op, so the store's writes after the last op update it in
     # place too (a cond that read the store would make XLA copy it twice per tick).
 
-    def inboxes(self, msgs: Buffers, row: TickRow) -> tuple[Inbox, Inbox, Inbox]:
-        """The F, B and W lanes' message rows, read in one gather from the store."""
+    def inboxes(self, msgs: Buffers, row: TickRow, second_w: bool) -> list[Inbox]:
+        """The F, B and W lanes' message rows (and the second W's, when the plan has
+        one), read in one gather from the store."""
         none = self.msg_spec.zeros()
-        wanted = [row.f.in_slot, row.b.g_slot, row.w.g_slot]
+        reads = [row.b, row.w, row.w2] if second_w else [row.b, row.w]
+        wanted = [row.f.in_slot, *(r.g_slot for r in reads)]
         if self.remat:  # B, W and BW re-run the stage's forward on their input
-            wanted += [row.b.in_slot, row.w.in_slot]
+            wanted += [r.in_slot for r in reads]
         slots = jnp.stack(wanted)
         read = {k: jnp.take(b, slots, axis=0, mode="clip") for k, b in msgs.items()}
         got = [{k: r[i] for k, r in read.items()} for i in range(len(wanted))]
-        f_in = Inbox(got[0], none)
-        if self.remat:
-            return f_in, Inbox(got[3], got[1]), Inbox(got[4], got[2])
-        return f_in, Inbox(none, got[1]), Inbox(none, got[2])
+        n = len(reads)
+        acts = got[1 + n :] if self.remat else [none] * n
+        return [
+            Inbox(got[0], none),
+            *(Inbox(a, g) for a, g in zip(acts, got[1 : 1 + n], strict=True)),
+        ]
 
     def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry):
         """`run(op, *carry)` for the op of `group` that the lane's branch names, else
@@ -208,7 +213,9 @@ class TickProgram:
         loss = ops.no_loss()
         grads = list(grads)
         back = params if back_params is None else back_params
-        f_in, b_in, w_in = self.inboxes(msgs, row)
+        # The W lane runs a second W only in plans whose table has one (ir/ticks.py).
+        second_w = bool(np.any(plan.rows.w2.branch))
+        f_in, b_in, *w_ins = self.inboxes(msgs, row, second_w)
 
         def forward_lane() -> None:
             nonlocal act, res, loss
@@ -247,17 +254,22 @@ class TickProgram:
 
         def weight_grad_lane() -> None:
             nonlocal grad
-            for c, group in enumerate(ops.weight_grads):
-                if not group[0]:
-                    continue
+            lanes = [(ops.weight_grads, row.w, w_ins[0])]
+            if second_w:  # its own conds, of the W branches alone
+                lanes.append((ops.second_weight_grads, row.w2, w_ins[1]))
+            for groups, lane_row, inbox in lanes:
+                for c, group in enumerate(groups):
+                    if not group[0]:
+                        continue
 
-                def weight_grad(op, grad, acc):
-                    # A W sends nothing (its message is zeros); a BW's tick has no B (the
-                    # lane rule), so the gradient channel holds one of them: their sum.
-                    msg, dpar, _ = op(back, x, y, w_in, res, row.w)
-                    return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
+                    def weight_grad(op, grad, acc, lane_row=lane_row, inbox=inbox):
+                        # A W sends nothing (its message is zeros); a BW's tick has no B
+                        # (the lane rule), so the gradient channel holds one of them:
+                        # their sum. (Through it, a B, W, F tick's F writes after them.)
+                        msg, dpar, _ = op(back, x, y, inbox, res, lane_row)
+                        return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
 
-                grad, grads[c] = self.lane(group, row.w, weight_grad, grad, grads[c])
+                    grad, grads[c] = self.lane(group, lane_row, weight_grad, grad, grads[c])
 
         lanes = {Kind.F: forward_lane, Kind.B: input_grad_lane, Kind.W: weight_grad_lane}
         for kind in plan.order:

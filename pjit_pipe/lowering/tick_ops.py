@@ -73,6 +73,8 @@ class StageOps:
         self.input_grads = self.group((Kind.B,))
         # One W/BW group per chunk: the chunk's gradient is a static operand.
         self.weight_grads = [self.group((Kind.W, Kind.BW), chunk=c) for c in range(schedule.chunks)]
+        # A tick's second W (ir.ticks.W_PER_TICK): W's alone, per chunk.
+        self.second_weight_grads = [self.group((Kind.W,), chunk=c) for c in range(schedule.chunks)]
 
     def group(self, kinds: tuple[Kind, ...], chunk: int | None = None) -> OpGroup:
         """(branch ids, op functions) of the branches of these kinds (and of

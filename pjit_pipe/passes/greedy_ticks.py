@@ -23,6 +23,7 @@ from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import (
     FORWARD_FIRST,
+    W_PER_TICK,
     Entry,
     LaneOrder,
     PackedTicks,
@@ -71,9 +72,11 @@ class GreedyPacker:
         overtaking_w: bool = True,
         lazy_w: bool = False,
         order: LaneOrder = FORWARD_FIRST,
+        w_per_tick: int = W_PER_TICK,
     ):
         self.sched, self.costs, self.iterations = sched, costs, iterations
         self.order = order  # the lane order of the table (ir/ticks.py)
+        self.w_per_tick = w_per_tick  # the W's a worker may run in one tick (<= W_PER_TICK)
         self.overtaking_w = overtaking_w  # whether a W may run ahead of an older op
         self.lazy_w = lazy_w  # whether a W runs only in a tick the worker has nothing else for
         self.flow = Engine(sched)
@@ -236,6 +239,7 @@ class GreedyPacker:
         """Add to `chosen` the worker's ready ops for tick t, oldest first (W's left
         out when `skip_w`), and what they make to `here`."""
         taken = {lane for _, o in chosen for lane in lanes(o.kind, self.order)}
+        ws = sum(o.kind is Kind.W for _, o in chosen)  # W's in the W lane
         for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
             if st.placed[i]:
                 continue
@@ -244,7 +248,8 @@ class GreedyPacker:
                 break
             if op.kind is Kind.W and (skip_w or (i > st.ptr and not self.overtaking_w)):
                 continue  # a W kept in program order (or for an idle tick) fills a later bubble
-            if not taken.isdisjoint(lanes(op.kind, self.order)):
+            another_w = op.kind is Kind.W and 0 < ws < self.w_per_tick
+            if not another_w and not taken.isdisjoint(lanes(op.kind, self.order)):
                 continue
             if not self._ready(w, it, op, t, here):
                 continue
@@ -264,9 +269,10 @@ class GreedyPacker:
                     continue
             chosen.append((it, op))
             taken.update(lanes(op.kind, self.order))
+            ws += op.kind is Kind.W
             lane = lanes(op.kind, self.order)[-1]
             here.update(((it, k), lane) for k in self.produces[(w, op)])
-            if len(taken) == 3:  # every lane holds an op
+            if len(taken) == 3 and ws in (0, self.w_per_tick):  # every lane is full
                 break
 
     def _rise(self, st: _Worker, skip: set[int]) -> tuple[int, ...]:

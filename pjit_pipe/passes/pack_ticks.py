@@ -4,7 +4,7 @@ A tick of the compiled program lasts as long as its slowest worker (plus a
 transfer time where a message leaves a worker after its last op). Running one
 op per tick makes a worker doing F wait for a neighbour doing BW; packing
 several ops of a worker into one tick (ir/ticks.py's lane rule: at most one
-F, one B and one W, or one F and one BW, in the table's lane order) lets
+F, one B and two W's, or one F and one BW, in the table's lane order) lets
 every worker fill the tick. The objective is the sum over ticks of the
 tick's length, as the simulator's lockstep mode prices it
 (`simulator.simulate.packed_events`), plus each tick's fixed cost
@@ -13,11 +13,12 @@ tick's length, as the simulator's lockstep mode prices it
 `pack_ticks` is the one function that builds the table: the frontend hands
 its result to the lowering and the CLI prices it. It runs a fast greedy
 (passes/greedy_ticks.py) in a few variants (`VARIANTS`) under each lane
-order (F, B, W and B, W, F), improves each table by a local search that pulls ops one tick earlier
+order (F, B, W and B, W, F), each taking one W a tick and then two, improves each table by a local search that pulls ops one tick earlier
 (`passes/pull_forward.py`), and keeps the cheapest (ties: the earlier
 variant, F, B, W before B, W, F); a synchronous schedule packs one iteration
 and repeats it (behind the barrier every iteration starts from the same
-state). `exact_pack` (a HiGHS MILP) finds the optimum of small cases, to
+state); a table that reaches `simulator.bounds.lockstep_lower_bound` ends the
+search. `exact_pack` (a HiGHS MILP) finds the optimum of small cases, to
 check the greedy against; `polish=` re-solves windows of a one-iteration
 table with that MILP (passes/tick_milp.py).
 
@@ -41,9 +42,11 @@ import math
 from collections.abc import Mapping, Sequence
 
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import (
     LANE_ORDERS,
+    W_PER_TICK,
     LaneOrder,
     PackedTicks,
     compute_only,
@@ -152,10 +155,17 @@ def _pack(
             best, best_price = table, price
         if not schedule.staggered:
             return best
-    for order, (rule, overtaking_w, lazy_w) in itertools.product(orders, VARIANTS):
+    # Each variant with one W a tick first, then with W_PER_TICK (where the schedule
+    # has W's): a greedy that may take a second W takes other ops later, which is
+    # not always cheaper.
+    has_w = any(op.kind is Kind.W for _, _, op in sched.ops())
+    variants = itertools.product(orders, VARIANTS, sorted({1, W_PER_TICK if has_w else 1}))
+    for order, (rule, overtaking_w, lazy_w), ws in variants:
         if best_price <= floor + 1e-9:
             return best
-        greedy = GreedyPacker(sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order)
+        greedy = GreedyPacker(
+            sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order, w_per_tick=ws
+        )
         table = greedy.run(rule)
         ticks = tuple(PullForward(greedy, table).run())
         table = PackedTicks(schedule, iterations, ticks, order)

@@ -68,7 +68,8 @@ class PullForward:
         if any(o.kind is Kind.OPT for _, o in mine):
             return False
         joined = lane_order([*mine, entry], self.g.order)
-        if not fits([o for _, o in joined], self.g.order) or not self._ready(w, entry, t, joined):
+        ops = [o for _, o in joined]
+        if not fits(ops, self.g.order, self.g.w_per_tick) or not self._ready(w, entry, t, joined):
             return False
         rest = [e for e in there[w] if e != entry]
         before = self._length(here) + self._length(there)

@@ -43,7 +43,15 @@ from pjit_pipe.ir.engine import Engine, Tensor
 from pjit_pipe.ir.memory import MemoryBound
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.ir.ticks import Entry, LaneOrder, PackedTicks, compute_only, is_message, lanes
+from pjit_pipe.ir.ticks import (
+    W_PER_TICK,
+    Entry,
+    LaneOrder,
+    PackedTicks,
+    compute_only,
+    is_message,
+    lanes,
+)
 from pjit_pipe.simulator.simulate import packed_time
 
 
@@ -222,9 +230,15 @@ def solve_ticks(
         for mine in by_worker.values():
             here = [i for i in mine if early[i] <= t <= late[i]]
             for position in range(3):
-                coefs = {x(i, t): 1.0 for i in here if position in lanes(ops[i][1].kind, order)}
-                if len(coefs) > 1:
-                    rows.append((-np.inf, 1, coefs))
+                # One op per lane, but W_PER_TICK W's in the W lane (a BW fills it).
+                room = W_PER_TICK if order[position] is Kind.W else 1
+                coefs = {
+                    x(i, t): room if ops[i][1].kind is Kind.BW else 1.0
+                    for i in here
+                    if position in lanes(ops[i][1].kind, order)
+                }
+                if sum(coefs.values()) > room:
+                    rows.append((-np.inf, room, coefs))
             # The tick lasts at least until each op's end (plus C when it sends).
             for i in here:
                 coefs = {length(t): 1.0}

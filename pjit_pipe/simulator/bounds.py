@@ -8,6 +8,7 @@ table of a schedule can beat (passes/pack_ticks.py stops at it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 from pjit_pipe.ir.costs import Costs
@@ -15,7 +16,7 @@ from pjit_pipe.ir.engine import Engine, Tensor
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.ops import COMM_KINDS, Kind, Worker
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.ir.ticks import compute_only, is_message
+from pjit_pipe.ir.ticks import W_PER_TICK, compute_only, is_message
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -71,19 +72,19 @@ def lockstep_lower_bound(schedule: Schedule, costs: Costs | None = None) -> floa
       those ticks d can only run ops that are neither in K nor come after one;
     - after d's last op of K, the chain of messages it starts runs on, and d
       can only run ops that are neither in K nor lead to one.
-    In such a tick d runs at most one op per lane (ir/ticks.py's rule), so at
-    most `cap` (the dearest lane-valid set of those ops); a chain op of weight
+    In such a tick d runs what ir/ticks.py's rule lets one tick hold, so at
+    most `cap` (the dearest such set of those ops); a chain op of weight
     x makes the tick cost at least x, so the tick exceeds d's share by at least
     max(0, x - cap). The bound is work(d) plus the smaller of those excesses
     over the ops of K that could come first (last), maximized over workers and
     classes, plus `costs.tick` for each tick the longest chain needs.
 
-    Example (zb-h2, P=4, m=8, costs 1,2,1,0): the last stage waits 3 ticks for
-    its first forward, and after its last B the gradient still crosses 3
-    stages, each tick holding a B (2) while the last stage has only its W's
-    left (1 per tick): 3 + 32 + 3 x (2 - 1) = 38, where the event-driven period
-    is 35; the packer's table costs 38, so it is optimal and 1.086 is the best
-    any table does.
+    Example (zb-h2, P=4, m=8, costs 1,3,1,0): the last stage waits 3 ticks for
+    its first forward and does 8 x 5, and after its last B the gradient still
+    crosses 3 stages, each tick holding a B (3) while the last stage has only
+    W's left, two a tick (2): 3 + 40 + 3 x (3 - 2) = 46. With one W a tick (the
+    rule before ir.ticks.W_PER_TICK), costs 1,2,1,0 gave 3 + 32 + 3 = 38 where
+    the event-driven period is 35, and the packer's table cost 38.
     """
     return _LockstepBound(schedule, costs or Costs()).value()
 
@@ -175,18 +176,19 @@ class _LockstepBound:
         return min(chain[i] for i in members)
 
     def _cap(self, ops: list[int]) -> float:
-        """The most one tick of a worker can hold of `ops`: one op per lane (one F,
-        one B and one W, or one F and one BW) and its OPTs."""
-        most = dict.fromkeys((Kind.F, Kind.B, Kind.W, Kind.BW), 0.0)
+        """The most one tick of a worker can hold of `ops` (ir/ticks.py's rule: one F,
+        one B and W_PER_TICK W's, or one F and one BW) and its OPTs."""
+        most = {kind: [0.0] for kind in (Kind.F, Kind.B, Kind.W, Kind.BW)}
         opts = 0.0
         for i in ops:
             kind = self.nodes[i][1].kind
             if kind is Kind.OPT:
                 opts += self.duration[i]
             else:
-                most[kind] = max(most[kind], self.duration[i])
-        lanes = max(most[Kind.F] + most[Kind.B] + most[Kind.W], most[Kind.F] + most[Kind.BW])
-        return lanes + opts
+                most[kind].append(self.duration[i])
+        f, b, bw = (max(most[k]) for k in (Kind.F, Kind.B, Kind.BW))
+        w = sum(sorted(most[Kind.W], reverse=True)[:W_PER_TICK])
+        return max(f + b + w, f + bw) + opts
 
     def _fewest_ticks(self) -> int:
         """Ticks any table needs: the longest chain of messages, and the most ops a
@@ -195,13 +197,14 @@ class _LockstepBound:
         for i in self.order:
             for p, message in self.preds[i]:
                 depth[i] = max(depth[i], depth[p] + message)
-        per_lane: dict = {}
+        per_lane: dict = {}  # (worker, lane) -> how many ticks its ops fill at least
         for w, op in self.nodes:
             if op.kind is Kind.OPT:
                 continue  # a worker's OPTs share the tick that ends its gradients
             for lane in {Kind.BW: (Kind.B, Kind.W)}.get(op.kind, (op.kind,)):
-                per_lane[(w, lane)] = per_lane.get((w, lane), 0) + 1
-        return max([*depth, *per_lane.values()], default=0)
+                share = 1 / W_PER_TICK if op.kind is Kind.W else 1
+                per_lane[(w, lane)] = per_lane.get((w, lane), 0) + share
+        return max([*depth, *(math.ceil(n - 1e-9) for n in per_lane.values())], default=0)
 
 
 def _topological(preds: list[list[tuple[int, bool]]]) -> list[int]:
