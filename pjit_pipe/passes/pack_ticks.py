@@ -42,6 +42,7 @@ import math
 from collections.abc import Mapping, Sequence
 
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.memory import largest_peak
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import (
@@ -141,6 +142,13 @@ def _pack(
     if schedule.asynchronous:
         return best
     best_price = packed_time(best, costs)
+    if mem_limit is not None and mem_limit >= largest_peak(schedule):
+        # The table within the schedule's own peak is a table of every looser limit
+        # (the greedy is not monotone in its limit: more room, other choices).
+        tight = pack_ticks(schedule, costs, iterations, None, orders, polish)
+        price = packed_time(tight, costs)
+        if price < best_price - 1e-9:
+            best, best_price = tight, price
     # No one-iteration table costs less than this: a table that reaches it is
     # optimal, so the variants after it (and polishing) cannot improve on it.
     floor = lockstep_lower_bound(schedule, costs) if iterations == 1 else -math.inf
