@@ -10,8 +10,10 @@ program order (so the greedy never deadlocks), and never past an OPT. Each
 worker's picks are priced by the time it would keep the tick, and the tick's
 length is then chosen by a rule (`RULES`): the shortest that lets every
 ready worker run one op, the longest anyone asks for, or the one that keeps
-the workers busiest per unit of tick. The OPTs of a stage run together at the
-end of the tick that completes its gradients (one reduction).
+the workers busiest per unit of tick. A variant may take one W a tick or up
+to ir.ticks.W_PER_TICK. The OPTs of a stage run together at the end of the
+tick that completes its gradients (one reduction); a worker's run of OPTs
+goes in any order, since its replicas may step their stages in another.
 """
 
 from __future__ import annotations

@@ -13,7 +13,8 @@ tick's length, as the simulator's lockstep mode prices it
 `pack_ticks` is the one function that builds the table: the frontend hands
 its result to the lowering and the CLI prices it. It runs a fast greedy
 (passes/greedy_ticks.py) in a few variants (`VARIANTS`) under each lane
-order (F, B, W and B, W, F), each taking one W a tick and then two, improves each table by a local search that pulls ops one tick earlier
+order (F, B, W and B, W, F), each taking one W a tick and then two,
+improves each table by a local search that pulls ops one tick earlier
 (`passes/pull_forward.py`), and keeps the cheapest (ties: the earlier
 variant, F, B, W before B, W, F); a synchronous schedule packs one iteration
 and repeats it (behind the barrier every iteration starts from the same
