@@ -107,39 +107,33 @@ def zb_h1():
     return step, fns, params, x, y
 
 
-@pytest.fixture(scope="module")
-def zb_h1_forward_last():
-    P, m = 4, 6  # (at m=4 no tick holds both a W and an F)
-    sched = make_schedule("zb-h1", P, m)
-    table = pack_ticks(sched, Costs(1, 2, 1), orders=(FORWARD_LAST,))
+def packed_program(kind: str, P: int, m: int, costs: Costs, order):
+    """(step, fns, params, x, y): `kind` on a 1 x P mesh, compiled from its table packed
+    under `costs` in the lane `order`, on the tiny model."""
+    sched = make_schedule(kind, P, m, costs=costs)
+    table = pack_ticks(sched, costs, orders=(order,))
     fns, params = tiny_model(P)
     x, y = batch(m * 2, seed=1)
     step = lower(sched, fns, xent, mesh_of(1, P), params, x, y, ticks=table)
     return step, fns, params, x, y
+
+
+@pytest.fixture(scope="module")
+def zb_h1_forward_last():
+    # (at m=4 no tick holds both a W and an F)
+    return packed_program("zb-h1", 4, 6, Costs(1, 2, 1), FORWARD_LAST)
 
 
 @pytest.fixture(scope="module")
 def zb_h2_two_ws():
     """A table whose ticks hold two W's of a worker (ir.ticks.W_PER_TICK), F first."""
-    P, m, costs = 4, 8, Costs(1, 2, 1)
-    sched = make_schedule("zb-h2", P, m, costs=costs)
-    table = pack_ticks(sched, costs, orders=(FORWARD_FIRST,))
-    fns, params = tiny_model(P)
-    x, y = batch(m * 2, seed=1)
-    step = lower(sched, fns, xent, mesh_of(1, P), params, x, y, ticks=table)
-    return step, fns, params, x, y
+    return packed_program("zb-h2", 4, 8, Costs(1, 2, 1), FORWARD_FIRST)
 
 
 @pytest.fixture(scope="module")
 def zb_h1_two_ws_forward_last():
     """Ticks "W, W, F": the F writes a W-pool slot one of the two W's read last."""
-    P, m, costs = 2, 4, Costs(1, 4, 1)
-    sched = make_schedule("zb-h1", P, m, costs=costs)
-    table = pack_ticks(sched, costs, orders=(FORWARD_LAST,))
-    fns, params = tiny_model(P)
-    x, y = batch(m * 2, seed=1)
-    step = lower(sched, fns, xent, mesh_of(1, P), params, x, y, ticks=table)
-    return step, fns, params, x, y
+    return packed_program("zb-h1", 2, 4, Costs(1, 4, 1), FORWARD_LAST)
 
 
 # The conds of each program's tick: F, B and W lanes, and the second W where a tick has one.
