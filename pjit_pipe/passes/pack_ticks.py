@@ -168,7 +168,7 @@ def _pack(
     # has W's): a greedy that may take a second W takes other ops later, which is
     # not always cheaper.
     has_w = any(op.kind is Kind.W for _, _, op in sched.ops())
-    variants = itertools.product(orders, VARIANTS, sorted({1, W_PER_TICK if has_w else 1}))
+    variants = itertools.product(orders, VARIANTS, (1, W_PER_TICK) if has_w else (1,))
     for order, (rule, overtaking_w, lazy_w), ws in variants:
         if best_price <= floor + 1e-9:
             return best
