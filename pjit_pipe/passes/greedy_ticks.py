@@ -21,7 +21,7 @@ from __future__ import annotations
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
 from pjit_pipe.ir.memory import MemoryBound
-from pjit_pipe.ir.ops import Kind, Op, Worker
+from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import (
     FORWARD_FIRST,
@@ -55,10 +55,48 @@ class _Worker:
         self.ptr = 0  # the oldest unplaced entry
         self.memory = (0, 0, 0)  # (units, B-pool rows, W-pool rows): MemoryBound.delta
         self.after_opt = -1  # tick of this worker's latest OPT: its next op runs later
+        # Per entry: how many of its dependencies (in PackingFacts.deps order) are
+        # known done, and the message it last waited for (done never changes, so
+        # the next check starts there).
+        self.deps_done = [0] * len(entries)
+        self.waits_for: list[Stamped | None] = [None] * len(entries)
 
     def advance(self) -> None:
         while self.ptr < len(self.entries) and self.placed[self.ptr]:
             self.ptr += 1
+
+
+class PackingFacts:
+    """What every greedy variant of one (schedule, costs, memory limit) reads and
+    none changes: each op's dependencies and products, its price and its memory
+    delta. `pack_ticks` builds it once and hands it to each of its variants."""
+
+    def __init__(self, sched: Schedule, costs: Costs, mem_limit: float | None):
+        self.sched, self.costs = sched, costs
+        self.flow = Engine(sched)
+        duration = costs.duration_fn(sched)
+        crosses = {key for w, _, op in sched.ops() for key, cross in self.flow.deps(w, op) if cross}
+        # What each worker may hold (mem_limit as in pack_ticks: None, the schedule's own).
+        self.bound = MemoryBound.of(sched, mem_limit)
+        self.delta = {op: self.bound.delta(op) for _, _, op in sched.ops()}
+        # Per (worker, op): what it waits for (key, whether a message) and what it makes.
+        self.deps = {
+            (w, op): [(k, is_message(k, op)) for k, _ in self.flow.deps(w, op)]
+            for w, _, op in sched.ops()
+        }
+        self.produces = {(w, op): self.flow.produces(w, op) for w, _, op in sched.ops()}
+        # Per (worker, op): its duration, and C when it sends a message to another worker.
+        self.cost = {
+            (w, op): (
+                duration(w, op),
+                costs.c if any(k in crosses for k in self.produces[(w, op)]) else 0.0,
+            )
+            for w, _, op in sched.ops()
+        }
+        self.holders: dict[int, int] = {}  # stage -> how many workers run an OPT of it
+        for _, _, op in sched.ops():
+            if op.kind is Kind.OPT:
+                self.holders[op.stage] = self.holders.get(op.stage, 0) + 1
 
 
 class GreedyPacker:
@@ -75,36 +113,19 @@ class GreedyPacker:
         lazy_w: bool = False,
         order: LaneOrder = FORWARD_FIRST,
         w_per_tick: int = W_PER_TICK,
+        facts: PackingFacts | None = None,
     ):
         self.sched, self.costs, self.iterations = sched, costs, iterations
         self.order = order  # the lane order of the table (ir/ticks.py)
         self.w_per_tick = w_per_tick  # the W's a worker may run in one tick (<= W_PER_TICK)
         self.overtaking_w = overtaking_w  # whether a W may run ahead of an older op
         self.lazy_w = lazy_w  # whether a W runs only in a tick the worker has nothing else for
-        self.flow = Engine(sched)
-        self.duration = costs.duration_fn(sched)
-        self.crosses = set()
-        for w, _, op in sched.ops():
-            for key, cross in self.flow.deps(w, op):
-                if cross:
-                    self.crosses.add(key)
-        # What each worker may hold (mem_limit as in pack_ticks: None, the schedule's own).
-        self.bound = MemoryBound.of(sched, mem_limit)
-        self.delta = {op: self.bound.delta(op) for _, _, op in sched.ops()}
-        # Per (worker, op): what it waits for (key, whether a message) and what it makes.
-        self.deps = {
-            (w, op): [(k, is_message(k, op)) for k, _ in self.flow.deps(w, op)]
-            for w, _, op in sched.ops()
-        }
-        self.produces = {(w, op): self.flow.produces(w, op) for w, _, op in sched.ops()}
-        # Per (worker, op): its duration, and C when it sends a message to another worker.
-        self.cost = {
-            (w, op): (
-                self.duration(w, op),
-                costs.c if any(k in self.crosses for k in self.produces[(w, op)]) else 0.0,
-            )
-            for w, _, op in sched.ops()
-        }
+        facts = facts or PackingFacts(sched, costs, mem_limit)
+        self.flow, self.bound, self.delta = facts.flow, facts.bound, facts.delta
+        self.deps, self.produces, self.cost = facts.deps, facts.produces, facts.cost
+        self.holders = facts.holders
+        # The lanes each compute kind takes in this order (ir.ticks.lanes, looked up once).
+        self.lanes = {kind: lanes(kind, order) for kind in COMPUTE_KINDS}
         self.workers = {
             w: _Worker([(it, op) for it in range(iterations) for op in sched.program(w)])
             for w in sched.alive_workers
@@ -113,10 +134,6 @@ class GreedyPacker:
         self.counts: dict[tuple, int] = {}
         self.opts_left = {it: self.flow.num_opt for it in range(iterations)}
         self.opt_tick: dict[int, int] = {}
-        self.holders: dict[int, int] = {}  # stage -> how many workers run an OPT of it
-        for _, _, op in sched.ops():
-            if op.kind is Kind.OPT:
-                self.holders[op.stage] = self.holders.get(op.stage, 0) + 1
 
     def run(self, rule: str) -> PackedTicks:
         ticks: list[dict[Worker, tuple[Entry, ...]]] = []
@@ -186,18 +203,29 @@ class GreedyPacker:
                 self.opts_left[it] -= len(ws)
                 self.opt_tick[it] = t
 
-    def _ready(self, w: Worker, it: int, op: Op, t: int, here: dict[Stamped, int]) -> bool:
-        """Whether op may run in tick t: the barrier is behind it, each message was
-        made in an earlier tick, each residual earlier or in an earlier lane of t
-        (`here`: what the worker's ops chosen for t make, by lane position)."""
+    def _ready(self, w: Worker, st: _Worker, i: int, t: int, here: dict[Stamped, int]) -> bool:
+        """Whether the worker's entry i may run in tick t: the barrier is behind it,
+        each message was made in an earlier tick, each residual earlier or in an
+        earlier lane of t (`here`: what the worker's ops chosen for t make, by lane
+        position). While tick t is chosen, everything in `done` was made before it."""
+        it, op = st.entries[i]
         barrier = it > 0 and not self.sched.staggered
         if barrier and (self.opts_left[it - 1] or self.opt_tick.get(it - 1, -1) >= t):
             return False
-        lane = lanes(op.kind, self.order)[0]
-        for key, message in self.deps[(w, op)]:
+        deps, done = self.deps[(w, op)], self.done
+        n = st.deps_done[i]
+        while n < len(deps) and (it, deps[n][0]) in done:
+            n += 1
+        st.deps_done[i] = n
+        lane = self.lanes[op.kind][0]
+        for key, message in deps[n:]:
             k = (it, key)
-            if not (self.done.get(k, t) < t or (not message and here.get(k, lane) < lane)):
-                return False
+            if k not in done:
+                if message:
+                    st.waits_for[i] = k
+                    return False
+                if here.get(k, lane) >= lane:
+                    return False
         return True
 
     def _picks(self, w: Worker, st: _Worker, t: int) -> list[tuple[Entry, float]]:
@@ -240,8 +268,9 @@ class GreedyPacker:
     ) -> None:
         """Add to `chosen` the worker's ready ops for tick t, oldest first (W's left
         out when `skip_w`), and what they make to `here`."""
-        taken = {lane for _, o in chosen for lane in lanes(o.kind, self.order)}
+        taken = {lane for _, o in chosen for lane in self.lanes[o.kind]}
         ws = sum(o.kind is Kind.W for _, o in chosen)  # W's in the W lane
+        window = None  # the unplaced entries' memory deltas, made when first needed
         for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
             if st.placed[i]:
                 continue
@@ -251,9 +280,10 @@ class GreedyPacker:
             if op.kind is Kind.W and (skip_w or (i > st.ptr and not self.overtaking_w)):
                 continue  # a W kept in program order (or for an idle tick) fills a later bubble
             another_w = op.kind is Kind.W and 0 < ws < self.w_per_tick
-            if not another_w and not taken.isdisjoint(lanes(op.kind, self.order)):
+            if not another_w and not taken.isdisjoint(self.lanes[op.kind]):
                 continue
-            if not self._ready(w, it, op, t, here):
+            waits = st.waits_for[i]  # a message not yet made: not ready, skip the check
+            if (waits is not None and waits not in self.done) or not self._ready(w, st, i, t, here):
                 continue
             # Ops of a tick run in lane order (an op's same-tick dependencies are in
             # earlier lanes), so memory peaks in that order too. An op that overtakes
@@ -266,28 +296,46 @@ class GreedyPacker:
             if not self.bound.admits(peak):
                 continue
             if i > st.ptr:
-                rise = self._rise(st, {st.position[e] for e in chosen} | {i})
+                window = window or self._window(st)
+                rise = _rise(window, {st.position[e] for e in chosen} | {i})
                 if not self.bound.admits(add(mem, rise)):
                     continue
             chosen.append((it, op))
-            taken.update(lanes(op.kind, self.order))
+            taken.update(self.lanes[op.kind])
             ws += op.kind is Kind.W
-            lane = lanes(op.kind, self.order)[-1]
+            lane = self.lanes[op.kind][-1]
             here.update(((it, k), lane) for k in self.produces[(w, op)])
             if len(taken) == 3 and ws in (0, self.w_per_tick):  # every lane is full
                 break
 
-    def _rise(self, st: _Worker, skip: set[int]) -> tuple[int, ...]:
-        """How far the worker's memory must still rise running its unplaced ops in
-        program order (the entries in `skip` left out: the tick's), per resource:
-        an op that overtakes keeps this much room free, so the program order stays
-        possible (no deadlock)."""
-        total = rise = (0, 0, 0)
-        for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN)):
-            if not st.placed[i] and i not in skip:
-                total = add(total, self.delta[st.entries[i][1]])
-                rise = highest(rise, total)
-        return rise
+    def _window(self, st: _Worker) -> list[tuple[int, tuple[int, int, int]]]:
+        """The worker's unplaced entries within the greedy's scan, in program order:
+        (position, memory delta)."""
+        return [
+            (i, self.delta[st.entries[i][1]])
+            for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN))
+            if not st.placed[i]
+        ]
+
+
+def _rise(window: list[tuple[int, tuple[int, int, int]]], skip: set[int]) -> tuple[int, int, int]:
+    """How far a worker's memory must still rise running the `window` of its unplaced
+    ops (GreedyPacker._window) in program order, the positions in `skip` left out
+    (the tick's), per resource: an op that overtakes keeps this much room free, so
+    the program order stays possible (no deadlock)."""
+    units = b_rows = w_rows = 0
+    rise_units = rise_b = rise_w = 0
+    for i, (du, db, dw) in window:
+        if i not in skip:
+            units, b_rows, w_rows = units + du, b_rows + db, w_rows + dw
+            # (comparisons, not max(): this loop is the greedy's hottest)
+            if units > rise_units:
+                rise_units = units
+            if b_rows > rise_b:
+                rise_b = b_rows
+            if w_rows > rise_w:
+                rise_w = w_rows
+    return rise_units, rise_b, rise_w
 
 
 # Held memory as (units, B-pool rows, W-pool rows) (ir.memory.MemoryBound), summed and

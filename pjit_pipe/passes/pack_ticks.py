@@ -53,7 +53,7 @@ from pjit_pipe.ir.ticks import (
     PackedTicks,
     compute_only,
 )
-from pjit_pipe.passes.greedy_ticks import VARIANTS, GreedyPacker
+from pjit_pipe.passes.greedy_ticks import VARIANTS, GreedyPacker, PackingFacts
 from pjit_pipe.passes.pull_forward import PullForward
 from pjit_pipe.passes.tick_milp import polish_ticks
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
@@ -169,11 +169,12 @@ def _pack(
     # not always cheaper.
     has_w = any(op.kind is Kind.W for _, _, op in sched.ops())
     variants = itertools.product(orders, VARIANTS, (1, W_PER_TICK) if has_w else (1,))
+    facts = PackingFacts(sched, costs, mem_limit)
     for order, (rule, overtaking_w, lazy_w), ws in variants:
         if best_price <= floor + 1e-9:
             return best
         greedy = GreedyPacker(
-            sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order, w_per_tick=ws
+            sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order, ws, facts
         )
         table = greedy.run(rule)
         ticks = tuple(PullForward(greedy, table).run())

@@ -46,6 +46,10 @@ class PullForward:
         self.made: dict[Stamped, int] = {}
         self.opt_tick: dict[tuple[int, int], int] = {}  # (stage, iteration) -> tick
         self.last_opt: dict[int, int] = {}  # iteration -> tick of its last OPT
+        # Per tick: each worker's time in it (GreedyPacker.worker_time), kept up to date.
+        self.times = [
+            {w: self.g.worker_time(w, es) for w, es in tick.items()} for tick in self.ticks
+        ]
         for t, tick in enumerate(self.ticks):
             for w, es in tick.items():
                 for it, op in es:
@@ -55,9 +59,12 @@ class PullForward:
                         self.opt_tick[(op.stage, it)] = t
                         self.last_opt[it] = max(self.last_opt.get(it, -1), t)
 
-    def _length(self, tick: dict[Worker, list[Entry]]) -> float:
-        """The tick's length as `simulator.simulate.packed_events` prices it."""
-        return max((self.g.worker_time(w, es) for w, es in tick.items()), default=0.0)
+    def _lengths(self, t: int, w: Worker, time: float) -> tuple[float, float]:
+        """Tick t's length as `simulator.simulate.packed_events` prices it, now and
+        with worker w's time in it changed to `time`."""
+        times = self.times[t]
+        others = max((x for u, x in times.items() if u != w), default=0.0)
+        return max(others, times.get(w, 0.0)), max(others, time)
 
     def _try(self, w: Worker, entry: Entry, t: int) -> bool:
         it, op = entry
@@ -72,13 +79,16 @@ class PullForward:
         if not fits(ops, self.g.order, self.g.w_per_tick) or not self._ready(w, entry, t, joined):
             return False
         rest = [e for e in there[w] if e != entry]
-        before = self._length(here) + self._length(there)
-        after = self._length({**here, w: joined}) + self._length({**there, w: rest})
+        joined_time, rest_time = self.g.worker_time(w, joined), self.g.worker_time(w, rest)
+        here_now, here_then = self._lengths(t, w, joined_time)
+        there_now, there_then = self._lengths(t + 1, w, rest_time)
+        before, after = here_now + there_now, here_then + there_then
         if not rest and not any(es for u, es in there.items() if u != w):
             after -= self.g.costs.tick  # tick t + 1 empties and goes, with its fixed cost
         if after >= before - 1e-9 or not self._memory_ok(w, t, joined, rest):
             return False
         here[w], there[w] = joined, rest
+        self.times[t][w], self.times[t + 1][w] = joined_time, rest_time
         for k in self.g.produces[(w, op)]:
             self.made[(it, k)] = t
         return True
