@@ -125,6 +125,7 @@ def test_stopping_at_the_bound_returns_the_same_table(
     monkeypatch.setattr(pack_ticks_module, "_PACKED", {})
     stopped = pack_ticks(schedule, costs)
     monkeypatch.setattr(pack_ticks_module, "_PACKED", {})
+    monkeypatch.setattr(pack_ticks_module, "_FLOORS", {})  # the bound's cache too
     monkeypatch.setattr(pack_ticks_module, "lockstep_lower_bound", lambda *_: -math.inf)
     searched = pack_ticks(schedule, costs)
     assert stopped == searched
