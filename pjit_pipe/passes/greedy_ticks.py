@@ -72,7 +72,6 @@ class PackingFacts:
     delta. `pack_ticks` builds it once and hands it to each of its variants."""
 
     def __init__(self, sched: Schedule, costs: Costs, mem_limit: float | None):
-        self.sched, self.costs = sched, costs
         self.flow = Engine(sched)
         duration = costs.duration_fn(sched)
         crosses = {key for w, _, op in sched.ops() for key, cross in self.flow.deps(w, op) if cross}
