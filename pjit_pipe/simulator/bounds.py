@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
+from graphlib import TopologicalSorter
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import Engine, Tensor
@@ -122,7 +123,9 @@ class _LockstepBound:
             for i in range(n_ops)
         ]
         self.weight = [self.duration[i] + (costs.c if sends[i] else 0.0) for i in range(n_ops)]
-        self.order = _topological(self.preds)
+        # Each op after everything it waits for.
+        graph = {i: [p for p, _ in self.preds[i]] for i in range(n_ops)}
+        self.order = list(TopologicalSorter(graph).static_order())
         self.before = [0] * n_ops  # bit masks: the ops each op (transitively) waits for
         for i in self.order:
             for p, _ in self.preds[i]:
@@ -205,22 +208,3 @@ class _LockstepBound:
                 share = 1 / W_PER_TICK if op.kind is Kind.W else 1
                 per_lane[(w, lane)] = per_lane.get((w, lane), 0) + share
         return max([*depth, *(math.ceil(n - 1e-9) for n in per_lane.values())], default=0)
-
-
-def _topological(preds: list[list[tuple[int, bool]]]) -> list[int]:
-    """The op indices, each after everything it waits for."""
-    waiting = [len(p) for p in preds]
-    succs: list[list[int]] = [[] for _ in preds]
-    for i, ps in enumerate(preds):
-        for p, _ in ps:
-            succs[p].append(i)
-    ready = [i for i, n in enumerate(waiting) if n == 0]
-    out = []
-    while ready:
-        i = ready.pop()
-        out.append(i)
-        for s in succs[i]:
-            waiting[s] -= 1
-            if waiting[s] == 0:
-                ready.append(s)
-    return out
