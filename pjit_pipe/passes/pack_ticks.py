@@ -40,7 +40,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import TypeVar
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import largest_peak
@@ -58,6 +59,8 @@ from pjit_pipe.passes.pull_forward import PullForward
 from pjit_pipe.passes.tick_milp import polish_ticks
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import packed_time
+
+T = TypeVar("T")
 
 
 def pack_ticks(
@@ -101,41 +104,38 @@ def pack_ticks(
             f"polish must be a number of seconds >= 0 (0: the greedy's table), got {polish!r}"
         )
     costs = costs or Costs()
-    try:
-        key = (_schedule_key(schedule), costs, iterations, mem_limit, orders, polish)
-        hash(key)
-    except TypeError:  # per-stage costs given as lists: pack without the cache
-        return _pack(schedule, costs, iterations, mem_limit, orders, polish)
     # A pipeline, its rebuilt copies and the CLI's pricing pack the same schedule again.
-    if key not in _PACKED:
-        if len(_PACKED) >= _PACKED_SIZE:
-            _PACKED.pop(next(iter(_PACKED)))  # the oldest
-        _PACKED[key] = _pack(schedule, costs, iterations, mem_limit, orders, polish)
-    return _PACKED[key]
+    return _cached(
+        _PACKED,
+        schedule,
+        (costs, iterations, mem_limit, orders, polish),
+        lambda: _pack(schedule, costs, iterations, mem_limit, orders, polish),
+    )
 
 
-# Packed tables by (schedule, costs, iterations, mem_limit): packing a P=4 schedule
-# takes 0.05-0.9 s, as long as a small pipeline's trace. (_FLOORS: their bounds.)
+# Packed tables by (schedule, costs, iterations, mem_limit, orders, polish): packing a
+# P=4 schedule takes 0.05-0.9 s, as long as a small pipeline's trace.
 _PACKED: dict = {}
-_PACKED_SIZE = 128
+# lockstep_lower_bound by (schedule, costs): packing a schedule within its own peak and
+# then unbounded asks twice (0.3 s at P=8 m=32).
+_FLOORS: dict = {}
+_CACHE_SIZE = 128  # entries kept in each
 
 
-def _floor(schedule: Schedule, costs: Costs) -> float:
-    """`lockstep_lower_bound(schedule, costs)`, once per (schedule, costs): packing a
-    schedule within its own peak and then unbounded asks twice (0.3 s at P=8 m=32)."""
+def _cached(store: dict, schedule: Schedule, rest: tuple, make: Callable[[], T]) -> T:
+    """make(), kept in `store` by (schedule, *rest), the oldest entry dropped past
+    _CACHE_SIZE; made afresh each time where the key cannot be hashed (per-stage
+    costs given as lists)."""
     try:
-        key = (_schedule_key(schedule), costs)
+        key = (_schedule_key(schedule), *rest)
         hash(key)
-    except TypeError:  # per-stage costs given as lists
-        return lockstep_lower_bound(schedule, costs)
-    if key not in _FLOORS:
-        if len(_FLOORS) >= _PACKED_SIZE:
-            _FLOORS.pop(next(iter(_FLOORS)))  # the oldest
-        _FLOORS[key] = lockstep_lower_bound(schedule, costs)
-    return _FLOORS[key]
-
-
-_FLOORS: dict = {}  # lockstep_lower_bound by (schedule, costs), as _PACKED
+    except TypeError:
+        return make()
+    if key not in store:
+        if len(store) >= _CACHE_SIZE:
+            store.pop(next(iter(store)))  # the oldest
+        store[key] = make()
+    return store[key]
 
 
 def _schedule_key(schedule: Schedule) -> tuple:
@@ -170,7 +170,11 @@ def _pack(
             best, best_price = tight, price
     # No one-iteration table costs less than this: a table that reaches it is
     # optimal, so the variants after it (and polishing) cannot improve on it.
-    floor = _floor(schedule, costs) if iterations == 1 else -math.inf
+    floor = (
+        _cached(_FLOORS, schedule, (costs,), lambda: lockstep_lower_bound(schedule, costs))
+        if iterations == 1
+        else -math.inf
+    )
     if iterations > 1:
         # Behind the iteration barrier every iteration starts from the same state
         # (nothing in flight), so the best one-iteration table, repeated, is as good as
