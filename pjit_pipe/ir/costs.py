@@ -41,6 +41,15 @@ class Costs:
     and a fused backward is one program where B and W are two. Measured costs
     give all of them, so 1F1B is priced at what it runs, not at the split's
     costs.
+
+    `fbw` is one microbatch's forward and whole backward of the loss stage (the
+    last virtual stage) run as one program, per position (None: the split
+    ops' sum, so nothing changes). The lowering runs them so wherever a tick
+    of the table holds them all (`ir.ticks.fused_loss_ops`): one program keeps
+    its intermediates out of memory and XLA fuses across the forward and
+    backward, which two programs cannot (1.33-1.54x on a GPU, docs/
+    tick_packing.md). Only the lockstep price of a tick table counts it
+    (`loss_fusion`); the event-driven simulator runs the IR's ops one by one.
     """
 
     f: float | Sequence[float] = 1.0
@@ -51,6 +60,7 @@ class Costs:
     tick: float = 0.0
     f_fused: float | Sequence[float] | None = None
     bw: float | Sequence[float] | None = None
+    fbw: float | Sequence[float] | None = None
 
     @classmethod
     def parse(cls, text: str) -> Costs:
@@ -70,7 +80,7 @@ class Costs:
         fs, bs, ws = (
             _per_position(n, v, stages) for n, v in (("F", self.f), ("B", self.b), ("W", self.w))
         )
-        for name, value in (("f_fused", self.f_fused), ("bw", self.bw)):
+        for name, value in (("f_fused", self.f_fused), ("bw", self.bw), ("fbw", self.fbw)):
             if value is not None:
                 _per_position(name, value, stages)
         if self.c < 0 or self.opt < 0:
@@ -124,6 +134,22 @@ class Costs:
             return 0.0
 
         return duration
+
+    def loss_fusion(self, schedule: Schedule) -> float:
+        """What the loss stage's F and backward of one microbatch cost, fused
+        (`fbw`), over their split price (F + BW, or F + B + W where the schedule
+        splits that stage): the lockstep price scales the ops of a fused group by
+        it. 1.0 without `fbw`."""
+        if self.fbw is None:
+            return 1.0
+        last = schedule.num_virtual_stages - 1
+        duration = self.duration_fn(schedule)
+        worker = Worker(0, schedule.layout[last])
+        split = any(op.kind in (Kind.B, Kind.W) and op.stage == last for _, _, op in schedule.ops())
+        kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.BW)
+        apart = sum(duration(worker, Op(k, last, 0)) for k in kinds)
+        fused = _per_position("fbw", self.fbw, schedule.stages)[worker.stage] / schedule.chunks
+        return fused / apart if apart > 0 else 1.0
 
     def ideal(self, schedule: Schedule) -> float:
         """One stage's work per iteration (the busiest stage's, if uneven)."""

@@ -114,6 +114,31 @@ def lane_order(entries: Sequence[Entry], order: LaneOrder = FORWARD_FIRST) -> li
     return sorted(entries, key=lambda e: lanes(e[1].kind, order)[0])
 
 
+def fused_loss_ops(entries: Sequence[Entry], loss_stage: int) -> frozenset[Entry]:
+    """The entries of one worker's tick that run as one program: each microbatch
+    whose forward and whole backward (BW, or B and W) on the loss stage (the last
+    virtual stage, `loss_stage`) are all in the tick. Only F, B, W's lane order
+    lets them share a tick. The lowering runs such a group as one
+    `value_and_grad`-shaped op in the W lane (lowering/plan.py), which stores no
+    residual, and the lockstep price scales the group by `Costs.loss_fusion`."""
+    backward: dict[tuple[int, int, int], set[Kind]] = {}
+    for it, op in entries:
+        if op.stage == loss_stage and op.kind in COMPUTE_KINDS:
+            backward.setdefault((it, op.mb, op.replica), set()).add(op.kind)
+    whole = {
+        key
+        for key, kinds in backward.items()
+        if Kind.F in kinds and (Kind.BW in kinds or {Kind.B, Kind.W} <= kinds)
+    }
+    if not whole:
+        return frozenset()
+    return frozenset(
+        (it, op)
+        for it, op in entries
+        if op.stage == loss_stage and op.kind in COMPUTE_KINDS and (it, op.mb, op.replica) in whole
+    )
+
+
 def compute_only(schedule: Schedule) -> Schedule:
     """The schedule without SEND/RECV: in a tick table every message travels between ticks."""
     if not schedule.has_comm():

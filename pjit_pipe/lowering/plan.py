@@ -36,10 +36,14 @@ import numpy as np
 
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.ir.ticks import LaneOrder, PackedTicks
+from pjit_pipe.ir.ticks import LaneOrder, PackedTicks, fused_loss_ops
 from pjit_pipe.lowering.routes import Route, fewest_routes
 
-KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW)
+# The branch kind of a loss-stage microbatch's F and whole backward run as one op
+# (ir.ticks.fused_loss_ops): in the W lane, storing no residual.
+FUSED = "F+BW"
+BranchKind = Kind | str  # an IR compute kind, or FUSED
+KIND_ORDER = (Kind.F, Kind.B, Kind.W, Kind.BW, FUSED)
 
 
 class OpRow(NamedTuple):
@@ -74,7 +78,7 @@ class TickRow(NamedTuple):
     sends: Any  # which of `TickPlan.sends` this tick runs (the same on every device)
 
 
-LANE_OF = {Kind.F: "f", Kind.B: "b", Kind.W: "w", Kind.BW: "w"}
+LANE_OF = {Kind.F: "f", Kind.B: "b", Kind.W: "w", Kind.BW: "w", FUSED: "w"}
 # Per ppermute of a channel: (the (replica, position) shifts its pairs make, its pairs).
 Shifts = tuple[tuple[tuple[tuple[int, int], ...], Route], ...]
 
@@ -102,7 +106,8 @@ class TickPlan:
         dest) pairs of device indices: the fewest ppermutes (routes.py), one
         per shift when that is as few.
     branches: the (kind, virtual stage) of branch 1, 2, ...; branch 0 idles.
-        Only pairs the schedule uses get a branch (each one is compiled).
+        Only pairs the table uses get a branch (each one is compiled); the
+        kind FUSED is a loss-stage F and backward run as one op.
     """
 
     rows: TickRow
@@ -112,7 +117,7 @@ class TickPlan:
     bres_slots: int
     act_shifts: Shifts
     grad_shifts: Shifts
-    branches: tuple[tuple[Kind, int], ...]
+    branches: tuple[tuple[BranchKind, int], ...]
     order: LaneOrder  # the order the tick body runs its lanes in (the table's)
     updates: np.ndarray  # bool (ticks,): some stage steps its optimizer after this tick
     # The sets of (activation, gradient) ppermute indices a tick runs; `rows.sends`
@@ -148,6 +153,8 @@ def build_plan(
     devices: Sequence[Worker],
     every_stage_reads: bool = False,
     split: Collection[int] = (),
+    fuse_loss: bool = False,
+    numbering: Sequence[tuple[BranchKind, int]] | None = None,
 ) -> TickPlan:
     """Assign branches and buffer slots to the ops of `table`; `devices` are the
     live workers in row order; `split` the virtual stages with a split backward
@@ -156,6 +163,15 @@ def build_plan(
 
     With `every_stage_reads`, every stage's ops index the device's input list
     (per-microbatch random keys), not only the first and last stage's.
+
+    With `fuse_loss`, a loss-stage microbatch whose F and whole backward share a
+    tick (ir.ticks.fused_loss_ops) runs as one FUSED op in the W lane, and its F
+    gets no residual slot: nothing is stored between them. (An asynchronous
+    schedule's F and backward read different weights: it must not fuse.)
+
+    `numbering`: the branches to number the ops by, a superset of those the table
+    runs (a multi-iteration plan's, for the plan of its first iteration: two plans
+    of one program share its op functions); None numbers just those run.
 
     With several iterations, microbatch j of iteration k is planned as
     microbatch k*m + j, and each stage's optimizer step runs after the tick
@@ -171,10 +187,15 @@ def build_plan(
             f"devices {sorted(index)} are not the schedule's live workers {schedule.alive_workers}"
         )
     when: dict[Op, tuple[Worker, int]] = {}
+    fused: set[Op] = set()  # the ops of fused loss-stage groups (microbatch numbered as in `when`)
     # (stage, iteration, microbatch or -1) -> the ticks of its OPTs
     update_tick: dict[tuple[int, int, int], set[int]] = {}
     for t, tick in enumerate(table.ticks):
         for w, entries in tick.items():
+            if fuse_loss:
+                fused.update(
+                    op._replace(mb=it * m + op.mb) for it, op in fused_loss_ops(entries, S - 1)
+                )
             for it, op in entries:
                 if op.kind in COMPUTE_KINDS:
                     when[op._replace(mb=it * m + op.mb)] = (w, t)
@@ -234,7 +255,7 @@ def build_plan(
     strict = table.order[-1] is not Kind.F
     if not remat:
         for op, (w, t) in sorted(when.items(), key=lambda kv: kv[1][1]):
-            if op.kind is Kind.F:
+            if op.kind is Kind.F and op not in fused:
                 key = (op.stage, op.mb, op.replica)
                 _, last = last_use((Kind.B, Kind.W, Kind.BW), *key)
                 res_slot[key] = res_alloc[w].take(t, last, strict)
@@ -256,10 +277,18 @@ def build_plan(
         for (r, j), i in pairs.items():
             inputs[index[w], i] = (j // m, r, j % m)
 
-    branches = sorted(
-        {(op.kind, op.stage) for op in when},
-        key=lambda ks: (ks[1], KIND_ORDER.index(ks[0])),
-    )
+    # What each lane runs: a fused group as one FUSED op, at its F's row and first in
+    # its W lane (so that a W beside it takes the second W lane).
+    runs = [(FUSED, op, w, t) for op, (w, t) in when.items() if op in fused and op.kind is Kind.F]
+    runs += [(op.kind, op, w, t) for op, (w, t) in when.items() if op not in fused]
+    run = {(kind, op.stage) for kind, op, _, _ in runs}
+    if numbering is not None and not run <= set(numbering):
+        raise ScheduleError(f"branches {sorted(run - set(numbering))} run but are not numbered")
+    branches = numbering or sorted(run, key=lambda ks: (ks[1], KIND_ORDER.index(ks[0])))
+    # The pools have a row (a scratch one at least) for a compiled F, B, W or BW to
+    # index, even when every op that stores was fused away.
+    if not remat and any(kind is not FUSED for kind, _ in branches):
+        R, RB = max(R, 1), max(RB, 1 if split else 0)
     branch = {ks: 1 + i for i, ks in enumerate(branches)}
     n = len(devices)
     lanes = {}
@@ -272,11 +301,11 @@ def build_plan(
         col["bres_w"][:] = RB
         col["bres_r"][:] = RB
         lanes[lane] = col
-    for op, (w, t) in when.items():
-        d, col = index[w], lanes[LANE_OF[op.kind]]
-        if op.kind is Kind.W and col["branch"][d, t]:  # the tick's second W
+    for kind, op, w, t in runs:
+        d, col = index[w], lanes[LANE_OF[kind]]
+        if kind is Kind.W and col["branch"][d, t]:  # the tick's second W
             col = lanes["w2"]
-        col["branch"][d, t] = branch[(op.kind, op.stage)]
+        col["branch"][d, t] = branch[(kind, op.stage)]
         col["mb"][d, t] = local[w].get((op.replica, op.mb), 0)
         col["in_slot"][d, t] = msg_slot.get(("act", op.stage - 1, op.mb, op.replica), K)
         col["g_slot"][d, t] = msg_slot.get(("grad", op.stage + 1, op.mb, op.replica), K)

@@ -207,6 +207,19 @@ class StageVjp:
         leaves = [param_leaves[i] if src == "param" else stored[i] for src, i in self.res_where[s]]
         return jax.tree.unflatten(self.res_treedef[s], leaves)
 
+    def value_and_grad(self, s: int, p: Any, a: Any, y: Any, seed: Any) -> tuple[Any, Any, Any]:
+        """The loss stage's F and backward as one program: (loss vector, parameter
+        gradient, input gradient or None on stage 0) for the loss vector's
+        cotangent `seed`. Nothing is stored: with forward and backward in one
+        computation XLA keeps or recomputes intermediates as it likes, as in a
+        plain `jax.value_and_grad` (no checkpoint policy, no packed rows)."""
+        if s == 0:  # the raw batch may be integers: no input gradient
+            out, pull = jax.vjp(lambda p: self.forward(s, p, a, y), p)
+            return out, pull(seed)[0], None
+        out, pull = jax.vjp(lambda p, a: self.forward(s, p, a, y), p, a)
+        dparams, dinput = pull(seed)
+        return out, dparams, dinput
+
     def recompute_pullback(self, s: int, p: Any, a: Any, y: Any) -> Callable:
         """The stage's vjp function by re-running its forward (remat)."""
         return self._vjp_parts(s, p, a, y)[1]

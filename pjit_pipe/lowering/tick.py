@@ -43,7 +43,7 @@ from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
 from pjit_pipe.lowering.param_layout import ChunkLayout
-from pjit_pipe.lowering.plan import OpRow, TickPlan, TickRow, build_plan
+from pjit_pipe.lowering.plan import FUSED, OpRow, TickPlan, TickRow, build_plan
 from pjit_pipe.lowering.shared import SharedGrads
 from pjit_pipe.lowering.stages import Residuals, StageVjp
 from pjit_pipe.lowering.tick_ops import Inbox, OpGroup, StageOps
@@ -86,18 +86,27 @@ class TickProgram:
                 f"{schedule.kind!r}; pack_ticks(schedule, costs, iterations={iterations})"
             )
         self.ticks = ticks  # the table this program runs (its iteration 0 for value_and_grad)
-        first = ticks if iterations == 1 else ticks.first_iteration()
-        self.plan: TickPlan = build_plan(first, remat, topology.workers, keyed, stages.split)
+        # The loss stage's F and backward of a microbatch that share a tick run as one
+        # op (plan.FUSED), unless a weight policy gives them different weights.
+        plan = functools.partial(
+            build_plan,
+            remat=remat,
+            devices=topology.workers,
+            every_stage_reads=keyed,
+            split=stages.split,
+            fuse_loss=weights is None,
+        )
+        # With several iterations, the plan of the first (value_and_grad) numbers its
+        # ops as the whole table's plan does: the two share their op functions.
+        every = plan(ticks) if iterations > 1 else None
+        self.plan: TickPlan = (
+            plan(ticks.first_iteration(), numbering=every.branches) if every else plan(ticks)
+        )
         # Staggered or multi-iteration training runs the optimizer inside the loop.
         self.stepping = schedule.staggered or iterations > 1
-        self.step_plan: TickPlan | None = None
-        if self.stepping:
-            self.step_plan = (
-                self.plan
-                if iterations == 1
-                else build_plan(ticks, remat, topology.workers, keyed, stages.split)
-            )
+        self.step_plan: TickPlan | None = (every or self.plan) if self.stepping else None
         self.remat = remat
+        self.fused = (FUSED, stages.S - 1) in self.plan.branches
         self.param_spec = FlatSpec(stages.param_avals)
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
@@ -174,13 +183,20 @@ class TickProgram:
         none = self.msg_spec.zeros()
         reads = [row.b, row.w, row.w2] if second_w else [row.b, row.w]
         wanted = [row.f.in_slot, *(r.g_slot for r in reads)]
+        n = len(reads)
         if self.remat:  # B, W and BW re-run the stage's forward on their input
             wanted += [r.in_slot for r in reads]
+        elif self.fused:  # a fused F and backward in the W lane reads its input
+            wanted.append(row.w.in_slot)
         slots = jnp.stack(wanted)
         read = {k: jnp.take(b, slots, axis=0, mode="clip") for k, b in msgs.items()}
         got = [{k: r[i] for k, r in read.items()} for i in range(len(wanted))]
-        n = len(reads)
-        acts = got[1 + n :] if self.remat else [none] * n
+        if self.remat:
+            acts = got[1 + n :]
+        else:
+            acts = [none] * n
+            if self.fused:
+                acts[1] = got[-1]
         return [
             Inbox(got[0], none),
             *(Inbox(a, g) for a, g in zip(acts, got[1 : 1 + n], strict=True)),
@@ -254,7 +270,7 @@ class TickProgram:
             grad, res = self.lane(ops.input_grads, row.b, input_grad, grad, res)
 
         def weight_grad_lane() -> None:
-            nonlocal grad
+            nonlocal grad, loss
             lanes = [(ops.weight_grads, row.w, w_ins[0])]
             if second_w:  # its own conds, of the W branches alone
                 lanes.append((ops.second_weight_grads, row.w2, w_ins[1]))
@@ -263,14 +279,21 @@ class TickProgram:
                     if not group[0]:
                         continue
 
-                    def weight_grad(op, grad, acc, lane_row=lane_row, inbox=inbox):
-                        # A W sends nothing (its message is zeros); a BW's tick has no B
-                        # (the lane rule), so the gradient channel holds one of them:
-                        # their sum. (Through it, a B, W, F tick's F writes after them.)
-                        msg, dpar, _ = op(back, x, y, inbox, res, lane_row)
-                        return jax.tree.map(jnp.add, grad, msg), jax.tree.map(jnp.add, acc, dpar)
+                    def weight_grad(op, grad, acc, loss, lane_row=lane_row, inbox=inbox):
+                        # A W sends nothing (its message is zeros); a BW's (or a fused
+                        # group's) tick has no B (the lane rule), so the gradient channel
+                        # holds one of them: their sum. (Through it, a B, W, F tick's F
+                        # writes after them.) Only a fused group has a loss share.
+                        msg, dpar, share = op(back, x, y, inbox, res, lane_row)
+                        return (
+                            jax.tree.map(jnp.add, grad, msg),
+                            jax.tree.map(jnp.add, acc, dpar),
+                            loss + share,
+                        )
 
-                    grad, grads[c] = self.lane(group, lane_row, weight_grad, grad, grads[c])
+                    grad, grads[c], loss = self.lane(
+                        group, lane_row, weight_grad, grad, grads[c], loss
+                    )
 
         lanes = {Kind.F: forward_lane, Kind.B: input_grad_lane, Kind.W: weight_grad_lane}
         for kind in plan.order:

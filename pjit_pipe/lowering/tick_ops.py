@@ -7,7 +7,8 @@ sees the message store itself: the tick reads each lane's message rows before
 any op runs (see tick.py). They are grouped by what they write, because the tick
 body (tick.py) runs each group as its own two-way `lax.cond`: all F (they
 write the residual stores), all B (they write their cotangents to the W-pool), and the
-W/BW of each chunk (they add into that chunk's gradient accumulator).
+W/BW of each chunk (they add into that chunk's gradient accumulator), with the loss
+stage's fused F and backward (plan.FUSED), which adds its loss share too.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers
 from pjit_pipe.lowering.param_layout import ChunkLayout
+from pjit_pipe.lowering.plan import FUSED, BranchKind
 from pjit_pipe.lowering.rng import microbatch_rngs
 from pjit_pipe.lowering.stages import Residuals, StageVjp
 
@@ -57,7 +59,7 @@ class StageOps:
         self,
         schedule: Schedule,
         stages: StageVjp,
-        branches: tuple[tuple[Kind, int], ...],
+        branches: tuple[tuple[BranchKind, int], ...],
         msg_spec: MessageSpec,
         layouts: list[ChunkLayout],
         remat: bool,
@@ -71,12 +73,15 @@ class StageOps:
         self.loss_mult = loss.accumulate_scale(self.scale)
         self.forwards = self.group((Kind.F,))
         self.input_grads = self.group((Kind.B,))
-        # One W/BW group per chunk: the chunk's gradient is a static operand.
-        self.weight_grads = [self.group((Kind.W, Kind.BW), chunk=c) for c in range(schedule.chunks)]
+        # One W/BW group per chunk: the chunk's gradient is a static operand. A fused
+        # loss-stage F and backward (plan.FUSED) runs in it too.
+        self.weight_grads = [
+            self.group((Kind.W, Kind.BW, FUSED), chunk=c) for c in range(schedule.chunks)
+        ]
         # A tick's second W (ir.ticks.W_PER_TICK): W's alone, per chunk.
         self.second_weight_grads = [self.group((Kind.W,), chunk=c) for c in range(schedule.chunks)]
 
-    def group(self, kinds: tuple[Kind, ...], chunk: int | None = None) -> OpGroup:
+    def group(self, kinds: tuple[BranchKind, ...], chunk: int | None = None) -> OpGroup:
         """(branch ids, op functions) of the branches of these kinds (and of
         virtual stages in this chunk, if given)."""
         ids = [
@@ -90,7 +95,7 @@ class StageOps:
         """The loss-vector share of an op that computes no loss (see loss.py)."""
         return jnp.zeros((self.loss.size,), jnp.float32)
 
-    def op(self, kind: Kind, s: int) -> Callable:
+    def op(self, kind: BranchKind, s: int) -> Callable:
         """One (kind, virtual stage): (msg, residual row or parameter gradient, loss share)."""
         S, c, st = self.st.S, self.sched.chunk_of(s), self.st
 
@@ -103,6 +108,13 @@ class StageOps:
             msg = self.msg_spec.zeros()
             p = self.layouts[c].unpack(s, params[c])
             y_mb = jax.tree.map(lambda a: a[row.mb], y) if s == S - 1 else None
+            if kind == FUSED:  # the loss stage's value_and_grad: nothing stored
+                out, dparams, dinput = st.value_and_grad(
+                    s, p, stage_input(x, inbox, row), y_mb, self.loss.seed(self.scale)
+                )
+                if s > 0:
+                    msg = self.msg_spec.pack_grad(s - 1, dinput)
+                return msg, self.layouts[c].pack(s, dparams), out * self.loss_mult
             if kind is Kind.F:
                 a = stage_input(x, inbox, row)
                 if self.remat:

@@ -29,6 +29,7 @@ from pjit_pipe.ir.ticks import (
     Entry,
     LaneOrder,
     PackedTicks,
+    fused_loss_ops,
     is_message,
     lane_order,
     lanes,
@@ -92,6 +93,8 @@ class PackingFacts:
             )
             for w, _, op in sched.ops()
         }
+        # The price scale of a loss-stage F and backward that share a tick (one program).
+        self.fusion, self.loss_stage = costs.loss_fusion(sched), sched.num_virtual_stages - 1
         self.holders: dict[int, int] = {}  # stage -> how many workers run an OPT of it
         for _, _, op in sched.ops():
             if op.kind is Kind.OPT:
@@ -123,6 +126,7 @@ class GreedyPacker:
         self.flow, self.bound, self.delta = facts.flow, facts.bound, facts.delta
         self.deps, self.produces, self.cost = facts.deps, facts.produces, facts.cost
         self.holders = facts.holders
+        self.fusion, self.loss_stage = facts.fusion, facts.loss_stage
         # The lanes each compute kind takes in this order (ir.ticks.lanes, looked up once).
         self.lanes = {kind: lanes(kind, order) for kind in COMPUTE_KINDS}
         self.workers = {
@@ -247,11 +251,12 @@ class GreedyPacker:
     def worker_time(self, w: Worker, entries: list[Entry]) -> float:
         """How long worker w keeps a tick running `entries`, in the order given (the
         table's lane order): its ops, and C after each op that sends a message (as
-        `simulator.simulate.packed_events` prices it)."""
+        `simulator.simulate.packed_events` prices it, a fused loss-stage group too)."""
         busy = end = 0.0
-        for _, op in entries:
-            took, send = self.cost[(w, op)]
-            busy += took
+        fused = fused_loss_ops(entries, self.loss_stage) if self.fusion != 1.0 else ()
+        for entry in entries:
+            took, send = self.cost[(w, entry[1])]
+            busy += took * self.fusion if entry in fused else took
             if send:
                 end = max(end, busy + send)
         return max(busy, end)

@@ -115,7 +115,13 @@ class _LockstepBound:
                     )
                     self.preds[i].append((p, message))
                     self.succs[p].append((i, message))
-        self.duration = [duration(*n) for n in self.nodes]
+        # A loss-stage op may run fused (ir.ticks.fused_loss_ops): its least price.
+        fused = min(1.0, costs.loss_fusion(sched))
+        last = sched.num_virtual_stages - 1
+        self.duration = [
+            duration(w, op) * (fused if op.stage == last and op.kind is not Kind.OPT else 1.0)
+            for w, op in self.nodes
+        ]
         # An op whose output crosses to another worker keeps its tick running until
         # the message has arrived (a message between two stages of one worker is free).
         sends = [

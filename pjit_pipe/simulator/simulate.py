@@ -12,7 +12,7 @@ from pjit_pipe.ir.engine import DurationFn, Engine, LatencyFn, TimedOp
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.ir.ticks import PackedTicks, compute_only
+from pjit_pipe.ir.ticks import PackedTicks, compute_only, fused_loss_ops
 
 Mode = Literal["event", "lockstep"]
 
@@ -62,9 +62,12 @@ def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
     `costs.tick`, the fixed cost of one step of the loop (its conditionals
     and ppermute launches, ir/costs.py), whether its workers are busy or not,
     so a table of n ticks costs n * tick more than its tick lengths add up to.
+    A microbatch's loss-stage forward and backward that share a tick run as one
+    program (`ir.ticks.fused_loss_ops`), their ops scaled by `costs.loss_fusion`.
     """
     sched = compute_only(table.schedule)
     duration = costs.duration_fn(sched)
+    fusion, loss_stage = costs.loss_fusion(sched), sched.num_virtual_stages - 1
     index = {w: {op: i for i, op in enumerate(sched.program(w))} for w in sched.alive_workers}
     flow = Engine(sched)
     crosses = set()
@@ -78,8 +81,9 @@ def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
         length = 0.0
         for w, entries in tick.items():
             busy = 0.0
+            fused = fused_loss_ops(entries, loss_stage) if fusion != 1.0 else ()
             for it, op in entries:
-                d = duration(w, op)
+                d = duration(w, op) * (fusion if (it, op) in fused else 1.0)
                 events.append(TimedOp(w, index[w][op], it, op, t + busy, t + busy + d))
                 busy += d
                 if any(k in crosses for k in flow.produces(w, op)):
