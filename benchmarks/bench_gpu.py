@@ -26,9 +26,13 @@ In each mode:
 2. A GPT's value_and_grad on the mesh under every kind (interleaved-1f1b and
    zb-v run two chunks on each device) against `lax.scan` over the
    microbatches of `jax.value_and_grad`: the median of the per-round ratios, the
-   ticks of each program, its first call (trace and compile), and its worst
-   gradient error against the scan's.
-3. Where the time goes: each stage's F, B, W and fused BW timed alone and the
+   ticks of each program (and how many loss-stage F + backward groups it runs
+   as one op), its first call (trace and compile), and its worst gradient
+   error against the scan's. Each kind twice: packed under unit costs (the
+   default), and under measured ones (`costs="measure"`), which price the loss
+   stage's F and backward as one program, so its packed table fuses them.
+3. Where the time goes: each stage's F, B, W and fused BW (and the loss
+   stage's F and backward as one program) timed alone and the
    tick's fixed cost (`costs="measure"`), and each program's step against the
    lockstep price of the table it runs under those costs (`packed_time`).
 4. One microbatch's forward and backward as two programs against one: the
@@ -110,7 +114,7 @@ class Run:
     mesh: Any
     rounds: int
 
-    def pipeline(self, kind: str) -> Any:
+    def pipeline(self, kind: str, costs: Any = None) -> Any:
         import pjit_pipe as pp
 
         chunks = 2 if kind in CHUNKED else 1
@@ -121,6 +125,7 @@ class Run:
             schedule=kind,
             mesh=self.mesh,
             chunks=chunks,
+            costs=costs,
         )
 
 
@@ -156,9 +161,23 @@ def tick_cost(run: Run, message: Any, idle: int) -> None:
     )
 
 
+def fused_groups(step: Any) -> int:
+    """How many loss-stage F + backward groups the step's plan runs as one op."""
+    import numpy as np
+
+    from pjit_pipe.lowering.plan import FUSED
+
+    plan = step._low.plan
+    ids = [i + 1 for i, (kind, _) in enumerate(plan.branches) if kind == FUSED]
+    return int(np.isin(plan.rows.w.branch, ids).sum())
+
+
 def kinds_against_scan(run: Run) -> tuple[dict, dict]:
-    """Part 2: every kind's step against the scan; returns (round times by program,
-    {kind: (pipeline, its compiled step)})."""
+    """Part 2: every kind's step against the scan, packed under unit costs (the
+    default) and under measured ones (`costs="measure"`: the loss stage's F and
+    backward priced as one program, so the packer gives them one tick and the
+    lowering fuses them); returns (round times by program, {program: (pipeline,
+    its compiled step)})."""
     import jax
     import jax.numpy as jnp
     from baselines import scan_accumulation
@@ -171,9 +190,12 @@ def kinds_against_scan(run: Run) -> tuple[dict, dict]:
     ref_loss, ref_grads = jax.block_until_ready(scan(params, x, y))
     programs = {"lax.scan": lambda: scan(params, x, y)}
     notes, pipelines = {}, {}
-    for kind in KINDS:
+    # An asynchronous schedule is not packed: measured costs change nothing there.
+    runs = [(k, None) for k in KINDS] + [(k, "measure") for k in KINDS if k != "async-1f1b"]
+    for kind, costs in runs:
+        name = kind if costs is None else f"{kind}, measured"
         start = time.perf_counter()
-        pm = run.pipeline(kind)
+        pm = run.pipeline(kind, costs)
         vg = pm.value_and_grad(run.loss_fn)
         loss, grads = jax.block_until_ready(vg(params, x, y))
         first = time.perf_counter() - start
@@ -183,20 +205,21 @@ def kinds_against_scan(run: Run) -> tuple[dict, dict]:
             for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True)
         )
         loss_error = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
-        notes[kind] = (
-            f"{len(step._low.plan.updates):4d} ticks  first call {first:6.1f} s"
+        notes[name] = (
+            f"{len(step._low.plan.updates):4d} ticks ({fused_groups(step)} fused)"
+            f"  first call {first:6.1f} s"
             f"  loss err {loss_error:.1e}  worst grad err {error:.1e} ({pm.schedule.kind})"
         )
-        programs[kind] = lambda vg=vg: vg(params, x, y)
-        pipelines[kind] = (pm, step)
-        print(f"   compiled {kind}: {notes[kind]}", flush=True)
+        programs[name] = lambda vg=vg: vg(params, x, y)
+        pipelines[name] = (pm, step)
+        print(f"   compiled {name}: {notes[name]}", flush=True)
     times = round_times(programs, run.rounds)
     base = times["lax.scan"]
     print(f"2. {run.rounds} rounds; median ms, and the median per-round ratio over lax.scan:")
     for name, t in times.items():
         q1, med, q3 = quartiles([a / b for a, b in zip(t, base, strict=True)])
         print(
-            f"   {name:17s} {quartiles(t)[1] * 1e3:8.2f} ms  {med:5.3f} [{q1:.3f}, {q3:.3f}]"
+            f"   {name:27s} {quartiles(t)[1] * 1e3:8.2f} ms  {med:5.3f} [{q1:.3f}, {q3:.3f}]"
             f"  {notes.get(name, '')}"
         )
     return times, pipelines
@@ -222,6 +245,9 @@ def against_price(run: Run, times: dict, pipelines: dict) -> None:
                     f"  W {ms.w[s] * 1e3:.3f}  BW {ms.bw[s] * 1e3:.3f}"
                     f"  F not split {ms.f_fused[s] * 1e3:.3f}"
                 )
+            print(
+                f"   {chunks} chunk(s): the loss stage's F + BW as one program {ms.fbw * 1e3:.3f}"
+            )
             print(f"   {chunks} chunk(s): the tick {ms.tick * 1e3:.4f}", flush=True)
         table = step._low.ticks
         if table is None:
@@ -229,7 +255,7 @@ def against_price(run: Run, times: dict, pipelines: dict) -> None:
         priced = packed_time(table, measured[chunks])
         ran = quartiles(times[kind])[1] * 1e3
         print(
-            f"   {kind:17s} step {ran:8.2f} ms  priced {priced:8.2f} ms  step/priced {ran / priced:.3f}"
+            f"   {kind:27s} step {ran:8.2f} ms  priced {priced:8.2f} ms  step/priced {ran / priced:.3f}"
         )
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 
@@ -117,3 +118,7 @@ def test_show_costs_args_parse_back_into_the_same_costs():
     split = costs_arg(table["costs_arg"])
     assert (split.f, split.b, split.w, split.c) == pytest.approx((2.0, 1.0, 1.5, 0.1))
     assert fused_costs_arg(table["fused_costs_arg"]) == pytest.approx((1.75, 2.25))
+    # The loss stage's F and BW as one program at half their price: each position's
+    # F + BW halved (1, 3), their mean the third number.
+    table = dataclasses.replace(times, fbw=3e-3).as_dict(2)
+    assert fused_costs_arg(table["fused_costs_arg"]) == pytest.approx((1.75, 2.25, 2.0))

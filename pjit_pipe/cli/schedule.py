@@ -72,15 +72,17 @@ def costs_arg(text: str) -> Costs:
     return costs
 
 
-def fused_costs_arg(text: str) -> tuple[float, float]:
-    """`--fused-costs F,BW`: two finite numbers >= 0."""
+def fused_costs_arg(text: str) -> tuple[float, ...]:
+    """`--fused-costs F,BW[,FBW]`: two or three finite numbers >= 0."""
     try:
         parts = [float(x) for x in text.split(",")]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected two numbers F,BW, got {text!r}") from None
-    if len(parts) != 2 or not all(0 <= x < math.inf for x in parts):
-        raise argparse.ArgumentTypeError(f"expected two finite numbers F,BW >= 0, got {text!r}")
-    return parts[0], parts[1]
+        raise argparse.ArgumentTypeError(f"expected numbers F,BW[,FBW], got {text!r}") from None
+    if len(parts) not in (2, 3) or not all(0 <= x < math.inf for x in parts):
+        raise argparse.ArgumentTypeError(
+            f"expected two or three finite numbers F,BW[,FBW] >= 0, got {text!r}"
+        )
+    return tuple(parts)
 
 
 def plot_path(text: str) -> Path:
@@ -140,12 +142,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "--fused-costs",
         type=fused_costs_arg,
         default=None,
-        metavar="F,BW",
+        metavar="F,BW[,FBW]",
         help=(
             "times of F and of the fused backward BW of a stage the schedule does not split "
             "(default: F and B+W of --costs); with them, a stage whose split buys no time "
-            "runs fused and the kind ends in '+fused' (`pjit-pipe train --show-costs` "
-            "measures them)"
+            "runs fused and the kind ends in '+fused'. FBW: the loss stage's F and backward "
+            "as one program, which the compiled program runs where a tick holds both "
+            "(default F + BW: no gain) (`pjit-pipe train --show-costs` measures them)"
         ),
     )
     p.add_argument(
@@ -234,8 +237,10 @@ def run(args: argparse.Namespace) -> int:
     kwargs = {} if args.chunks is None else {"chunks": args.chunks}
     failed = FailurePattern.parse(args.failed, args.replicas, args.stages)
     if args.fused_costs is not None:
-        f_fused, bw = args.fused_costs
-        args.costs = dataclasses.replace(args.costs, f_fused=f_fused, bw=bw)
+        f_fused, bw, *fbw = args.fused_costs
+        args.costs = dataclasses.replace(
+            args.costs, f_fused=f_fused, bw=bw, fbw=fbw[0] if fbw else None
+        )
     schedule = make_schedule(
         args.kind,
         args.stages,

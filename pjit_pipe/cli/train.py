@@ -285,6 +285,13 @@ def show_costs(pm: Any, as_json: bool) -> None:
             f"  stage {p}: F {table['f'][p]:.3f}  B {table['b'][p]:.3f}  W {table['w'][p]:.3f}"
             f"  (not split: F {table['f_fused'][p]:.3f}  BW {table['bw'][p]:.3f})"
         )
+    if table["fbw"] is not None:
+        p = pm.schedule.layout[-1]  # the loss stage's position
+        apart = table["f_fused"][p] + table["bw"][p]
+        print(
+            f"  the loss stage's F and BW as one program: {table['fbw'][p]:.3f}"
+            f" ({table['fbw'][p] / apart:.2f}x F + BW; run so where a tick holds both)"
+        )
     print(
         f"  transfer C {table['c']:.3f}; fixed cost of a tick {table['tick']:.3f}; for "
         f"`pjit-pipe schedule`: --costs {table['costs_arg']} --tick-cost {table['tick']:.4g}"

@@ -55,7 +55,9 @@ class StageTimes:
     cost of one tick of the compiled loop (`tick_seconds`). `f`, `b`, `w`: the
     stage compiled with its backward split (the first stage's B is empty and
     its W is the whole backward); `f_fused`, `bw`: compiled with a fused
-    backward, as a schedule without B and W runs it (`Costs.f_fused`, `Costs.bw`)."""
+    backward, as a schedule without B and W runs it (`Costs.f_fused`, `Costs.bw`);
+    `fbw`: the loss stage's F and backward as one program (`Costs.fbw`; 0: not
+    timed)."""
 
     f: tuple[float, ...]
     b: tuple[float, ...]
@@ -64,6 +66,7 @@ class StageTimes:
     f_fused: tuple[float, ...]
     c: float
     tick: float = 0.0
+    fbw: float = 0.0
 
     def costs(self, positions: int) -> Costs:
         """Per-position Costs in milliseconds (chunk p, p + P, ... on position p)."""
@@ -71,34 +74,44 @@ class StageTimes:
         def per_position(times: Sequence[float]) -> list[float]:
             return [1e3 * sum(times[p::positions]) for p in range(positions)]
 
+        f_fused, bw = per_position(self.f_fused), per_position(self.bw)
+        # Costs.fbw is in units of a position's F + BW: the loss stage's measured
+        # saving, as a ratio, scales each position's (only the loss stage's is read).
+        apart = self.f_fused[-1] + self.bw[-1]
+        ratio = self.fbw / apart if self.fbw > 0 and apart > 0 else None
         return Costs(
             f=per_position(self.f),
             b=per_position(self.b),
             w=per_position(self.w),
             c=1e3 * self.c,
             tick=1e3 * self.tick,
-            f_fused=per_position(self.f_fused),
-            bw=per_position(self.bw),
+            f_fused=f_fused,
+            bw=bw,
+            fbw=None
+            if ratio is None
+            else [(f + g) * ratio for f, g in zip(f_fused, bw, strict=True)],
         )
 
     def as_dict(self, positions: int) -> dict[str, Any]:
         """JSON form: per-position costs (ms), the fused F and BW, the tick's fixed cost
         (ms), and the CLI's `--costs` text (split costs; the tick goes to `--tick-cost`,
-        the fused F and BW to `--fused-costs`, `fused_costs_arg`)."""
+        the fused F and BW, and the loss stage's F and backward as one program, to
+        `--fused-costs`, `fused_costs_arg`)."""
         costs = self.costs(positions)
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         cli = ",".join(f"{mean(v):.4g}" for v in (costs.f, costs.b, costs.w)) + f",{costs.c:.4g}"
-        fused = ",".join(f"{mean(v):.4g}" for v in (costs.f_fused, costs.bw))
+        fused = [costs.f_fused, costs.bw] + ([] if costs.fbw is None else [costs.fbw])
         return {
             "f": costs.f,
             "b": costs.b,
             "w": costs.w,
             "f_fused": costs.f_fused,
             "bw": costs.bw,
+            "fbw": costs.fbw,
             "c": costs.c,
             "tick": costs.tick,
             "costs_arg": cli,
-            "fused_costs_arg": fused,
+            "fused_costs_arg": ",".join(f"{mean(v):.4g}" for v in fused),
         }
 
 
@@ -164,6 +177,14 @@ def _stage_ops(
 
         bw = jax.jit(fused_backward)
         ops |= {"BW": lambda: bw(p, res)}
+    if s == st.S - 1:  # the loss stage's F and backward as one program (plan.FUSED)
+
+        def value_and_grad(p, a, y):
+            out, dparams, dinput = st.value_and_grad(s, unpack(p), a, y, g)
+            return out, pack(dparams), dinput
+
+        fbw = jax.jit(value_and_grad)
+        ops |= {"FBW": lambda: fbw(p, a, y)}
     return ops
 
 
@@ -341,6 +362,7 @@ def measure_stage_times(
         w=tuple(times[s].get("split W", times[s]["BW"]) for s in range(S)),
         bw=tuple(times[s]["BW"] for s in range(S)),
         f_fused=tuple(times[s]["F"] for s in range(S)),
+        fbw=times[S - 1]["FBW"],
         c=_transfer(mesh, msg, repeats) if S > 1 else 0.0,
         tick=tick_seconds(mesh, msg, S // positions, repeats),
     )

@@ -148,7 +148,10 @@ class StageOptimizer:
                 ahead, behind, wcarry = weights.views(params, wcarry, row, pos)
                 now, back = prog.chunk_params(ahead, pos), prog.chunk_params(behind, pos)
             msgs, res, grads, dloss = prog.tick(plan, now, x, y, msgs, res, grads, row, back)
-            losses = losses.at[row.f.iteration].add(dloss)  # only F makes a loss
+            # Only a loss-stage F makes a loss, or a fused group (plan.FUSED) in the W
+            # lane, whose tick's F lane then idles.
+            it = jnp.where(row.f.branch > 0, row.f.iteration, row.w.iteration)
+            losses = losses.at[it].add(dloss)
             grads, params, chunks, opt, done, wcarry = lax.cond(
                 update,
                 functools.partial(step, row, losses),

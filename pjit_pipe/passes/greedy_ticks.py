@@ -352,6 +352,13 @@ def highest(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int,
     return max(a[0], b[0]), max(a[1], b[1]), max(a[2], b[2])
 
 
+def _within(picks: list[tuple[Entry, float]], length: float) -> int:
+    """How many of a worker's picks (oldest first) fit a tick of `length`: the longest
+    prefix whose time does (a fused loss-stage group can make a longer prefix
+    cheaper than a shorter one)."""
+    return max((n for n, (_, tm) in enumerate(picks, 1) if tm <= length), default=0)
+
+
 def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str, order: LaneOrder):
     """Each worker's longest list of picks (oldest first) within the tick length the
     rule picks, in lane order."""
@@ -367,11 +374,10 @@ def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str, order: LaneO
     else:
 
         def work(x: float) -> float:
-            return sum(max((tm for _, tm in p if tm <= x), default=0.0) for p in picks.values())
+            return sum(p[n - 1][1] for p in picks.values() if (n := _within(p, x)))
 
         length = max(lengths, key=lambda x: (work(x) / x if x else float("inf"), x))
     out = {}
     for w, p in picks.items():
-        kept = [e for e, tm in p if tm <= length]
-        out[w] = tuple(lane_order(kept, order))
+        out[w] = tuple(lane_order([e for e, _ in p[: _within(p, length)]], order))
     return out
