@@ -26,7 +26,7 @@ from test_lowering import (
 
 from pjit_pipe.frontend.measure import StageTimes
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.ops import BW, B, F, W
+from pjit_pipe.ir.ops import BW, B, F, Kind, W
 from pjit_pipe.ir.ticks import PackedTicks, fused_loss_ops
 from pjit_pipe.lowering import lower
 from pjit_pipe.lowering.plan import FUSED, build_plan
@@ -61,6 +61,20 @@ def test_the_price_of_a_fused_table_in_closed_form():
     assert packed_time(table, Costs(1, 2, 1)) == pytest.approx(3 * 4)
     assert packed_time(PackedTicks.one_op_per_tick(sched), FUSING) == pytest.approx(3 * 4)
     assert lockstep_lower_bound(sched, FUSING) == pytest.approx(3 * 3)
+
+
+@pytest.mark.parametrize("kind", ["gpipe", "zb-h1", "zb-v"])
+def test_without_a_fused_price_ties_go_to_the_table_that_fuses(kind):
+    """Unit costs price fusion as free: of the tables at the bound, the packer keeps
+    one that runs every loss-stage group as one op (one stage: all of them)."""
+    chunks = 2 if kind == "zb-v" else 1
+    sched = make_schedule(kind, 1, 4, chunks=chunks)
+    table = pack_ticks(sched, Costs())
+    last = sched.num_virtual_stages - 1
+    groups = [fused_loss_ops(es, last) for tick in table.ticks for es in tick.values()]
+    assert sum(op.kind is Kind.F for group in groups for _, op in group) == 4
+    unpacked = PackedTicks.one_op_per_tick(sched)
+    assert packed_time(table, Costs()) == pytest.approx(packed_time(unpacked, Costs()))
 
 
 @pytest.mark.parametrize("kind", ["1f1b", "gpipe", "zb-h1", "interleaved-1f1b", "zb-v"])

@@ -114,13 +114,17 @@ def test_a_table_at_the_bound_is_optimal_without_a_solve():
         ("gpipe", 4, 8, Costs(1, 1, 1)),  # the unpacked table does
         ("zb-h1", 4, 8, Costs(5, 6, 4, 1)),  # nothing does: every variant runs
         ("zb-v", 2, 4, Costs(1, 2, 1)),
+        ("gpipe", 4, 8, Costs(1, 1, 1, fbw=2.5)),  # fusion priced: no ties to break
+        ("zb-h1", 4, 8, Costs(1, 1, 1, fbw=2.5)),
     ],
 )
 def test_stopping_at_the_bound_returns_the_same_table(
     kind, stages, microbatches, costs, monkeypatch
 ):
     """The packer stops trying variants once a table reaches the bound: that table is
-    what the whole search keeps too (ties go to the earlier variant)."""
+    what the whole search keeps too (ties go to the earlier variant). Without a fused
+    price, ties also go to the table that fuses more loss-stage groups (pack_ticks),
+    which the whole search may find later: then the same price."""
     schedule = make_schedule(kind, stages, microbatches, costs=costs)
     monkeypatch.setattr(pack_ticks_module, "_PACKED", {})
     stopped = pack_ticks(schedule, costs)
@@ -128,7 +132,10 @@ def test_stopping_at_the_bound_returns_the_same_table(
     monkeypatch.setattr(pack_ticks_module, "_FLOORS", {})  # the bound's cache too
     monkeypatch.setattr(pack_ticks_module, "lockstep_lower_bound", lambda *_: -math.inf)
     searched = pack_ticks(schedule, costs)
-    assert stopped == searched
+    assert packed_time(stopped, costs) == pytest.approx(packed_time(searched, costs))
+    if stopped != searched:  # only a tie, broken toward fusion
+        fused = pack_ticks_module._fused_groups
+        assert costs.fbw is None and fused(searched) > fused(stopped)
 
 
 def test_cli_reports_the_bound_of_a_synchronous_schedule(capsys):

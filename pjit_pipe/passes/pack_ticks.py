@@ -53,6 +53,7 @@ from pjit_pipe.ir.ticks import (
     LaneOrder,
     PackedTicks,
     compute_only,
+    fused_loss_ops,
 )
 from pjit_pipe.passes.greedy_ticks import VARIANTS, GreedyPacker, PackingFacts
 from pjit_pipe.passes.pull_forward import PullForward
@@ -161,13 +162,33 @@ def _pack(
     if schedule.asynchronous:
         return best
     best_price = packed_time(best, costs)
+    # Of two tables of one price, the one that runs more loss-stage groups as one op
+    # (ir.ticks.fused_loss_ops): without `Costs.fbw` fusing is priced as free, and
+    # measured it saves a quarter of those ops (docs/tick_packing.md, "On a GPU").
+    # A table at the bound is then final once it fuses every group or one greedy
+    # variant has had its try (the first fuses every group it can fit for free).
+    ties = costs.fbw is None
+    most = iterations * sum(
+        op.kind is Kind.F and op.stage == sched.num_virtual_stages - 1 for _, _, op in sched.ops()
+    )
+    best_fused = _fused_groups(best)
+
+    def better(table: PackedTicks, price: float) -> bool:
+        if price < best_price - 1e-9:
+            return True
+        return ties and price <= best_price + 1e-9 and _fused_groups(table) > best_fused
+
+    def keep(table: PackedTicks, price: float) -> None:
+        nonlocal best, best_price, best_fused
+        best, best_price, best_fused = table, price, _fused_groups(table)
+
     if mem_limit is not None and mem_limit >= largest_peak(schedule):
         # The table within the schedule's own peak is a table of every looser limit
         # (the greedy is not monotone in its limit: more room, other choices).
         tight = pack_ticks(schedule, costs, iterations, None, orders, polish)
         price = packed_time(tight, costs)
-        if price < best_price - 1e-9:
-            best, best_price = tight, price
+        if better(tight, price):
+            keep(tight, price)
     # No one-iteration table costs less than this: a table that reaches it is
     # optimal, so the variants after it (and polishing) cannot improve on it.
     floor = (
@@ -182,8 +203,8 @@ def _pack(
         # It is valid staggered too (each stage steps before its next iteration).
         table = _repeat(_pack(schedule, costs, 1, mem_limit, orders, polish), iterations)
         price = packed_time(table, costs)
-        if price < best_price - 1e-9:
-            best, best_price = table, price
+        if better(table, price):
+            keep(table, price)
         if not schedule.staggered:
             return best
     # Each variant with one W a tick first, then with W_PER_TICK (where the schedule
@@ -192,8 +213,8 @@ def _pack(
     has_w = any(op.kind is Kind.W for _, _, op in sched.ops())
     variants = itertools.product(orders, VARIANTS, (1, W_PER_TICK) if has_w else (1,))
     facts = PackingFacts(sched, costs, mem_limit)
-    for order, (rule, overtaking_w, lazy_w), ws in variants:
-        if best_price <= floor + 1e-9:
+    for tried, (order, (rule, overtaking_w, lazy_w), ws) in enumerate(variants):
+        if best_price <= floor + 1e-9 and (not ties or best_fused == most or tried):
             return best
         greedy = GreedyPacker(
             sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order, ws, facts
@@ -202,12 +223,22 @@ def _pack(
         ticks = tuple(PullForward(greedy, table).run())
         table = PackedTicks(schedule, iterations, ticks, order)
         price = packed_time(table, costs)
-        if price < best_price - 1e-9:
-            best, best_price = table, price
+        if better(table, price):
+            keep(table, price)
     if polish and iterations == 1 and best_price > floor + 1e-9:
         # (more iterations repeat a polished one above)
         best = polish_ticks(best, costs, mem_limit, polish)
     return best
+
+
+def _fused_groups(table: PackedTicks) -> int:
+    """The loss-stage groups that `table` runs as one op (ir.ticks.fused_loss_ops)."""
+    last = table.schedule.num_virtual_stages - 1
+    return sum(
+        sum(op.kind is Kind.F for _, op in fused_loss_ops(entries, last))
+        for tick in table.ticks
+        for entries in tick.values()
+    )
 
 
 def _repeat(table: PackedTicks, iterations: int) -> PackedTicks:
