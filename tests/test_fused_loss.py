@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import optax
 import pytest
+from test_cli import run_json
 from test_lowering import (
     MB,
     assert_trees_close,
@@ -157,3 +158,13 @@ def test_measured_fusion_scales_each_position_by_the_loss_stage_ratio():
     assert costs.fbw == pytest.approx([1.0, 3.0])  # (F + BW) x 3 / 6
     assert costs.loss_fusion(make_schedule("1f1b", 2, 2)) == pytest.approx(0.5)
     assert StageTimes(**{**times.__dict__, "fbw": 0.0}).costs(2).fbw is None
+
+
+def test_the_cli_prices_the_fused_op_it_is_given(capsys):
+    """`--fused-costs F,BW,FBW`: one stage, 4 microbatches of F + BW = 1 + 3, fused 2.5."""
+    args = ("1f1b", "-P", "1", "-m", "4", "--costs", "1,2,1")
+    assert run_json(capsys, *args)["lockstep_period"] == pytest.approx(4 * 4)
+    fused = run_json(capsys, *args, "--fused-costs", "1,3,2.5")
+    assert fused["lockstep_period"] == pytest.approx(4 * 2.5)
+    assert fused["lockstep_bound"] == pytest.approx(4 * 2.5)
+    assert fused["steady_period"] == pytest.approx(4 * 4)  # the event-driven IR: no fusion

@@ -29,7 +29,8 @@ and `W_PER_TICK` W's (or one F and one BW). Why this rule:
 Two orders exist, and `pack_ticks` keeps whichever table is cheaper:
 - F, B, W (`FORWARD_FIRST`) is the order of one stage and microbatch's local
   dependencies, so F(s,j), B(s,j), W(s,j) may share a tick (the last stage's
-  forward and backward of one microbatch in one tick), and F's message leaves
+  forward and backward of one microbatch in one tick, which the lowering then
+  runs as one op: `fused_loss_ops`), and F's message leaves
   first, its transfer overlapping the tick's B and W;
 - B, W, F (`FORWARD_LAST`) frees before it allocates: "B(j), W(j), F(j+k)"
   never holds more than the worker held before the tick, where F, B, W peaks

@@ -4,7 +4,8 @@ Every device scans over the rows of its own tick table (plan.py). In each
 tick it reads the message rows its lanes need, runs up to one op per lane (two
 W's in the W lane) in the table's lane order, F, B, W/BW or B, W/BW, F
 (ir/ticks.py; each group of ops of tick_ops.py is its own two-way `lax.cond`,
-and a second W has conds of its own, in plans whose table has one), then the
+and a second W has conds of its own, in plans whose table has one; a loss-stage
+F and backward that share a tick run as one op in the W lane, plan.FUSED), then the
 ppermutes of the two message channels run (all of them, or, in a gated plan,
 the set the tick uses) and the received messages are stored in the slots the
 row names. After
