@@ -7,8 +7,9 @@ conditional per lane group (F, B, W of each chunk) with no loop inside it.
 Two compiles of zb-h1 on 1x4, so the F, B and W lanes all run (B writes a
 split stage's cotangents into the residual store): one op per tick, and a
 table packed in the lane order B, W, F (an F writes the residual slot its
-tick's W read last). The loss and gradients of each program are checked
-against jax.value_and_grad.
+tick's W read last), tables with two W's a tick, and 1F1B with its last
+stage's F and BW fused into one op. The loss and gradients of each program
+are checked against jax.value_and_grad.
 """
 
 from __future__ import annotations
@@ -136,8 +137,21 @@ def zb_h1_two_ws_forward_last():
     return packed_program("zb-h1", 2, 4, Costs(1, 4, 1), FORWARD_LAST)
 
 
+@pytest.fixture(scope="module")
+def one_f_one_b_fused():
+    """The last stage's F and BW of each microbatch run as one op in the W lane
+    (plan.FUSED), which reads its input from the message store and adds a loss."""
+    return packed_program("1f1b", 4, 4, Costs(1, 2, 1, fbw=3), FORWARD_FIRST)
+
+
 # The conds of each program's tick: F, B and W lanes, and the second W where a tick has one.
-CONDS = {"zb_h1": 3, "zb_h1_forward_last": 3, "zb_h2_two_ws": 4, "zb_h1_two_ws_forward_last": 4}
+CONDS = {
+    "zb_h1": 3,
+    "zb_h1_forward_last": 3,
+    "zb_h2_two_ws": 4,
+    "zb_h1_two_ws_forward_last": 4,
+    "one_f_one_b_fused": 2,  # 1F1B has no B lane
+}
 
 
 @pytest.mark.parametrize("program", list(CONDS))
@@ -153,6 +167,7 @@ def test_tick_loop_copies_no_carried_store(program, request):
     assert bool(two_ws) == (CONDS[program] == 4)
     if program == "zb_h1_two_ws_forward_last":
         assert any(kinds[-3:] == [Kind.W, Kind.W, Kind.F] for kinds in two_ws)
+    assert low.fused == (program == "one_f_one_b_fused")
     compiled = step._vg.lower(list(params), x, y).compile()
     ((dtype, size),) = low.msg_spec.sizes.items()
     store = f"{jnp.dtype(dtype).kind}{jnp.dtype(dtype).itemsize * 8}"
