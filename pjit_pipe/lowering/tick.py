@@ -280,21 +280,22 @@ class TickProgram:
                     if not group[0]:
                         continue
 
-                    def weight_grad(op, grad, acc, loss, lane_row=lane_row, inbox=inbox):
+                    def weight_grad(op, grad, acc, *loss, lane_row=lane_row, inbox=inbox):
                         # A W sends nothing (its message is zeros); a BW's (or a fused
                         # group's) tick has no B (the lane rule), so the gradient channel
                         # holds one of them: their sum. (Through it, a B, W, F tick's F
-                        # writes after them.) Only a fused group has a loss share.
+                        # writes after them.) Only a fused group has a loss share: the
+                        # loss is carried through the groups that hold one.
                         msg, dpar, share = op(back, x, y, inbox, res, lane_row)
-                        return (
-                            jax.tree.map(jnp.add, grad, msg),
-                            jax.tree.map(jnp.add, acc, dpar),
-                            loss + share,
-                        )
+                        grad = jax.tree.map(jnp.add, grad, msg)
+                        acc = jax.tree.map(jnp.add, acc, dpar)
+                        return (grad, acc, loss[0] + share) if loss else (grad, acc)
 
-                    grad, grads[c], loss = self.lane(
-                        group, lane_row, weight_grad, grad, grads[c], loss
-                    )
+                    carry = [grad, grads[c]]
+                    if any(self.plan.branches[i - 1][0] == FUSED for i in group[0]):
+                        carry.append(loss)
+                    grad, grads[c], *rest = self.lane(group, lane_row, weight_grad, *carry)
+                    loss = rest[0] if rest else loss
 
         lanes = {Kind.F: forward_lane, Kind.B: input_grad_lane, Kind.W: weight_grad_lane}
         for kind in plan.order:
