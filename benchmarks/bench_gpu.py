@@ -2,7 +2,7 @@
 against a plain gradient-accumulation scan over the same microbatches.
 
     python benchmarks/bench_gpu.py [--modes off,default,conditional] [--rounds N]
-                                   [--stages P] [--quick]
+                                   [--stages P] [--pricing unit,measure] [--quick]
 
 Runs on the default backend's devices: GPUs where there are some. On a
 machine without one (no `nvidia-smi`) it runs the tiny GPT in the default
@@ -68,7 +68,9 @@ MODES = {
 CHUNKED = ("interleaved-1f1b", "zb-v")  # kinds that need two chunks per device
 
 
-def run_mode(mode: str, rounds: int, quick: bool, idle: int, stages: int) -> None:
+def run_mode(
+    mode: str, rounds: int, quick: bool, idle: int, stages: int, pricing: tuple[str, ...]
+) -> None:
     """Every part in this process, under the XLA_FLAGS its parent set for `mode`."""
     import jax
     import jax.numpy as jnp
@@ -96,7 +98,7 @@ def run_mode(mode: str, rounds: int, quick: bool, idle: int, stages: int) -> Non
     print(f"   GPT {config}, m={m} x {rows} sequences, mesh 1x{stages}", flush=True)
     run = Run(model, lm_loss, params, x, y, m, pp.make_mesh(data=1, stage=stages), rounds)
     tick_cost(run, jax.ShapeDtypeStruct((rows, config.seq_len, config.d_model), jnp.float32), idle)
-    times, pipelines = kinds_against_scan(run)
+    times, pipelines = kinds_against_scan(run, pricing)
     against_price(run, times, pipelines)
     split_against_fused(run, x[:rows], y[:rows])
 
@@ -172,12 +174,12 @@ def fused_groups(step: Any) -> int:
     return int(np.isin(plan.rows.w.branch, ids).sum())
 
 
-def kinds_against_scan(run: Run) -> tuple[dict, dict]:
+def kinds_against_scan(run: Run, pricing: tuple[str, ...]) -> tuple[dict, dict]:
     """Part 2: every kind's step against the scan, packed under unit costs (the
-    default) and under measured ones (`costs="measure"`: the loss stage's F and
-    backward priced as one program, so the packer gives them one tick and the
-    lowering fuses them); returns (round times by program, {program: (pipeline,
-    its compiled step)})."""
+    default; "unit" in `pricing`) and under measured ones ("measure":
+    `costs="measure"`, which prices the loss stage's F and backward as one
+    program); returns (round times by program, {program: (pipeline, its
+    compiled step)})."""
     import jax
     import jax.numpy as jnp
     from baselines import scan_accumulation
@@ -191,7 +193,8 @@ def kinds_against_scan(run: Run) -> tuple[dict, dict]:
     programs = {"lax.scan": lambda: scan(params, x, y)}
     notes, pipelines = {}, {}
     # An asynchronous schedule is not packed: measured costs change nothing there.
-    runs = [(k, None) for k in KINDS] + [(k, "measure") for k in KINDS if k != "async-1f1b"]
+    runs = [(k, None) for k in KINDS if "unit" in pricing]
+    runs += [(k, "measure") for k in KINDS if k != "async-1f1b" and "measure" in pricing]
     for kind, costs in runs:
         name = kind if costs is None else f"{kind}, measured"
         start = time.perf_counter()
@@ -304,10 +307,18 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument(
         "--stages", type=int, default=1, help="pipeline positions, one device each (mesh 1xP)"
     )
+    ap.add_argument(
+        "--pricing",
+        default="unit,measure",
+        help="part 2's costs, comma-separated: unit (the default costs), measure",
+    )
     ap.add_argument("--mode", help=argparse.SUPPRESS)  # set in the child processes
     args = ap.parse_args(argv)
+    pricing = tuple(args.pricing.split(","))
+    if not pricing or set(pricing) - {"unit", "measure"}:
+        ap.error(f"--pricing: expected unit, measure or both, got {args.pricing!r}")
     if args.mode is not None:
-        run_mode(args.mode, args.rounds, args.quick, args.idle, args.stages)
+        run_mode(args.mode, args.rounds, args.quick, args.idle, args.stages, pricing)
         return
     gpu = shutil.which("nvidia-smi") is not None  # not jax: the parent must not take the GPU
     modes = (args.modes or ("off,default,conditional" if gpu else "default")).split(",")
@@ -320,6 +331,7 @@ def main(argv: list[str] | None = None) -> None:
         child = [sys.executable, __file__, "--mode", mode, "--rounds", str(args.rounds)]
         child += ["--idle", str(args.idle), "--stages", str(args.stages)]
         child += ["--quick"] if quick else []
+        child += ["--pricing", args.pricing]
         try:
             done = subprocess.run(
                 child, env={**os.environ, "XLA_FLAGS": flags}, timeout=args.timeout
