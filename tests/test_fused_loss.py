@@ -10,6 +10,8 @@ jax.value_and_grad and plain optax (one and two iterations, remat too).
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -24,7 +26,17 @@ from test_lowering import (
     unpipelined_training,
     xent,
 )
+from test_semantics import (
+    DropoutNet,
+    mean_loss,
+    per_microbatch_reference,
+    reference_weighted,
+    weighted_loss_with_metrics,
+)
+from test_semantics import batch as weighted_batch
+from test_semantics import run as run_stages
 
+import pjit_pipe as pp
 from pjit_pipe.frontend.measure import StageTimes
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import BW, B, F, Kind, W
@@ -168,3 +180,44 @@ def test_the_cli_prices_the_fused_op_it_is_given(capsys):
     assert fused["lockstep_period"] == pytest.approx(4 * 2.5)
     assert fused["lockstep_bound"] == pytest.approx(4 * 2.5)
     assert fused["steady_period"] == pytest.approx(4 * 4)  # the event-driven IR: no fusion
+
+
+def test_a_fused_weighted_loss_gives_its_ratio_and_metrics():
+    """`(loss_sum, weight)` with has_aux metrics: the fused op adds its share of the
+    loss vector (sum, weight and metrics) as the split F does."""
+    P, m = 2, 4
+    fns, params = tiny_model(P)
+    x, y = weighted_batch(m * MB, seed=1)
+    sched = make_schedule("1f1b", P, m)
+    step = lower(
+        sched, fns, weighted_loss_with_metrics, mesh_of(1, P), params, x, y,
+        has_aux=True, ticks=pack_ticks(sched, FUSING),
+    )  # fmt: skip
+    assert step._low.fused
+    (loss, aux), grads = step.value_and_grad(params, x, y)
+    ref_loss, ref_grads = jax.jit(
+        jax.value_and_grad(lambda p, x, y: reference_weighted(fns, p, x, y))
+    )(params, x, y)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(grads, ref_grads)
+    correct = np.asarray(jnp.argmax(run_stages(fns, params, x), axis=-1) == y["label"])
+    np.testing.assert_allclose(float(aux["accuracy"]), correct.mean(), rtol=1e-6)
+
+
+def test_fused_dropout_uses_each_microbatch_keys():
+    """A Flax model with dropout: the fused op draws the masks its microbatch's keys
+    give, as the unpipelined step with the same per-microbatch keys does."""
+    model, m = DropoutNet(), 4
+    x, y = weighted_batch(m * MB, seed=4)
+    params = model.init(jax.random.key(0), x)
+    pm = pp.pipeline(
+        model, stages=2, microbatches=m, schedule="1f1b", mesh=pp.make_mesh(data=1, stage=2),
+        costs=FUSING,
+    )  # fmt: skip
+    key = jax.random.key(7)
+    loss, grads = pm.value_and_grad(mean_loss)(params, x, y, rngs=key)
+    _, step = pm.program(params, x, y, mean_loss, rngs={"dropout": key})
+    assert step._low.fused
+    ref_loss, ref_grads = per_microbatch_reference(model, params, x, y, key, m)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
+    assert_trees_close(grads, ref_grads)
