@@ -19,7 +19,7 @@ from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.text import from_text
 from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, fits, lane_order
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.lowering.plan import LANE_OF, build_plan
+from pjit_pipe.lowering.plan import FUSED, LANE_OF, build_plan
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.greedy_ticks import GreedyPacker
 from pjit_pipe.passes.pack_ticks import pack_ticks
@@ -145,28 +145,39 @@ def _ops_by_tick(table: PackedTicks, index: dict[Worker, int]) -> set:
     }
 
 
-@pytest.mark.parametrize("case", ["rerouted-1f1b", "zb-h2-two-ws"])
+@pytest.mark.parametrize("case", ["rerouted-1f1b", "zb-h2-two-ws", "fused-1f1b"])
 def test_lowering_plan_runs_the_priced_table(case):
     """Tick by tick, each device's lanes hold exactly the table's ops, and the
     optimizer steps follow the table's OPTs (a re-routed, staggered, 2-iteration table;
-    a table whose ticks hold two W's of a worker, the second in the lane `w2`)."""
+    a table whose ticks hold two W's of a worker, the second in the lane `w2`; a
+    table whose last stage's F and BW share ticks, each pair run as one FUSED op in
+    the W lane, which stands for both)."""
+    costs = Costs(1, 2, 1, fbw=3) if case == "fused-1f1b" else COSTS
     if case == "rerouted-1f1b":
         sched = stagger(schedule_with_failures("1f1b", 2, 4, 2, [(1, 0)], COSTS, time_limit=1.0))
+    elif case == "fused-1f1b":
+        sched = make_schedule("1f1b", 4, 4)
     else:
         sched = make_schedule("zb-h2", 4, 4, costs=COSTS)
     m = sched.microbatches
-    table = pack_ticks(sched, COSTS, 2)
+    table = pack_ticks(sched, costs, 2)
     devices = tuple(sched.alive_workers)
-    plan = build_plan(table, False, devices)
+    plan = build_plan(table, False, devices, fuse_loss=True)
     assert plan.ticks == len(table.ticks)
     assert np.any(plan.rows.w2.branch) == (case == "zb-h2-two-ws")
+    assert any(kind == FUSED for kind, _ in plan.branches) == (case == "fused-1f1b")
     planned = set()
     for lane in ("f", "b", "w", "w2"):
         rows = getattr(plan.rows, lane)
         for d, t in zip(*np.nonzero(rows.branch), strict=True):
             kind, stage = plan.branches[rows.branch[d, t] - 1]
             it, r, j = plan.inputs[d, rows.mb[d, t]]
-            planned.add((int(d), int(t), lane[0], kind, stage, int(it) * m + int(j), int(r)))
+            at = (int(d), int(t))
+            mb = (stage, int(it) * m + int(j), int(r))
+            if kind == FUSED:  # 1F1B's last stage: its F and BW
+                planned |= {(*at, "f", Kind.F, *mb), (*at, "w", Kind.BW, *mb)}
+            else:
+                planned.add((*at, lane[0], kind, *mb))
     index = {w: i for i, w in enumerate(devices)}
     # The input list names each op's microbatch only for the stages that read inputs.
     reads = {e for e in _ops_by_tick(table, index) if e[4] in (0, sched.num_virtual_stages - 1)}
