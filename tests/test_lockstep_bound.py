@@ -27,12 +27,16 @@ from pjit_pipe.simulator.simulate import packed_time, simulate
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(schedules(), costs(), st.sampled_from([0.0, 0.5]))
-def test_no_packed_table_beats_the_bound(schedule: Schedule, costs: Costs, tick: float) -> None:
+@given(schedules(), costs(), st.sampled_from([0.0, 0.5]), st.sampled_from([None, 0.5, 0.9]))
+def test_no_packed_table_beats_the_bound(
+    schedule: Schedule, costs: Costs, tick: float, fused: float | None
+) -> None:
     """Random schedules (replicas, interleaved and V layouts), costs with transfers,
-    optimizer steps and a priced tick: the unpacked table and the packed ones,
-    within the own peak and unbounded, all cost at least the bound."""
-    costs = Costs(costs.f, costs.b, costs.w, costs.c, costs.opt, tick=tick)
+    optimizer steps, a priced tick and a loss stage that may cost less fused: the
+    unpacked table and the packed ones, within the own peak and unbounded, are
+    valid tables and all cost at least the bound."""
+    fbw = None if fused is None else fused * (costs.f + costs.b + costs.w)
+    costs = Costs(costs.f, costs.b, costs.w, costs.c, costs.opt, tick=tick, fbw=fbw)
     floor = lockstep_lower_bound(schedule, costs)
     assert floor > 0
     tables = [
@@ -41,6 +45,7 @@ def test_no_packed_table_beats_the_bound(schedule: Schedule, costs: Costs, tick:
         pack_ticks(schedule, costs, mem_limit=math.inf),
     ]
     for table in tables:
+        table.check()
         assert packed_time(table, costs) >= floor - 1e-9
 
 
