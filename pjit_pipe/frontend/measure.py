@@ -143,7 +143,8 @@ def _stage_ops(
 ) -> dict[str, Callable]:
     """Stage s's ops as the lowering runs them with `st`, on `device`: F, B and W of
     a split stage, F and BW of any other (the first stage's BW is its W: no
-    input gradient). With `flat`, the parameters come packed in it and the
+    input gradient), and on the loss stage FBW, its F and backward as one
+    program (lowering.plan.FUSED). With `flat`, the parameters come packed in it and the
     gradients go back packed, as the lowering keeps a chunk that it does not
     hold in size classes (`lowering.param_layout.ChunkLayout`): each op then
     pays the copies of its weights out of the flat buffer that the compiled
@@ -320,8 +321,9 @@ def measure_stage_times(
     key: Any = None,
     repeats: int = 5,
 ) -> StageTimes:
-    """Time every virtual stage's F, B, W, BW on its device, one boundary transfer,
-    and an idle tick on the whole mesh.
+    """Time every virtual stage's F, B, W, BW on its device (and the loss stage's F
+    and backward as one program), one boundary transfer, and an idle tick on the
+    whole mesh.
 
     `stage_params`, `x_mb`, `y_mb`: shapes of one microbatch (arrays or
     ShapeDtypeStructs). With `key` (hashable: model, loss and shapes), the
