@@ -122,3 +122,16 @@ def test_show_costs_args_parse_back_into_the_same_costs():
     # F + BW halved (1, 3), their mean the third number.
     table = dataclasses.replace(times, fbw=3e-3).as_dict(2)
     assert fused_costs_arg(table["fused_costs_arg"]) == pytest.approx((1.75, 2.25, 2.0))
+
+
+def test_a_v_layout_sums_each_position_s_own_chunks():
+    """zb-v puts virtual stages p and 2P-1-p on position p (the first and the last,
+    with the loss, together): measured costs sum those, not p and p + P."""
+    from pjit_pipe.frontend.measure import StageTimes
+    from pjit_pipe.ir.schedule import v_layout
+
+    ms = (1e-3, 2e-3, 3e-3, 4e-3)  # four virtual stages, one time each
+    times = StageTimes(f=ms, b=ms, w=ms, bw=ms, f_fused=ms, c=0.0)
+    assert times.costs(2, v_layout(2)).f == pytest.approx([1.0 + 4.0, 2.0 + 3.0])
+    assert times.costs(2).f == pytest.approx([1.0 + 3.0, 2.0 + 4.0])  # interleaved
+    assert times.as_dict(2, v_layout(2))["f"] == pytest.approx([5.0, 5.0])

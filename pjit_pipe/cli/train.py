@@ -269,7 +269,7 @@ def show_costs(pm: Any, as_json: bool) -> None:
     from pjit_pipe.simulator.bounds import lockstep_lower_bound
     from pjit_pipe.simulator.simulate import packed_time, simulate
 
-    table = pm.stage_times.as_dict(pm.stages)
+    table = pm.stage_times.as_dict(pm.stages, pm.schedule.layout)
     costs, schedule = pm.pricing_costs(), pm.schedule
     step = {
         "event_ms": simulate(schedule, costs).makespan,

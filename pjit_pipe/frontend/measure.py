@@ -68,11 +68,17 @@ class StageTimes:
     tick: float = 0.0
     fbw: float = 0.0
 
-    def costs(self, positions: int) -> Costs:
-        """Per-position Costs in milliseconds (chunk p, p + P, ... on position p)."""
+    def costs(self, positions: int, layout: Sequence[int] | None = None) -> Costs:
+        """Per-position Costs in milliseconds: the times of the virtual stages each
+        position holds, summed (`layout[s]`: the position of virtual stage s, as in
+        `Schedule.layout`; None: s % positions, the interleaved layout)."""
+        where = list(layout) if layout is not None else [s % positions for s in range(len(self.f))]
 
         def per_position(times: Sequence[float]) -> list[float]:
-            return [1e3 * sum(times[p::positions]) for p in range(positions)]
+            return [
+                1e3 * sum(t for t, q in zip(times, where, strict=True) if q == p)
+                for p in range(positions)
+            ]
 
         f_fused, bw = per_position(self.f_fused), per_position(self.bw)
         # Costs.fbw is in units of a position's F + BW: the loss stage's measured
@@ -92,12 +98,12 @@ class StageTimes:
             else [(f + g) * ratio for f, g in zip(f_fused, bw, strict=True)],
         )
 
-    def as_dict(self, positions: int) -> dict[str, Any]:
+    def as_dict(self, positions: int, layout: Sequence[int] | None = None) -> dict[str, Any]:
         """JSON form: per-position costs (ms), the fused F and BW, the tick's fixed cost
         (ms), and the CLI's `--costs` text (split costs; the tick goes to `--tick-cost`,
         the fused F and BW, and the loss stage's F and backward as one program, to
         `--fused-costs`, `fused_costs_arg`)."""
-        costs = self.costs(positions)
+        costs = self.costs(positions, layout)
         mean = lambda v: sum(v) / len(v)  # noqa: E731
         cli = ",".join(f"{mean(v):.4g}" for v in (costs.f, costs.b, costs.w)) + f",{costs.c:.4g}"
         fused = [costs.f_fused, costs.bw] + ([] if costs.fbw is None else [costs.fbw])

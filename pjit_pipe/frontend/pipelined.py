@@ -135,7 +135,7 @@ class Pipelined:
             cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, self.mesh, key=key
         )
         self.stage_times = times
-        return times.costs(self.stages)
+        return times.costs(self.stages, self.schedule.layout)  # V layouts too
 
     def measure_schedule(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> None:
         """With costs="measure": measure the stage costs (once) and make the schedule
