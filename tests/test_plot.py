@@ -82,3 +82,33 @@ def test_chrome_trace_has_one_event_per_op_with_simulated_times() -> None:
         assert got["dur"] == pytest.approx(ev.end - ev.start)
     tracks = {(e["pid"], e["tid"]) for e in trace["traceEvents"] if e["name"] == "thread_name"}
     assert tracks == {(w.replica, w.stage) for w in sched.workers}
+
+
+def test_the_tick_chart_names_its_ticks_and_marks_the_fused_op(tmp_path: Path) -> None:
+    """The compiled program's table priced in lockstep: its tick count and lane order
+    in the heading, its lockstep makespan, and a legend entry for the fused op
+    (one stage: every microbatch's F and BW run as one op)."""
+    from pjit_pipe.passes.pack_ticks import pack_ticks
+    from pjit_pipe.simulator.plot import tick_gantt
+
+    sched = make_schedule("1f1b", 1, 3)
+    costs = Costs(1, 2, 1, fbw=3)
+    table = pack_ticks(sched, costs)
+    out = tick_gantt(table, tmp_path / "t.svg", costs)
+    texts = [t.text or "" for t in ET.parse(out).getroot().iter() if t.tag.endswith("text")]
+    title = next(t for t in texts if "makespan" in t)
+    assert f"{len(table)} ticks (F, B, W)" in title
+    lockstep = simulate(sched, costs, mode="lockstep", ticks=table)
+    assert f"makespan {lockstep.makespan:g}" in title and lockstep.makespan == pytest.approx(9)
+    assert "one op" in texts
+    plain = tick_gantt(pack_ticks(make_schedule("zb-h1", 2, 2), COSTS), tmp_path / "z.png", COSTS)
+    assert png_size(plain)[0] > 0
+
+
+def test_cli_draws_the_tick_table(tmp_path: Path) -> None:
+    from pjit_pipe.cli import main
+
+    out = tmp_path / "ticks.png"
+    args = ["schedule", "zb-h1", "-P", "2", "-m", "3", "--plot-ticks", str(out)]
+    assert main(args) == 0
+    assert png_size(out)[0] > 0

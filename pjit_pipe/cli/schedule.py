@@ -218,6 +218,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="draw a Gantt chart of the simulated iterations",
     )
     p.add_argument(
+        "--plot-ticks",
+        type=plot_path,
+        metavar="FILE.png|FILE.svg",
+        help=(
+            "draw the tick table the compiled program runs (packed under --costs, "
+            "--tick-cost, --mem-limit and --polish), one band per tick; a loss-stage F and "
+            "backward run as one op are cross-hatched"
+        ),
+    )
+    p.add_argument(
         "--trace", type=trace_path, metavar="FILE.json", help="write a Chrome/Perfetto trace"
     )
     p.set_defaults(run=run)
@@ -278,9 +288,19 @@ def run(args: argparse.Namespace) -> int:
         from pjit_pipe.simulator.trace import chrome_trace
 
         args.trace.write_text(json.dumps(chrome_trace(result)))
-    if args.json:
+    if args.json or args.plot_ticks:
         costs = dataclasses.replace(args.costs, tick=args.tick_cost)
         ticks = pack_ticks(schedule, costs, args.iterations, args.mem_limit, polish=args.polish)
+    if args.plot_ticks:
+        from pjit_pipe.simulator.plot import tick_gantt
+
+        tick_gantt(
+            ticks,
+            args.plot_ticks,
+            costs,
+            title=f"{schedule.kind} P={schedule.stages} m={schedule.microbatches}",
+        )
+    if args.json:
         lockstep = simulate(schedule, costs, args.iterations, mode="lockstep", ticks=ticks)
         # Behind the barrier an iteration's table is priced alone, so no table's
         # lockstep_period is below this; staggered or asynchronous ones overlap.

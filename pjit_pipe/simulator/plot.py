@@ -17,6 +17,7 @@ from pjit_pipe.errors import PlotError
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind
 from pjit_pipe.ir.schedule import Schedule
+from pjit_pipe.ir.ticks import PackedTicks, fused_loss_ops
 from pjit_pipe.simulator.simulate import SimResult, simulate
 
 COLORS = {
@@ -39,9 +40,12 @@ def _title(kind: str, result: SimResult) -> str:
     )
 
 
-def draw_gantt(ax, result: SimResult, title: str, width: float) -> None:
+def draw_gantt(
+    ax, result: SimResult, title: str, width: float, fused: frozenset = frozenset()
+) -> None:
     """Draw `result`'s events on the matplotlib axes `ax` (`width`: the axes' inches,
-    to decide which boxes have room for a label)."""
+    to decide which boxes have room for a label); the (worker, iteration, op) in
+    `fused` are cross-hatched: ops a tick table runs as one program."""
     workers = sorted(result.busy)
     row = {w: i for i, w in enumerate(workers)}
     end = max((e.end for e in result.events), default=1.0) or 1.0
@@ -68,7 +72,13 @@ def draw_gantt(ax, result: SimResult, title: str, width: float) -> None:
             edgecolor="black",
             linewidth=0.4,
             alpha=1.0 if chunk == 0 else 0.6,
-            hatch="//" if e.op.replica != e.worker.replica else None,
+            hatch=(
+                "xx"
+                if (e.worker, e.iteration, e.op) in fused
+                else "//"
+                if e.op.replica != e.worker.replica
+                else None
+            ),
         )
         label = "" if e.op.kind is Kind.OPT else str(e.op.mb)
         if label and dur * points_per_unit >= _LABEL_PT_PER_CHAR * (len(label) + 0.5):
@@ -80,8 +90,11 @@ def draw_gantt(ax, result: SimResult, title: str, width: float) -> None:
     ax.set_xlim(0, end)
     ax.set_xlabel("time")
     kinds = [k for k in COLORS if any(e.op.kind is k for e in result.events)]
+    handles = [Patch(color=COLORS[k], label=k.value) for k in kinds]
+    if fused:
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="one op"))
     ax.legend(
-        handles=[Patch(color=COLORS[k], label=k.value) for k in kinds],
+        handles=handles,
         loc="upper left",
         bbox_to_anchor=(1.0, 1.0),
         fontsize=8,
@@ -101,19 +114,62 @@ def gantt(
     `path` must end in .png or .svg; `title` replaces the schedule kind in the heading,
     which always shows makespan and bubble ratio. Returns the written path.
     """
-    path = Path(path)
-    if path.suffix.lower() not in SUFFIXES:
-        raise PlotError(f"path: a Gantt chart is written as .png or .svg, got {str(path)!r}")
     if isinstance(result_or_schedule, Schedule):
         result = simulate(result_or_schedule, costs)
         kind = result_or_schedule.kind
     else:
         result = result_or_schedule
         kind = "schedule"
+    return _chart(result, path, title or kind)
+
+
+def tick_gantt(
+    table: PackedTicks,
+    path: str | Path,
+    costs: Costs | None = None,
+    title: str | None = None,
+) -> Path:
+    """Draw the compiled program's tick table as it runs under `costs` (the
+    simulator's lockstep mode): each tick a band between grey lines, lasting as
+    long as its slowest worker; a loss-stage F and backward that the program runs
+    as one op (`ir.ticks.fused_loss_ops`) are cross-hatched. `path`: .png or .svg."""
+    result = simulate(
+        table.schedule, costs or Costs(), table.iterations, mode="lockstep", ticks=table
+    )
+    last = table.schedule.num_virtual_stages - 1
+    fused = frozenset(
+        (w, it, op)
+        for tick in table.ticks
+        for w, entries in tick.items()
+        for it, op in fused_loss_ops(entries, last)
+    )
+    tick_of = {(w, it, op): t for (w, it, op), (t, _) in table.placement().items()}
+    starts: dict[int, float] = {}  # each tick's start: its first ops start there
+    for e in result.events:
+        t = tick_of[(e.worker, e.iteration, e.op)]
+        starts[t] = min(starts.get(t, e.start), e.start)
+    heading = f"{title or table.schedule.kind}, {len(table)} ticks ({', '.join(table.order)})"
+    return _chart(result, path, heading, fused, tuple(starts.values()))
+
+
+def _chart(
+    result: SimResult,
+    path: str | Path,
+    heading: str,
+    fused: frozenset = frozenset(),
+    lines: tuple[float, ...] = (),
+) -> Path:
+    """Write `result`'s chart to `path` (.png or .svg), with grey lines at `lines`."""
+    path = Path(path)
+    if path.suffix.lower() not in SUFFIXES:
+        raise PlotError(f"path: a chart is written as .png or .svg, got {str(path)!r}")
     per_row = max((sum(e.worker == w for e in result.events) for w in result.busy), default=1)
     width = min(40.0, max(8.0, 0.32 * per_row + 2.5))
     fig = Figure(figsize=(width, 0.55 * len(result.busy) + 1.6), layout="constrained")
-    draw_gantt(fig.add_subplot(), result, title or kind, width)
+    ax = fig.add_subplot()
+    for x in lines:
+        ax.axvline(x, color="#bbbbbb", linewidth=0.6, zorder=0)
+    draw_gantt(ax, result, heading, width, fused)
     with rc_context({"svg.fonttype": "none"}):  # SVG text stays text (searchable)
         fig.savefig(path, dpi=110)
     return path
