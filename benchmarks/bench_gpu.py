@@ -163,17 +163,6 @@ def tick_cost(run: Run, message: Any, idle: int) -> None:
     )
 
 
-def fused_groups(step: Any) -> int:
-    """How many loss-stage F + backward groups the step's plan runs as one op."""
-    import numpy as np
-
-    from pjit_pipe.lowering.plan import FUSED
-
-    plan = step._low.plan
-    ids = [i + 1 for i, (kind, _) in enumerate(plan.branches) if kind == FUSED]
-    return int(np.isin(plan.rows.w.branch, ids).sum())
-
-
 def kinds_against_scan(run: Run, pricing: tuple[str, ...]) -> tuple[dict, dict]:
     """Part 2: every kind's step against the scan, packed under unit costs (the
     default; "unit" in `pricing`) and under measured ones ("measure":
@@ -209,7 +198,7 @@ def kinds_against_scan(run: Run, pricing: tuple[str, ...]) -> tuple[dict, dict]:
         )
         loss_error = abs(float(loss) - float(ref_loss)) / abs(float(ref_loss))
         notes[name] = (
-            f"{len(step._low.plan.updates):4d} ticks ({fused_groups(step)} fused)"
+            f"{len(step._low.plan.updates):4d} ticks ({step._low.ticks.fused_groups()} fused)"
             f"  first call {first:6.1f} s"
             f"  loss err {loss_error:.1e}  worst grad err {error:.1e} ({pm.schedule.kind})"
         )

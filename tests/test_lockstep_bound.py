@@ -139,8 +139,7 @@ def test_stopping_at_the_bound_returns_the_same_table(
     searched = pack_ticks(schedule, costs)
     assert packed_time(stopped, costs) == pytest.approx(packed_time(searched, costs))
     if stopped != searched:  # only a tie, broken toward fusion
-        fused = pack_ticks_module._fused_groups
-        assert costs.fbw is None and fused(searched) > fused(stopped)
+        assert costs.fbw is None and searched.fused_groups() > stopped.fused_groups()
 
 
 def test_cli_reports_the_bound_of_a_synchronous_schedule(capsys):

@@ -18,6 +18,11 @@ def _per_position(name: str, value: float | Sequence[float], stages: int) -> tup
     return vals
 
 
+def _split_stages(schedule: Schedule) -> set[int]:
+    """The virtual stages `schedule` runs as separate B and W."""
+    return {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
+
+
 @dataclass(frozen=True)
 class Costs:
     """Per-stage op times (docs/design.md section 3): F, B, W of one microbatch on one
@@ -111,7 +116,7 @@ class Costs:
         schedule runs as B and W takes (f, b, w), any other (f_fused, bw)."""
         table = self.per_stage(schedule.stages)
         fused = self.fused_per_stage(schedule.stages)
-        split = {op.stage for _, _, op in schedule.ops() if op.kind in (Kind.B, Kind.W)}
+        split = _split_stages(schedule)
         v = schedule.chunks
 
         def duration(worker: Worker, op: Op) -> float:
@@ -145,8 +150,7 @@ class Costs:
         last = schedule.num_virtual_stages - 1
         duration = self.duration_fn(schedule)
         worker = Worker(0, schedule.layout[last])
-        split = any(op.kind in (Kind.B, Kind.W) and op.stage == last for _, _, op in schedule.ops())
-        kinds = (Kind.F, Kind.B, Kind.W) if split else (Kind.F, Kind.BW)
+        kinds = (Kind.F, Kind.B, Kind.W) if last in _split_stages(schedule) else (Kind.F, Kind.BW)
         apart = sum(duration(worker, Op(k, last, 0)) for k in kinds)
         fused = _per_position("fbw", self.fbw, schedule.stages)[worker.stage] / schedule.chunks
         return fused / apart if apart > 0 else 1.0

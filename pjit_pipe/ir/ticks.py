@@ -217,6 +217,21 @@ class PackedTicks:
                 ticks.append(kept)
         return PackedTicks(self.schedule, 1, tuple(ticks), self.order)
 
+    def fused_ops(self) -> frozenset[tuple[Worker, int, Op]]:
+        """(worker, iteration, op) of every op the lowering runs in a fused loss-stage
+        group (`fused_loss_ops`, tick by tick)."""
+        last = self.schedule.num_virtual_stages - 1
+        return frozenset(
+            (w, it, op)
+            for tick in self.ticks
+            for w, entries in tick.items()
+            for it, op in fused_loss_ops(entries, last)
+        )
+
+    def fused_groups(self) -> int:
+        """How many loss-stage groups the table runs as one op (one F each)."""
+        return sum(op.kind is Kind.F for _, _, op in self.fused_ops())
+
     def placement(self) -> dict[tuple[Worker, int, Op], tuple[int, int]]:
         """(worker, iteration, op) -> (tick, position within the worker's tuple)."""
         return {

@@ -36,7 +36,7 @@ import numpy as np
 
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.ir.ticks import LaneOrder, PackedTicks, fused_loss_ops
+from pjit_pipe.ir.ticks import LaneOrder, PackedTicks
 from pjit_pipe.lowering.routes import Route, fewest_routes
 
 # The branch kind of a loss-stage microbatch's F and whole backward run as one op
@@ -187,15 +187,14 @@ def build_plan(
             f"devices {sorted(index)} are not the schedule's live workers {schedule.alive_workers}"
         )
     when: dict[Op, tuple[Worker, int]] = {}
-    fused: set[Op] = set()  # the ops of fused loss-stage groups (microbatch numbered as in `when`)
+    # The ops of fused loss-stage groups, microbatches numbered as in `when`.
+    fused = (
+        {op._replace(mb=it * m + op.mb) for _, it, op in table.fused_ops()} if fuse_loss else set()
+    )
     # (stage, iteration, microbatch or -1) -> the ticks of its OPTs
     update_tick: dict[tuple[int, int, int], set[int]] = {}
     for t, tick in enumerate(table.ticks):
         for w, entries in tick.items():
-            if fuse_loss:
-                fused.update(
-                    op._replace(mb=it * m + op.mb) for it, op in fused_loss_ops(entries, S - 1)
-                )
             for it, op in entries:
                 if op.kind in COMPUTE_KINDS:
                     when[op._replace(mb=it * m + op.mb)] = (w, t)

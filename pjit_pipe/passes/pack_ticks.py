@@ -53,7 +53,6 @@ from pjit_pipe.ir.ticks import (
     LaneOrder,
     PackedTicks,
     compute_only,
-    fused_loss_ops,
 )
 from pjit_pipe.passes.greedy_ticks import VARIANTS, GreedyPacker, PackingFacts
 from pjit_pipe.passes.pull_forward import PullForward
@@ -171,16 +170,16 @@ def _pack(
     most = iterations * sum(
         op.kind is Kind.F and op.stage == sched.num_virtual_stages - 1 for _, _, op in sched.ops()
     )
-    best_fused = _fused_groups(best)
+    best_fused = best.fused_groups()
 
     def better(table: PackedTicks, price: float) -> bool:
         if price < best_price - 1e-9:
             return True
-        return ties and price <= best_price + 1e-9 and _fused_groups(table) > best_fused
+        return ties and price <= best_price + 1e-9 and table.fused_groups() > best_fused
 
     def keep(table: PackedTicks, price: float) -> None:
         nonlocal best, best_price, best_fused
-        best, best_price, best_fused = table, price, _fused_groups(table)
+        best, best_price, best_fused = table, price, table.fused_groups()
 
     if mem_limit is not None and mem_limit >= largest_peak(schedule):
         # The table within the schedule's own peak is a table of every looser limit
@@ -229,16 +228,6 @@ def _pack(
         # (more iterations repeat a polished one above)
         best = polish_ticks(best, costs, mem_limit, polish)
     return best
-
-
-def _fused_groups(table: PackedTicks) -> int:
-    """The loss-stage groups that `table` runs as one op (ir.ticks.fused_loss_ops)."""
-    last = table.schedule.num_virtual_stages - 1
-    return sum(
-        sum(op.kind is Kind.F for _, op in fused_loss_ops(entries, last))
-        for tick in table.ticks
-        for entries in tick.values()
-    )
 
 
 def _repeat(table: PackedTicks, iterations: int) -> PackedTicks:

@@ -17,7 +17,7 @@ from pjit_pipe.errors import PlotError
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.ir.ticks import PackedTicks, fused_loss_ops
+from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.simulator.simulate import SimResult, simulate
 
 COLORS = {
@@ -136,20 +136,13 @@ def tick_gantt(
     result = simulate(
         table.schedule, costs or Costs(), table.iterations, mode="lockstep", ticks=table
     )
-    last = table.schedule.num_virtual_stages - 1
-    fused = frozenset(
-        (w, it, op)
-        for tick in table.ticks
-        for w, entries in tick.items()
-        for it, op in fused_loss_ops(entries, last)
-    )
     tick_of = {(w, it, op): t for (w, it, op), (t, _) in table.placement().items()}
     starts: dict[int, float] = {}  # each tick's start: its first ops start there
     for e in result.events:
         t = tick_of[(e.worker, e.iteration, e.op)]
         starts[t] = min(starts.get(t, e.start), e.start)
     heading = f"{title or table.schedule.kind}, {len(table)} ticks ({', '.join(table.order)})"
-    return _chart(result, path, heading, fused, tuple(starts.values()))
+    return _chart(result, path, heading, table.fused_ops(), tuple(starts.values()))
 
 
 def _chart(
