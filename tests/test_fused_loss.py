@@ -11,7 +11,6 @@ jax.value_and_grad and plain optax (one and two iterations, remat too).
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -26,15 +25,8 @@ from test_lowering import (
     unpipelined_training,
     xent,
 )
-from test_semantics import (
-    DropoutNet,
-    mean_loss,
-    per_microbatch_reference,
-    reference_weighted,
-    weighted_loss_with_metrics,
-)
+from test_semantics import DropoutNet, check_weighted, mean_loss, per_microbatch_reference
 from test_semantics import batch as weighted_batch
-from test_semantics import run as run_stages
 
 import pjit_pipe as pp
 from pjit_pipe.frontend.measure import StageTimes
@@ -131,32 +123,31 @@ def test_fused_programs_give_value_and_grad(P, remat):
     assert_trees_close(grads, ref_grads)
 
 
-def test_two_fused_iterations_train_as_optax_does():
-    """The first iteration's plan numbers its ops as the two-iteration plan does."""
-    P, m = 2, 3
-    sched = make_schedule("1f1b", P, m)
+def train_as_optax(sched, table: PackedTicks, seed: int):
+    """The program of `sched` running `table` (all its iterations in one call) on the
+    tiny model gives unpipelined adam's losses and parameters; returns the step."""
+    D, P, iterations = sched.replicas, sched.stages, table.iterations
     fns, params = tiny_model(P)
     opt = optax.adam(1e-2)
-    batches = [batch(m * MB, seed=20 + i) for i in range(2)]
+    batches = [batch(D * sched.microbatches * MB, seed=seed + i) for i in range(iterations)]
     xs, ys = (np.stack(b) for b in zip(*batches, strict=True))
-    table = pack_ticks(sched, Costs(1, 2, 1, fbw=2.5), 2)
     step = lower(
-        sched,
-        fns,
-        xent,
-        mesh_of(1, P),
-        params,
-        *batches[0],
-        optimizer=opt,
-        iterations=2,
-        ticks=table,
-    )
-    assert step._low.step_plan.branches == step._low.plan.branches
-    assert (FUSED, P - 1) in step._low.step_plan.branches
+        sched, fns, xent, mesh_of(D, P), params, *batches[0],
+        optimizer=opt, iterations=iterations, ticks=table,
+    )  # fmt: skip
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     ref, want = unpipelined_training(fns, params, opt, batches)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
     assert_trees_close(got, ref)
+    return step
+
+
+def test_two_fused_iterations_train_as_optax_does():
+    """The first iteration's plan numbers its ops as the two-iteration plan does."""
+    sched = make_schedule("1f1b", 2, 3)
+    step = train_as_optax(sched, pack_ticks(sched, Costs(1, 2, 1, fbw=2.5), 2), seed=20)
+    assert step._low.step_plan.branches == step._low.plan.branches
+    assert (FUSED, 1) in step._low.step_plan.branches
 
 
 def test_measured_fusion_scales_each_position_by_the_loss_stage_ratio():
@@ -183,23 +174,7 @@ def test_the_cli_prices_the_fused_op_it_is_given(capsys):
 def test_a_fused_weighted_loss_gives_its_ratio_and_metrics():
     """`(loss_sum, weight)` with has_aux metrics: the fused op adds its share of the
     loss vector (sum, weight and metrics) as the split F does."""
-    P, m = 2, 4
-    fns, params = tiny_model(P)
-    x, y = weighted_batch(m * MB, seed=1)
-    sched = make_schedule("1f1b", P, m)
-    step = lower(
-        sched, fns, weighted_loss_with_metrics, mesh_of(1, P), params, x, y,
-        has_aux=True, ticks=pack_ticks(sched, FUSING),
-    )  # fmt: skip
-    assert step._low.fused
-    (loss, aux), grads = step.value_and_grad(params, x, y)
-    ref_loss, ref_grads = jax.jit(
-        jax.value_and_grad(lambda p, x, y: reference_weighted(fns, p, x, y))
-    )(params, x, y)
-    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5)
-    assert_trees_close(grads, ref_grads)
-    correct = np.asarray(jnp.argmax(run_stages(fns, params, x), axis=-1) == y["label"])
-    np.testing.assert_allclose(float(aux["accuracy"]), correct.mean(), rtol=1e-6)
+    assert check_weighted(1, "1f1b", P=2, m=4, costs=FUSING)._low.fused
 
 
 def test_fused_dropout_uses_each_microbatch_keys():
@@ -225,21 +200,8 @@ def test_a_rerouted_staggered_variant_fuses_and_trains_as_optax_does():
     """1F1B on 4x2 with worker (2, 1) failed: its peers run its microbatches, the
     last stage's groups fuse on whichever worker runs them, and three staggered
     iterations in one call give unpipelined adam's parameters and losses."""
-    D, P, m, iterations = 4, 2, 4, 3
-    sched = schedule_with_failures("1f1b", P, m, D, [(2, 1)], time_limit=1.0)
+    sched = schedule_with_failures("1f1b", 2, 4, 4, [(2, 1)], time_limit=1.0)
     assert sched.staggered
-    table = pack_ticks(sched, FUSING, iterations)
+    table = pack_ticks(sched, FUSING, 3)
     assert table.fused_groups() > 0
-    fns, params = tiny_model(P)
-    opt = optax.adam(1e-2)
-    batches = [batch(D * m * MB, seed=30 + i) for i in range(iterations)]
-    xs, ys = (np.stack(b) for b in zip(*batches, strict=True))
-    step = lower(
-        sched, fns, xent, mesh_of(D, P), params, *batches[0],
-        optimizer=opt, iterations=iterations, ticks=table,
-    )  # fmt: skip
-    assert step._low.fused
-    got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
-    ref, want = unpipelined_training(fns, params, opt, batches)
-    np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)
-    assert_trees_close(got, ref)
+    assert train_as_optax(sched, table, seed=30)._low.fused

@@ -24,7 +24,9 @@ from jax.sharding import Mesh
 from test_lowering import CLASSES, MB, SEQ, VOCAB, tiny_model
 
 import pjit_pipe as pp
+from pjit_pipe.ir.costs import Costs
 from pjit_pipe.lowering import lower
+from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
 
 MATRIX = [(D, kind) for D in (2, 1) for kind in ("1f1b", "zb-h1")]
@@ -81,13 +83,15 @@ def weighted_loss_with_metrics(logits, y):
     return weighted_loss(logits, y), {"accuracy": jnp.mean(correct), "tokens": jnp.sum(y["weight"])}
 
 
-def check_weighted(D: int, kind: str, P: int = 4, m: int = 4):
-    """The masked loss (with has_aux metrics) against the unpipelined ratio."""
+def check_weighted(D: int, kind: str, P: int = 4, m: int = 4, costs: Costs | None = None):
+    """The masked loss (with has_aux metrics) against the unpipelined ratio; with
+    `costs`, the program runs the table packed under them. Returns the step."""
     fns, params = tiny_model(P)
     x, y = batch(D * m * MB, seed=1)
     sched = make_schedule(kind, P, m, replicas=D)
     loss_fn = weighted_loss_with_metrics
-    step = lower(sched, fns, loss_fn, mesh_of(D, P), params, x, y, has_aux=True)
+    ticks = None if costs is None else pack_ticks(sched, costs)
+    step = lower(sched, fns, loss_fn, mesh_of(D, P), params, x, y, has_aux=True, ticks=ticks)
     (loss, aux), grads = step.value_and_grad(params, x, y)
     ref_loss, ref_grads = jax.jit(
         jax.value_and_grad(lambda p, x, y: reference_weighted(fns, p, x, y))
@@ -103,6 +107,7 @@ def check_weighted(D: int, kind: str, P: int = 4, m: int = 4):
     rows = [slice(i, i + MB) for i in range(0, len(x), MB)]
     ratios = [reference_weighted(fns, params, x[r], {k: a[r] for k, a in y.items()}) for r in rows]
     assert abs(float(np.nanmean(ratios)) - float(ref_loss)) > 1e-3
+    return step
 
 
 def test_weighted_loss_is_sum_over_total_weight():
