@@ -148,12 +148,12 @@ def _stage_ops(
     st: StageVjp, s: int, device: jax.Device, y_mb: Any, flat: FlatSpec | None = None
 ) -> dict[str, Callable]:
     """Stage s's ops as the lowering runs them with `st`, on `device`: F, B and W of
-    a split stage, F and BW of any other (the first stage's BW is its W: no
-    input gradient), and on the loss stage FBW, its F and backward as one
-    program (lowering.plan.FUSED). With `flat`, the parameters come packed in it and the
-    gradients go back packed, as the lowering keeps a chunk that it does not
-    hold in size classes (`lowering.param_layout.ChunkLayout`): each op then
-    pays the copies of its weights out of the flat buffer that the compiled
+    a split stage, F and BW of any other (the first stage's BW is its W: no input
+    gradient), and on an unsplit loss stage FBW, its F and backward as one program
+    (lowering.plan.FUSED; the same program whatever the split, so timed once). With `flat`, the parameters come packed in
+    it and the gradients go back packed, as the lowering keeps a chunk that it
+    does not hold in size classes (`lowering.param_layout.ChunkLayout`): each op
+    then pays the copies of its weights out of the flat buffer that the compiled
     program pays."""
     p = _ones(st.param_avals[s], device)
     pack, unpack = lambda q: q, lambda q: q
@@ -184,7 +184,7 @@ def _stage_ops(
 
         bw = jax.jit(fused_backward)
         ops |= {"BW": lambda: bw(p, res)}
-    if s == st.S - 1:  # the loss stage's F and backward as one program (plan.FUSED)
+    if s == st.S - 1 and s not in st.split:
 
         def value_and_grad(p, a, y):
             out, dparams, dinput = st.value_and_grad(s, unpack(p), a, y, g)
