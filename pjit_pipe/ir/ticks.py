@@ -43,6 +43,17 @@ A table may run a worker's ops in another order than its program (a younger
 op ahead of one that waits for a message), never past one of its OPTs; its
 activation memory is then `peak_memory()`, not the schedule's.
 
+When a message travels (`PackedTicks.deferred`). By default both channels
+leave in the tick that fills them: a message leaves when its op ends, its
+transfer overlapping the worker's later lanes, and the tick ends once it has
+arrived. So a tick whose last sending op ends last pays the transfer time C.
+A deferred table sends the channel its first lane does not read (`late_channel`:
+the gradients under F, B, W; the activations under B, W, F) at the start of
+the next tick instead: the transfer then overlaps the receiver's first lane,
+and only the op that reads the message waits for it. Which is cheaper
+depends on the table (the packer prices both); a message made in tick t is
+usable from tick t+1 either way.
+
 An OPT entry follows the tick's compute ops: the optimizer step runs at the
 end of the tick, once every W/BW of its stage and iteration ran in that tick
 or earlier, and the OPTs of one stage and iteration (one per replica) share
@@ -85,6 +96,18 @@ def lanes(kind: Kind, order: LaneOrder = FORWARD_FIRST) -> tuple[int, ...]:
     if kind is Kind.BW:
         return (order.index(Kind.B), order.index(Kind.W))
     return (order.index(kind),)
+
+
+def late_channel(order: LaneOrder) -> Kind:
+    """The kind whose messages a deferred table sends at the start of the next tick:
+    the channel the first lane does not read (F: activations, made by F; B:
+    input gradients, made by B, BW and a fused loss-stage group)."""
+    return Kind.B if order[0] is Kind.F else Kind.F
+
+
+def sends_late(kind: Kind, order: LaneOrder) -> bool:
+    """Whether a message made by an op of `kind` is on `order`'s late channel."""
+    return (kind is Kind.F) == (late_channel(order) is Kind.F)
 
 
 def fits(ops: Sequence[Op], order: LaneOrder = FORWARD_FIRST, w_per_tick: int = W_PER_TICK) -> bool:
@@ -163,13 +186,15 @@ class PackedTicks:
 
     ticks[t][w]: the (iteration, op) entries worker w runs in tick t, in the
     order they run (a worker missing from a tick idles). Compute ops and OPTs
-    only. order: the lane order every tick runs its ops in (module docstring).
+    only. order: the lane order every tick runs its ops in; deferred: whether the
+    late channel's messages leave at the start of the next tick (module docstring).
     """
 
     schedule: Schedule
     iterations: int
     ticks: tuple[Tick, ...]
     order: LaneOrder = FORWARD_FIRST
+    deferred: bool = False
 
     def __len__(self) -> int:
         return len(self.ticks)
@@ -215,7 +240,7 @@ class PackedTicks:
             kept = {w: es for w, es in kept.items() if es}
             if kept:
                 ticks.append(kept)
-        return PackedTicks(self.schedule, 1, tuple(ticks), self.order)
+        return PackedTicks(self.schedule, 1, tuple(ticks), self.order, self.deferred)
 
     def fused_ops(self) -> frozenset[tuple[Worker, int, Op]]:
         """(worker, iteration, op) of every op the lowering runs in a fused loss-stage

@@ -13,7 +13,9 @@ row lives from F to B, and W-pool rows live from F to the stage's last
 backward op (W or BW), so B frees what only B reads. Messages travel on two
 channels, activations (made by F) and input gradients (made by B or BW):
 each leaves its device in the tick that makes it and lands in a slot of the
-receiver's message store at the end of that tick. Each ppermute carries one
+receiver's message store at the end of that tick, except the late channel of
+a deferred table (ir/ticks.py), which waits in the sender's outbox row and
+lands at the start of the next tick (the row of that tick names its slots). Each ppermute carries one
 channel along one (replica, position) shift of the worker grid when that
 needs no more ppermutes, so it is a permutation even when re-routed
 microbatches cross replicas; otherwise the pairs are split into the fewest
@@ -36,8 +38,8 @@ import numpy as np
 
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.ir.ticks import LaneOrder, PackedTicks
-from pjit_pipe.lowering.routes import Route, fewest_routes
+from pjit_pipe.ir.ticks import LaneOrder, PackedTicks, sends_late
+from pjit_pipe.lowering.routes import Route, fewest_routes, gated_sends
 
 # The branch kind of a loss-stage microbatch's F and whole backward run as one op
 # (ir.ticks.fused_loss_ops): in the W lane, storing no residual.
@@ -101,6 +103,9 @@ class TickPlan:
         this list.
     msg_slots / res_slots / bres_slots: message store size (scratch
         excluded), W-pool and B-pool residual store sizes.
+    deferred: the late channel (ir.ticks.late_channel of `order`) leaves at
+        the start of the next tick: the message store has an outbox row after
+        its scratch slot, `outbox`, which holds the late message the tick made.
     act_shifts / grad_shifts: for each ppermute of the activation / gradient
         channel, the (replica, position) shifts its pairs make and its (source,
         dest) pairs of device indices: the fewest ppermutes (routes.py), one
@@ -122,12 +127,23 @@ class TickPlan:
     updates: np.ndarray  # bool (ticks,): some stage steps its optimizer after this tick
     # The sets of (activation, gradient) ppermute indices a tick runs; `rows.sends`
     # picks one per tick. One set, every ppermute, unless skipping the idle ones
-    # saves at least half of them (see `_gated_sends`).
+    # saves at least half of them (see `routes.gated_sends`).
     sends: tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]
+    deferred: bool = False
 
     @property
     def ticks(self) -> int:
         return self.rows.update.shape[1]
+
+    @property
+    def outbox(self) -> int:
+        """The message store's outbox row (deferred plans; after the scratch slot)."""
+        return self.msg_slots + 1
+
+    @property
+    def store_rows(self) -> int:
+        """Rows of the message store: its slots, the scratch slot and any outbox."""
+        return self.msg_slots + 1 + self.deferred
 
 
 class _Slots:
@@ -245,7 +261,9 @@ def build_plan(
         act = op.kind is Kind.F
         msg_slot[("act" if act else "grad", op.stage, op.mb, op.replica)] = slot
         via = None if src == dest else route_of[act][(index[src], index[dest])]
-        arrivals.append((dest, t, act, via, slot))
+        # A late message lands at the start of the next tick (its slot is taken from t).
+        late = table.deferred and sends_late(op.kind, table.order)
+        arrivals.append((dest, t + late, act, via, slot))
 
     res_slot: dict[tuple[int, int, int], int] = {}
     bres_slot: dict[tuple[int, int, int], int] = {}
@@ -337,7 +355,7 @@ def build_plan(
         for w in devices:
             if w.stage == schedule.layout[s]:
                 update[index[w], t] |= 1 << schedule.chunk_of(s)
-    sends, pick = _gated_sends(recv[True] < K, recv[False] < K)
+    sends, pick = gated_sends(recv[True] < K, recv[False] < K)
     rows = TickRow(
         f=OpRow(**lanes["f"]),
         b=OpRow(**lanes["b"]),
@@ -362,31 +380,5 @@ def build_plan(
         order=table.order,
         updates=updates,
         sends=sends,
+        deferred=table.deferred,
     )
-
-
-def _gated_sends(act_used: np.ndarray, grad_used: np.ndarray) -> tuple[Any, np.ndarray]:
-    """(the distinct sets of ppermutes ticks use, each tick's set) from the
-    (devices, ticks, ppermutes) masks of the receives each channel makes.
-
-    Gating costs a switch per tick (a conditional: on a GPU, a round trip to
-    the host), so ticks are gated only when a channel has several ppermutes
-    (re-routed variants, V layouts) and skipping the idle ones saves at least
-    half of the ppermute executions; otherwise every tick runs every ppermute
-    (one set, no switch)."""
-    T = act_used.shape[1]
-    every = (tuple(range(act_used.shape[2])), tuple(range(grad_used.shape[2])))
-    if max(len(every[0]), len(every[1])) <= 1:
-        return (every,), np.zeros(T, np.int32)
-    used = [
-        (
-            tuple(int(i) for i in np.flatnonzero(act_used[:, t].any(0))),
-            tuple(int(i) for i in np.flatnonzero(grad_used[:, t].any(0))),
-        )
-        for t in range(T)
-    ]
-    needed = sum(len(a) + len(g) for a, g in used)
-    if 2 * needed > T * (len(every[0]) + len(every[1])):
-        return (every,), np.zeros(T, np.int32)
-    sets = sorted(set(used))
-    return tuple(sets), np.array([sets.index(u) for u in used], np.int32)

@@ -19,6 +19,9 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
 
 Pair = tuple[int, int]  # (source device, dest device)
 Route = tuple[Pair, ...]  # the pairs of one ppermute, sorted
@@ -94,3 +97,30 @@ def _swap_along_path(
         c = b if c == a else a
         sent[(s, c)] = d
         got[(d, c)] = s
+
+
+def gated_sends(act_used: np.ndarray, grad_used: np.ndarray) -> tuple[Any, np.ndarray]:
+    """(the distinct sets of ppermutes ticks use, each tick's set) from the
+    (devices, ticks, ppermutes) masks of the receives each channel makes.
+
+    Gating costs a switch per tick (a conditional: on a GPU, a round trip to
+    the host), so ticks are gated only when a channel has several ppermutes
+    (re-routed variants, V layouts) and skipping the idle ones saves at least
+    half of the ppermute executions; otherwise every tick runs every ppermute
+    (one set, no switch)."""
+    T = act_used.shape[1]
+    every = (tuple(range(act_used.shape[2])), tuple(range(grad_used.shape[2])))
+    if max(len(every[0]), len(every[1])) <= 1:
+        return (every,), np.zeros(T, np.int32)
+    used = [
+        (
+            tuple(int(i) for i in np.flatnonzero(act_used[:, t].any(0))),
+            tuple(int(i) for i in np.flatnonzero(grad_used[:, t].any(0))),
+        )
+        for t in range(T)
+    ]
+    needed = sum(len(a) + len(g) for a, g in used)
+    if 2 * needed > T * (len(every[0]) + len(every[1])):
+        return (every,), np.zeros(T, np.int32)
+    sets = sorted(set(used))
+    return tuple(sets), np.array([sets.index(u) for u in used], np.int32)

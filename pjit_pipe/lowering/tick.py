@@ -6,15 +6,17 @@ W's in the W lane) in the table's lane order, F, B, W/BW or B, W/BW, F
 (ir/ticks.py; each group of ops of tick_ops.py is its own two-way `lax.cond`,
 and a second W has conds of its own, in plans whose table has one; a loss-stage
 F and backward that share a tick run as one op in the W lane, plan.FUSED), then the
-ppermutes of the two message channels run (all of them, or, in a gated plan,
-the set the tick uses) and the received messages are stored in the slots the
-row names. After
+ppermutes of the two message channels run (delivery.py; a deferred plan runs
+its late channel's at the start of the next tick) and the received messages
+are stored in the slots the row names. After
 the loop the parameter gradients are summed over the live replicas of each
 stage.
 
 Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
 - message store: (K + 1, message size) per dtype, the activations and
-  gradients received and not yet read; slot K is scratch (no message);
+  gradients received and not yet read; slot K is scratch (no message); a
+  deferred plan's has one more row, its outbox (`TickPlan.outbox`): the late
+  message this device made in the tick before, sent at the start of the next;
 - residual stores (`stages.Residuals`): the B-pool, (RB, row size) per
   dtype, a split stage's vjp residuals from its F to its B; the W-pool,
   (R, row size) per dtype, a split stage's W operands (from F) and site
@@ -38,8 +40,9 @@ from jax import lax
 
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.ir.ticks import PackedTicks, late_channel
 from pjit_pipe.lowering.async_weights import AsyncWeights
+from pjit_pipe.lowering.delivery import Post
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
@@ -110,6 +113,7 @@ class TickProgram:
         self.fused = (FUSED, stages.S - 1) in self.plan.branches
         self.param_spec = FlatSpec(stages.param_avals)
         self.msg_spec = MessageSpec(stages.act_avals[1:])
+        self.post = Post(self.msg_spec, topology.axes)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
         self.shared = None
         if shared:
@@ -146,9 +150,9 @@ class TickProgram:
 
     def empty(self, plan: TickPlan) -> tuple[Buffers, Residuals, list[Any]]:
         """(message store with its scratch slot, residual stores, gradient accumulators)."""
-        K, R, RB = plan.msg_slots, plan.res_slots, plan.bres_slots
+        R, RB = plan.res_slots, plan.bres_slots
         return (
-            self.msg_spec.zeros(K + 1),
+            self.msg_spec.zeros(plan.store_rows),
             Residuals({}, {})
             if self.remat
             else Residuals(self.st.b_spec.zeros(RB), self.st.w_spec.zeros(R)),
@@ -178,29 +182,33 @@ class TickProgram:
     # before the first op, so the store's writes after the last op update it in
     # place too (a cond that read the store would make XLA copy it twice per tick).
 
-    def inboxes(self, msgs: Buffers, row: TickRow, second_w: bool) -> list[Inbox]:
+    def inboxes(self, msgs: Buffers, row: TickRow, second_w: bool, early: Buffers) -> list[Inbox]:
         """The F, B and W lanes' message rows (and the second W's, when the plan has
-        one), read in one gather from the store."""
+        one): the activations (`in_slot`) and gradients (`g_slot`), each read in one
+        gather, the late channel's from `msgs` and the other's from `early`, the
+        store before the late channel's delivery (the same store unless the plan
+        is deferred), so that a lane reading only the other channel need not wait
+        for that ppermute."""
         none = self.msg_spec.zeros()
         reads = [row.b, row.w, row.w2] if second_w else [row.b, row.w]
-        wanted = [row.f.in_slot, *(r.g_slot for r in reads)]
         n = len(reads)
+        act_slots = [row.f.in_slot]
         if self.remat:  # B, W and BW re-run the stage's forward on their input
-            wanted += [r.in_slot for r in reads]
+            act_slots += [r.in_slot for r in reads]
         elif self.fused:  # a fused F and backward in the W lane reads its input
-            wanted.append(row.w.in_slot)
-        slots = jnp.stack(wanted)
-        read = {k: jnp.take(b, slots, axis=0, mode="clip") for k, b in msgs.items()}
-        got = [{k: r[i] for k, r in read.items()} for i in range(len(wanted))]
+            act_slots.append(row.w.in_slot)
+        late_acts = self.plan.deferred and late_channel(self.plan.order) is Kind.F
+        acts = _gather(msgs if late_acts else early, act_slots)
+        grads = _gather(early if late_acts else msgs, [r.g_slot for r in reads])
         if self.remat:
-            acts = got[1 + n :]
+            lane_acts = acts[1:]
         else:
-            acts = [none] * n
+            lane_acts = [none] * n
             if self.fused:
-                acts[1] = got[-1]
+                lane_acts[1] = acts[-1]
         return [
-            Inbox(got[0], none),
-            *(Inbox(a, g) for a, g in zip(acts, got[1 : 1 + n], strict=True)),
+            Inbox(acts[0], none),
+            *(Inbox(a, g) for a, g in zip(lane_acts, grads, strict=True)),
         ]
 
     def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry):
@@ -233,7 +241,8 @@ class TickProgram:
         back = params if back_params is None else back_params
         # The W lane runs a second W only in plans whose table has one (ir/ticks.py).
         second_w = bool(np.any(plan.rows.w2.branch))
-        f_in, b_in, *w_ins = self.inboxes(msgs, row, second_w)
+        early, msgs = msgs, self.post.start_of_tick(plan, row, msgs)
+        f_in, b_in, *w_ins = self.inboxes(msgs, row, second_w, early)
 
         def forward_lane() -> None:
             nonlocal act, res, loss
@@ -300,41 +309,7 @@ class TickProgram:
         lanes = {Kind.F: forward_lane, Kind.B: input_grad_lane, Kind.W: weight_grad_lane}
         for kind in plan.order:
             lanes[kind]()
-        if len(plan.sends) == 1:
-            received = self.send(plan, plan.sends[0], act, grad)
-        else:  # only the ppermutes some device uses in this tick
-            # Collectives in a branch: safe only because every device takes the same
-            # one (build_plan gives all devices the tick's index); a branch some
-            # devices skip would deadlock (DESIGN.md, JAX facts).
-            branches = [functools.partial(self.send, plan, s) for s in plan.sends]
-            received = lax.switch(row.sends, branches, act, grad)
-        for msg, self_slot, got, recv in (
-            (act, row.self_act, received[0], row.recv_act),
-            (grad, row.self_grad, received[1], row.recv_grad),
-        ):
-            msgs = {k: b.at[self_slot].set(msg[k]) for k, b in msgs.items()}
-            for i, m in enumerate(got):
-                msgs = {k: b.at[recv[i]].set(m[k]) for k, b in msgs.items()}
-        return msgs, res, grads, loss
-
-    def send(self, plan: TickPlan, which: tuple[tuple[int, ...], tuple[int, ...]], act, grad):
-        """Per channel, what each of its ppermutes delivers to this device: the
-        ppermutes in `which` (activation, gradient indices) run, the others give
-        zeros (their receive slots are then the scratch slot)."""
-        out = []
-        for msg, shifts, run in (
-            (act, plan.act_shifts, which[0]),
-            (grad, plan.grad_shifts, which[1]),
-        ):
-            out.append(
-                [
-                    lax.ppermute(msg, self.topo.axes, perm=pairs)
-                    if i in run
-                    else self.msg_spec.zeros()
-                    for i, (_, pairs) in enumerate(shifts)
-                ]
-            )
-        return tuple(out)
+        return self.post.end_of_tick(plan, row, msgs, act, grad), res, grads, loss
 
     def tick_loop(
         self, params: Buffers, x: Any, y: Any, rows: TickRow, pos: jax.Array, with_aux: bool = False
@@ -382,3 +357,9 @@ def _after(token: Buffers, index: jax.Array) -> jax.Array:
     if jnp.issubdtype(leaf.dtype, jnp.floating):  # its bits: no NaN to convert
         leaf = lax.bitcast_convert_type(leaf, jnp.dtype(f"int{leaf.dtype.itemsize * 8}"))
     return lax.max(index, -lax.abs(leaf.astype(jnp.int32)))
+
+
+def _gather(store: Buffers, slots: list) -> list[Buffers]:
+    """The message rows at `slots` of `store`, read in one gather per dtype."""
+    read = {k: jnp.take(b, jnp.stack(slots), axis=0, mode="clip") for k, b in store.items()}
+    return [{k: r[i] for k, r in read.items()} for i in range(len(slots))]

@@ -56,6 +56,7 @@ from pjit_pipe.ir.ticks import (
 )
 from pjit_pipe.passes.greedy_ticks import VARIANTS, GreedyPacker, PackingFacts
 from pjit_pipe.passes.pull_forward import PullForward
+from pjit_pipe.passes.send_timing import cheaper_timing
 from pjit_pipe.passes.tick_milp import polish_ticks
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import packed_time
@@ -153,7 +154,20 @@ def _pack(
     orders: tuple[LaneOrder, ...],
     polish: float,
 ) -> PackedTicks:
-    """`pack_ticks` without its argument check and cache."""
+    """`pack_ticks` without its argument check and cache: the cheapest table, sent
+    at the cheaper of its two send timings (`cheaper_timing`)."""
+    return cheaper_timing(_cheapest(schedule, costs, iterations, mem_limit, orders, polish), costs)
+
+
+def _cheapest(
+    schedule: Schedule,
+    costs: Costs,
+    iterations: int,
+    mem_limit: float | None,
+    orders: tuple[LaneOrder, ...],
+    polish: float,
+) -> PackedTicks:
+    """The cheapest table the greedy variants (and polishing) find."""
     sched = compute_only(schedule)
     # The unpacked table is a candidate too: packing never makes a schedule slower.
     # (With one op per worker and tick it is a table of every lane order.)
@@ -238,4 +252,4 @@ def _repeat(table: PackedTicks, iterations: int) -> PackedTicks:
         for k in range(iterations)
         for tick in table.ticks
     )
-    return PackedTicks(table.schedule, iterations, ticks, table.order)
+    return PackedTicks(table.schedule, iterations, ticks, table.order, table.deferred)

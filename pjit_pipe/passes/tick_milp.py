@@ -12,7 +12,10 @@ may run its ops in any order the dependencies allow, as the greedy may. The
 lane order is fixed within one MILP. OPTs run at the end of the last tick, so
 the tables are those of one iteration that steps every stage at its end
 (valid for a staggered schedule too, which only asks that each stage step
-before its next iteration).
+before its next iteration). Messages leave in the tick that fills them (the
+table is not deferred, ir/ticks.py): the optimum is over such tables, and
+`polish_ticks` keeps each window's table at the cheaper of its two send
+timings (passes/send_timing.py).
 
 Variables: x[i, t] = 1 when op i runs in tick t, each tick's length L_t and,
 with a priced tick, u_t >= x[i, t] (continuous: at the optimum it is 0 or 1).
@@ -52,6 +55,7 @@ from pjit_pipe.ir.ticks import (
     is_message,
     lanes,
 )
+from pjit_pipe.passes.send_timing import cheaper_timing
 from pjit_pipe.simulator.simulate import packed_time
 
 
@@ -100,8 +104,10 @@ def polish_ticks(
             found = solve_ticks(
                 schedule, costs, mem_limit, seconds, best.order, len(best), best, window
             )
-            if found.table is not None and (p := packed_time(found.table, costs)) < price - 1e-9:
-                best, price, improved = found.table, p, True
+            if found.table is not None:
+                candidate = cheaper_timing(found.table, costs)
+                if (p := packed_time(candidate, costs)) < price - 1e-9:
+                    best, price, improved = candidate, p, True
             t0 += step
         if not improved:
             break

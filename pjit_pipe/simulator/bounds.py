@@ -64,9 +64,10 @@ def lockstep_lower_bound(schedule: Schedule, costs: Costs | None = None) -> floa
     iteration's table is priced alone), so a table that reaches it is optimal and
     a ratio to the event-driven period above it is out of every table's reach.
 
-    Why it holds. A tick lasts at least as long as each worker's ops in it, and
-    at least an op's duration plus C when that op sends a message (simulate.
-    packed_events). Fix a worker d; its own ops add up to work(d) over the ticks
+    Why it holds. A tick lasts at least as long as each worker's ops in it
+    (simulate.packed_events; a message's transfer C is not counted: a deferred
+    table, ir/ticks.py, can hide it behind the receiver's first lane). Fix a
+    worker d; its own ops add up to work(d) over the ticks
     it runs them in. Two kinds of ticks cost more than d's share:
     - before d's first op of a class K (its ops of one kind and stage, or all
       of them), a chain of messages leads to that op, one tick per link, and in
@@ -74,7 +75,7 @@ def lockstep_lower_bound(schedule: Schedule, costs: Costs | None = None) -> floa
     - after d's last op of K, the chain of messages it starts runs on, and d
       can only run ops that are neither in K nor lead to one.
     In such a tick d runs what ir/ticks.py's rule lets one tick hold, so at
-    most `cap` (the dearest such set of those ops); a chain op of weight
+    most `cap` (the dearest such set of those ops); a chain op of duration
     x makes the tick cost at least x, so the tick exceeds d's share by at least
     max(0, x - cap). The bound is work(d) plus the smaller of those excesses
     over the ops of K that could come first (last), maximized over workers and
@@ -122,13 +123,6 @@ class _LockstepBound:
             duration(w, op) * (fused if op.stage == last and op.kind is not Kind.OPT else 1.0)
             for w, op in self.nodes
         ]
-        # An op whose output crosses to another worker keeps its tick running until
-        # the message has arrived (a message between two stages of one worker is free).
-        sends = [
-            any(m and self.nodes[j][0] != self.nodes[i][0] for j, m in self.succs[i])
-            for i in range(n_ops)
-        ]
-        self.weight = [self.duration[i] + (costs.c if sends[i] else 0.0) for i in range(n_ops)]
         # Each op after everything it waits for.
         graph = {i: [p for p, _ in self.preds[i]] for i in range(n_ops)}
         self.order = list(TopologicalSorter(graph).static_order())
@@ -180,7 +174,7 @@ class _LockstepBound:
                 # Only a message puts j in a tick of its own in the chain; d's own op
                 # is in d's share already.
                 own = self.nodes[j][0] == d or not message
-                gain = 0.0 if own else max(0.0, self.weight[j] - cap)
+                gain = 0.0 if own else max(0.0, self.duration[j] - cap)
                 chain[i] = max(chain[i], chain[j] + gain)
         return min(chain[i] for i in members)
 

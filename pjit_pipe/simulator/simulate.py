@@ -12,7 +12,7 @@ from pjit_pipe.ir.engine import DurationFn, Engine, LatencyFn, TimedOp
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.ir.ticks import PackedTicks, compute_only, fused_loss_ops
+from pjit_pipe.ir.ticks import PackedTicks, compute_only, fused_loss_ops, sends_late
 
 Mode = Literal["event", "lockstep"]
 
@@ -58,10 +58,14 @@ def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
     worker leaves when its op ends and takes C (it overlaps the worker's later
     ops in the tick: the ppermute of a channel depends only on the op that
     fills it). The tick ends when the slowest worker is done and every
-    message has arrived; the next tick starts then. Every tick first pays
-    `costs.tick`, the fixed cost of one step of the loop (its conditionals
-    and ppermute launches, ir/costs.py), whether its workers are busy or not,
-    so a table of n ticks costs n * tick more than its tick lengths add up to.
+    message has arrived; the next tick starts then. In a deferred table
+    (ir/ticks.py) the late channel's messages leave at the start of the next
+    tick instead: an op that reads one made in the tick before starts no
+    earlier than C into its tick, and the tick lasts at least C. Every tick
+    first pays `costs.tick`, the fixed cost of one step of the loop (its
+    conditionals and ppermute launches, ir/costs.py), whether its workers are
+    busy or not, so a table of n ticks costs n * tick more than its tick
+    lengths add up to.
     A microbatch's loss-stage forward and backward that share a tick run as one
     program (`ir.ticks.fused_loss_ops`), their ops scaled by `costs.loss_fusion`.
     """
@@ -76,20 +80,30 @@ def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
             if cross:
                 crosses.add(key)
     events, t = [], 0.0
+    in_flight: set = set()  # (iteration, key): late messages made in the tick before
     for tick in table.ticks:
         t += costs.tick
         length = 0.0
+        made = set()
         for w, entries in tick.items():
             busy = 0.0
             fused = fused_loss_ops(entries, loss_stage) if fusion != 1.0 else ()
             for it, op in entries:
+                if in_flight and any(
+                    cross and (it, key) in in_flight for key, cross in flow.deps(w, op)
+                ):
+                    busy, length = max(busy, costs.c), max(length, costs.c)
                 d = duration(w, op) * (fusion if (it, op) in fused else 1.0)
                 events.append(TimedOp(w, index[w][op], it, op, t + busy, t + busy + d))
                 busy += d
-                if any(k in crosses for k in flow.produces(w, op)):
+                sent = [k for k in flow.produces(w, op) if k in crosses]
+                if sent and table.deferred and sends_late(op.kind, table.order):
+                    made.update((it, k) for k in sent)
+                elif sent:
                     length = max(length, busy + costs.c)
             length = max(length, busy)
         t += length
+        in_flight = made
     return events
 
 

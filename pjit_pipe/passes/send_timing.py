@@ -1,0 +1,29 @@
+"""When a packed table sends its late channel: in the tick that fills it, or at the
+start of the next (ir/ticks.py, `PackedTicks.deferred`).
+
+Sent at once, a message's transfer C overlaps its worker's later lanes, and
+the tick waits for it: a tick whose last op sends lasts C longer than its
+work. Deferred, the transfer overlaps the receiver's first lane of the next
+tick instead, and only the op that reads the message waits for it. Neither
+timing wins everywhere (deferred, a tick whose receivers have no first-lane
+op pays C at its start), so the table takes the one its lockstep price finds
+cheaper. The greedy and the exact engine pack with messages sent at once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.simulator.simulate import packed_time
+
+
+def cheaper_timing(table: PackedTicks, costs: Costs) -> PackedTicks:
+    """`table`, deferred or not, whichever `packed_time` finds cheaper under `costs`
+    (not deferred on a tie). An asynchronous table is never deferred: its
+    carried messages cross calls (lowering/steady_window.py)."""
+    if table.schedule.asynchronous:
+        return dataclasses.replace(table, deferred=False)
+    now, late = (dataclasses.replace(table, deferred=d) for d in (False, True))
+    return late if packed_time(late, costs) < packed_time(now, costs) - 1e-9 else now
