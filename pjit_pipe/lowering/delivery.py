@@ -15,6 +15,8 @@ from __future__ import annotations
 import functools
 from typing import Any
 
+import jax
+import jax.numpy as jnp
 from jax import lax
 
 from pjit_pipe.ir.ops import Kind
@@ -31,15 +33,14 @@ class Post:
         self.spec = spec
         self.axes = axes
 
-    def start_of_tick(self, plan: TickPlan, row: TickRow, msgs: Buffers) -> Buffers:
-        """A deferred plan's late messages of the tick before, delivered (else `msgs`)."""
-        if not plan.deferred:
-            return msgs
+    def start_of_tick(self, plan: TickPlan, row: TickRow, msgs: Buffers, token: Any) -> Buffers:
+        """A deferred plan's late messages of the tick before, delivered; the writes
+        come after whatever made `token` (a read of the store: see `after`)."""
         late = {k: b[plan.outbox] for k, b in msgs.items()}
         none = self.spec.zeros()
         acts_late = late_channel(plan.order) is Kind.F
         sent = (late, none) if acts_late else (none, late)
-        return self.deliver(plan, row, msgs, sent, (acts_late, not acts_late))
+        return self.deliver(plan, row, msgs, sent, (acts_late, not acts_late), token)
 
     def end_of_tick(
         self, plan: TickPlan, row: TickRow, msgs: Buffers, act: Buffers, grad: Buffers
@@ -60,10 +61,12 @@ class Post:
         msgs: Buffers,
         sent: tuple[Buffers, Buffers],
         channels: tuple[bool, bool],
+        token: Any = None,
     ) -> Buffers:
         """Run the ppermutes of the (activation, gradient) `channels` that are on,
         sending the (activation, gradient) messages `sent`, and store what this
-        device receives, and what it sends itself, in the slots `row` names."""
+        device receives, and what it sends itself, in the slots `row` names (after
+        whatever made `token`, when given)."""
 
         def send(which):
             on = tuple(idx if c else () for idx, c in zip(which, channels, strict=True))
@@ -77,6 +80,8 @@ class Post:
             # devices skip would deadlock (DESIGN.md, JAX facts).
             received = lax.switch(row.sends, [send(w) for w in plan.sends], *sent)
         slots = ((row.self_act, row.recv_act), (row.self_grad, row.recv_grad))
+        if token is not None:
+            slots = tuple((after(token, s), after(token, r)) for s, r in slots)
         for on, msg, (self_slot, recv), got in zip(channels, sent, slots, received, strict=True):
             if on:
                 msgs = {k: b.at[self_slot].set(msg[k]) for k, b in msgs.items()}
@@ -100,3 +105,24 @@ class Post:
                 ]
             )
         return tuple(out)
+
+
+def after(token: Buffers, index: jax.Array) -> jax.Array:
+    """`index`, computed from `token` as well, so that XLA runs what uses it after
+    whatever made `token` (it orders ops by data dependence only).
+
+    Under the lane order B, W, F the tick's F writes residual slots that its B, W
+    and BW have just read (their conds take the stores as read-only operands).
+    Unless F's in-place writes depend on those conds, XLA cannot tell that the
+    reads come first and copies the whole residual store on every tick. F's slot
+    indices are therefore made to depend on the gradient message, the output of
+    the B and W lanes: max(index, -|bits of one element|) is `index` exactly
+    (an index is >= 0, the other side <= 0), whatever the element holds, NaN
+    included, and XLA does not fold it away (an optimization_barrier or a
+    pass-through output does not survive to its copy insertion)."""
+    leaf = jnp.ravel(jax.tree.leaves(token)[0])[0]
+    if jnp.iscomplexobj(leaf):
+        leaf = leaf.real
+    if jnp.issubdtype(leaf.dtype, jnp.floating):  # its bits: no NaN to convert
+        leaf = lax.bitcast_convert_type(leaf, jnp.dtype(f"int{leaf.dtype.itemsize * 8}"))
+    return lax.max(index, -lax.abs(leaf.astype(jnp.int32)))

@@ -42,7 +42,7 @@ from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks, late_channel
 from pjit_pipe.lowering.async_weights import AsyncWeights
-from pjit_pipe.lowering.delivery import Post
+from pjit_pipe.lowering.delivery import Post, after
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
@@ -88,6 +88,15 @@ class TickProgram:
                 f"ticks: a table of {ticks.iterations} iteration(s) of schedule "
                 f"{ticks.schedule.kind!r} was given to lower {iterations} iteration(s) of "
                 f"{schedule.kind!r}; pack_ticks(schedule, costs, iterations={iterations})"
+            )
+        if ticks.deferred and schedule.failed:
+            # Re-routed training over several iterations then drifts from optax (a
+            # 1e-3 relative error in one leaf after two steps of 1F1B on 4x2, in
+            # tests/test_deferred_sends.py); the cause is not found yet.
+            raise ScheduleError(
+                "ticks: a deferred table (ir/ticks.py) of a schedule with failed workers "
+                f"{sorted(schedule.failed)} is not supported yet; pass "
+                "dataclasses.replace(ticks, deferred=False) (pack_ticks never defers one)"
             )
         self.ticks = ticks  # the table this program runs (its iteration 0 for value_and_grad)
         # The loss stage's F and backward of a microbatch that share a tick run as one
@@ -182,13 +191,13 @@ class TickProgram:
     # before the first op, so the store's writes after the last op update it in
     # place too (a cond that read the store would make XLA copy it twice per tick).
 
-    def inboxes(self, msgs: Buffers, row: TickRow, second_w: bool, early: Buffers) -> list[Inbox]:
-        """The F, B and W lanes' message rows (and the second W's, when the plan has
-        one): the activations (`in_slot`) and gradients (`g_slot`), each read in one
-        gather, the late channel's from `msgs` and the other's from `early`, the
-        store before the late channel's delivery (the same store unless the plan
-        is deferred), so that a lane reading only the other channel need not wait
-        for that ppermute."""
+    def inboxes(self, plan: TickPlan, msgs: Buffers, row: TickRow, second_w: bool):
+        """(the F, B and W lanes' message rows, and the second W's when the plan has
+        one; the store after the tick's first delivery). Activations (`in_slot`) and
+        gradients (`g_slot`) are read in one gather, or, in a deferred plan, the
+        other channel's first, then the late channel's messages of the tick before
+        are delivered (their writes ordered after that read: in place) and read: a
+        lane that reads only the other channel need not wait for that ppermute."""
         none = self.msg_spec.zeros()
         reads = [row.b, row.w, row.w2] if second_w else [row.b, row.w]
         n = len(reads)
@@ -197,19 +206,27 @@ class TickProgram:
             act_slots += [r.in_slot for r in reads]
         elif self.fused:  # a fused F and backward in the W lane reads its input
             act_slots.append(row.w.in_slot)
-        late_acts = self.plan.deferred and late_channel(self.plan.order) is Kind.F
-        acts = _gather(msgs if late_acts else early, act_slots)
-        grads = _gather(early if late_acts else msgs, [r.g_slot for r in reads])
+        grad_slots = [r.g_slot for r in reads]
+        if not plan.deferred:
+            got = _gather(msgs, act_slots + grad_slots)
+            acts, grads = got[: len(act_slots)], got[len(act_slots) :]
+        else:
+            late_acts = late_channel(plan.order) is Kind.F
+            early = _gather(msgs, grad_slots if late_acts else act_slots)
+            msgs = self.post.start_of_tick(plan, row, msgs, early[0])
+            late = _gather(msgs, act_slots if late_acts else grad_slots)
+            acts, grads = (late, early) if late_acts else (early, late)
         if self.remat:
             lane_acts = acts[1:]
         else:
             lane_acts = [none] * n
             if self.fused:
                 lane_acts[1] = acts[-1]
-        return [
+        inboxes = [
             Inbox(acts[0], none),
             *(Inbox(a, g) for a, g in zip(lane_acts, grads, strict=True)),
         ]
+        return inboxes, msgs
 
     def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry):
         """`run(op, *carry)` for the op of `group` that the lane's branch names, else
@@ -241,8 +258,7 @@ class TickProgram:
         back = params if back_params is None else back_params
         # The W lane runs a second W only in plans whose table has one (ir/ticks.py).
         second_w = bool(np.any(plan.rows.w2.branch))
-        early, msgs = msgs, self.post.start_of_tick(plan, row, msgs)
-        f_in, b_in, *w_ins = self.inboxes(msgs, row, second_w, early)
+        (f_in, b_in, *w_ins), msgs = self.inboxes(plan, msgs, row, second_w)
 
         def forward_lane() -> None:
             nonlocal act, res, loss
@@ -250,7 +266,7 @@ class TickProgram:
                 return
             res_w, bres_w = row.f.res_w, row.f.bres_w
             if plan.order[-1] is Kind.F:  # F writes slots the tick's B, W, BW read
-                res_w, bres_w = (_after(grad, slot) for slot in (res_w, bres_w))
+                res_w, bres_w = (after(grad, slot) for slot in (res_w, bres_w))
 
             def forward(op, act, res, loss):
                 act, res_out, loss = op(params, x, y, f_in, res, row.f)
@@ -336,27 +352,6 @@ class TickProgram:
             grads = {k: g * factor.astype(g.dtype) for k, g in grads.items()}
         value = self.loss.loss(total, count)
         return ((value, self.loss.aux(total)) if with_aux else value), grads
-
-
-def _after(token: Buffers, index: jax.Array) -> jax.Array:
-    """`index`, computed from `token` as well, so that XLA runs what uses it after
-    whatever made `token` (it orders ops by data dependence only).
-
-    Under the lane order B, W, F the tick's F writes residual slots that its B, W
-    and BW have just read (their conds take the stores as read-only operands).
-    Unless F's in-place writes depend on those conds, XLA cannot tell that the
-    reads come first and copies the whole residual store on every tick. F's slot
-    indices are therefore made to depend on the gradient message, the output of
-    the B and W lanes: max(index, -|bits of one element|) is `index` exactly
-    (an index is >= 0, the other side <= 0), whatever the element holds, NaN
-    included, and XLA does not fold it away (an optimization_barrier or a
-    pass-through output does not survive to its copy insertion)."""
-    leaf = jnp.ravel(jax.tree.leaves(token)[0])[0]
-    if jnp.iscomplexobj(leaf):
-        leaf = leaf.real
-    if jnp.issubdtype(leaf.dtype, jnp.floating):  # its bits: no NaN to convert
-        leaf = lax.bitcast_convert_type(leaf, jnp.dtype(f"int{leaf.dtype.itemsize * 8}"))
-    return lax.max(index, -lax.abs(leaf.astype(jnp.int32)))
 
 
 def _gather(store: Buffers, slots: list) -> list[Buffers]:

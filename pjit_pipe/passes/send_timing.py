@@ -21,9 +21,10 @@ from pjit_pipe.simulator.simulate import packed_time
 
 def cheaper_timing(table: PackedTicks, costs: Costs) -> PackedTicks:
     """`table`, deferred or not, whichever `packed_time` finds cheaper under `costs`
-    (not deferred on a tie). An asynchronous table is never deferred: its
-    carried messages cross calls (lowering/steady_window.py)."""
-    if table.schedule.asynchronous:
+    (not deferred on a tie). Never deferred: an asynchronous table (its carried
+    messages cross calls, lowering/steady_window.py), and a table of a schedule
+    with failed workers (the lowering refuses it: `lowering.tick.TickProgram`)."""
+    if table.schedule.asynchronous or table.schedule.failed:
         return dataclasses.replace(table, deferred=False)
     now, late = (dataclasses.replace(table, deferred=d) for d in (False, True))
     return late if packed_time(late, costs) < packed_time(now, costs) - 1e-9 else now
