@@ -257,10 +257,12 @@ def test_polish_stays_between_the_optimum_and_the_greedy(width):
     greedy = pack_ticks(sched, costs)
     polished = polish_ticks(greedy, costs, width=width)
     polished.check()
-    optimum = packed_time(exact_pack(sched, costs), costs)
-    assert optimum - 1e-9 <= packed_time(polished, costs) <= packed_time(greedy, costs) + 1e-9
+    optimum = packed_time(exact_pack(sched, costs), costs)  # over tables sent at once
+    at_once = packed_time(dataclasses.replace(polished, deferred=False), costs)
+    assert optimum - 1e-9 <= at_once
+    assert packed_time(polished, costs) <= min(at_once, packed_time(greedy, costs)) + 1e-9
     if width >= len(greedy):  # one window holds the whole table: the exact optimum
-        assert packed_time(polished, costs) == pytest.approx(optimum)
+        assert packed_time(polished, costs) <= optimum + 1e-9
 
 
 def pool_rows(table: PackedTicks) -> tuple[int, int]:
