@@ -133,24 +133,27 @@ def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(
     """Every holder of a stage steps it in the same tick, so a device reduces a
     chunk's gradients over the replicas (a psum, or a chain of ppermutes on a mesh
     with a failed worker) only at that chunk's step, not at every stage's step
-    (which multiplied the reduction traffic by the number of stages). Counted at
+    (which multiplied the reduction traffic by the number of stages). On a mesh
+    with a failed worker every device runs the tick's chain (one set of
+    ppermutes), but only the stepping positions' holders are in it. Counted at
     run time: a callback inside the reduction."""
     import jax
 
     from pjit_pipe.lowering.topology import SURVIVOR_AXIS, Topology
 
-    calls: list[int] = []  # the position of each reduction run
+    calls: list[int] = []  # the position of each device whose gradients a reduction sums
     shapes: set[tuple[int, ...]] = set()  # what was reduced
     plain = Topology.reduce_over_replicas
 
-    def counted(self, tree):
+    def counted(self, tree, positions=None):
         shapes.update(leaf.shape for leaf in jax.tree.leaves(tree))
         if self.complete:
             pos = jax.lax.axis_index("stage")
         else:  # the survivors are one flat axis
             pos = jnp.asarray(self.positions)[jax.lax.axis_index(SURVIVOR_AXIS)]
-        jax.debug.callback(lambda p: calls.append(int(p)), pos)
-        return plain(self, tree)
+        summed = jnp.isin(pos, jnp.asarray(positions)) if positions is not None else True
+        jax.debug.callback(lambda p, s: calls.extend([int(p)] * bool(s)), pos, summed)
+        return plain(self, tree, positions)
 
     monkeypatch.setattr(Topology, "reduce_over_replicas", counted)
     iterations = 2

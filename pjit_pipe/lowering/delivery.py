@@ -7,13 +7,15 @@ ticks use different sets of them gates each tick's set with a switch on the
 tick's index, the same on every device. A deferred plan (ir/ticks.py) sends
 its late channel at the start of the next tick: the message waits in the
 sender's outbox row of its message store, so that its transfer overlaps the
-receiver's first lane, which reads only the other channel.
+receiver's first lane, which reads only the other channel; the lanes read the
+arrivals through (`Arrived.read_through`), and the store is written once, at
+the end of the tick.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +28,27 @@ from pjit_pipe.lowering.packing import Buffers
 from pjit_pipe.lowering.plan import TickPlan, TickRow
 
 
+class Arrived(NamedTuple):
+    """Messages that land in one device's message store: the slots (scalar indices)
+    and the messages, in the order they are written (a later one wins a slot)."""
+
+    slots: list[jax.Array]
+    messages: list[Buffers]
+
+    def write(self, store: Buffers) -> Buffers:
+        """`store` with every message written to its slot."""
+        for slot, msg in zip(self.slots, self.messages, strict=True):
+            store = {k: b.at[slot].set(msg[k]) for k, b in store.items()}
+        return store
+
+    def read_through(self, slot: jax.Array, row: Buffers) -> Buffers:
+        """What a read of `slot` gives once these messages are written, where `row`
+        is what it gave before."""
+        for at, msg in zip(self.slots, self.messages, strict=True):
+            row = {k: jnp.where(slot == at, msg[k], r) for k, r in row.items()}
+        return row
+
+
 class Post:
     """Sends a device's messages over the mesh axes `axes` and stores what arrives."""
 
@@ -33,40 +56,51 @@ class Post:
         self.spec = spec
         self.axes = axes
 
-    def start_of_tick(self, plan: TickPlan, row: TickRow, msgs: Buffers, token: Any) -> Buffers:
-        """A deferred plan's late messages of the tick before, delivered; the writes
-        come after whatever made `token` (a read of the store: see `after`)."""
-        late = {k: b[plan.outbox] for k, b in msgs.items()}
-        none = self.spec.zeros()
+    def start_of_tick(self, plan: TickPlan, row: TickRow, outbox: Buffers) -> Arrived:
+        """A deferred plan's late messages of the tick before sent (`outbox`: this
+        device's, read from its outbox row), and what lands here. The tick's lanes
+        read through them (`Arrived.read_through`) and `end_of_tick` writes them:
+        every write of the tick then follows its one read of the store, so XLA
+        updates the store in place."""
         acts_late = late_channel(plan.order) is Kind.F
-        sent = (late, none) if acts_late else (none, late)
-        return self.deliver(plan, row, msgs, sent, (acts_late, not acts_late), token)
+        none = self.spec.zeros()
+        sent = (outbox, none) if acts_late else (none, outbox)
+        act, grad = self.arrive(plan, row, sent, (acts_late, not acts_late))
+        return act if acts_late else grad
 
     def end_of_tick(
-        self, plan: TickPlan, row: TickRow, msgs: Buffers, act: Buffers, grad: Buffers
-    ) -> Buffers:
-        """Deliver the tick's activation `act` and input gradient `grad`; in a
-        deferred plan, the late one goes to the outbox instead."""
-        if not plan.deferred:
-            return self.deliver(plan, row, msgs, (act, grad), (True, True))
-        acts_late = late_channel(plan.order) is Kind.F
-        msgs = self.deliver(plan, row, msgs, (act, grad), (not acts_late, acts_late))
-        late = act if acts_late else grad
-        return {k: b.at[plan.outbox].set(late[k]) for k, b in msgs.items()}
-
-    def deliver(
         self,
         plan: TickPlan,
         row: TickRow,
         msgs: Buffers,
+        act: Buffers,
+        grad: Buffers,
+        late: Arrived | None = None,
+    ) -> Buffers:
+        """Deliver the tick's activation `act` and input gradient `grad`, and store
+        what arrives. In a deferred plan the `late` messages of the tick before are
+        written first, and the tick's own late message goes to the outbox."""
+        if not plan.deferred:
+            arrived = self.arrive(plan, row, (act, grad), (True, True))
+            return arrived[1].write(arrived[0].write(msgs))
+        acts_late = late_channel(plan.order) is Kind.F
+        msgs = late.write(msgs)
+        arrived = self.arrive(plan, row, (act, grad), (not acts_late, acts_late))
+        msgs = arrived[1 if acts_late else 0].write(msgs)
+        sent_late = act if acts_late else grad
+        return {k: b.at[plan.outbox].set(sent_late[k]) for k, b in msgs.items()}
+
+    def arrive(
+        self,
+        plan: TickPlan,
+        row: TickRow,
         sent: tuple[Buffers, Buffers],
         channels: tuple[bool, bool],
-        token: Any = None,
-    ) -> Buffers:
+    ) -> tuple[Arrived | None, Arrived | None]:
         """Run the ppermutes of the (activation, gradient) `channels` that are on,
-        sending the (activation, gradient) messages `sent`, and store what this
-        device receives, and what it sends itself, in the slots `row` names (after
-        whatever made `token`, when given)."""
+        sending the (activation, gradient) messages `sent`; per channel that is
+        on, what lands in this device's store: its own message in its self slot,
+        then what it receives, in the slots `row` names."""
 
         def send(which):
             on = tuple(idx if c else () for idx, c in zip(which, channels, strict=True))
@@ -80,14 +114,10 @@ class Post:
             # devices skip would deadlock (DESIGN.md, JAX facts).
             received = lax.switch(row.sends, [send(w) for w in plan.sends], *sent)
         slots = ((row.self_act, row.recv_act), (row.self_grad, row.recv_grad))
-        if token is not None:
-            slots = tuple((after(token, s), after(token, r)) for s, r in slots)
-        for on, msg, (self_slot, recv), got in zip(channels, sent, slots, received, strict=True):
-            if on:
-                msgs = {k: b.at[self_slot].set(msg[k]) for k, b in msgs.items()}
-                for i, m in enumerate(got):
-                    msgs = {k: b.at[recv[i]].set(m[k]) for k, b in msgs.items()}
-        return msgs
+        return tuple(
+            Arrived([self_slot, *(recv[i] for i in range(len(got)))], [msg, *got]) if on else None
+            for on, msg, (self_slot, recv), got in zip(channels, sent, slots, received, strict=True)
+        )
 
     def _send(self, plan: TickPlan, which: tuple[tuple[int, ...], tuple[int, ...]], act, grad):
         """Per channel, what each of its ppermutes delivers to this device: the
@@ -105,24 +135,3 @@ class Post:
                 ]
             )
         return tuple(out)
-
-
-def after(token: Buffers, index: jax.Array) -> jax.Array:
-    """`index`, computed from `token` as well, so that XLA runs what uses it after
-    whatever made `token` (it orders ops by data dependence only).
-
-    Under the lane order B, W, F the tick's F writes residual slots that its B, W
-    and BW have just read (their conds take the stores as read-only operands).
-    Unless F's in-place writes depend on those conds, XLA cannot tell that the
-    reads come first and copies the whole residual store on every tick. F's slot
-    indices are therefore made to depend on the gradient message, the output of
-    the B and W lanes: max(index, -|bits of one element|) is `index` exactly
-    (an index is >= 0, the other side <= 0), whatever the element holds, NaN
-    included, and XLA does not fold it away (an optimization_barrier or a
-    pass-through output does not survive to its copy insertion)."""
-    leaf = jnp.ravel(jax.tree.leaves(token)[0])[0]
-    if jnp.iscomplexobj(leaf):
-        leaf = leaf.real
-    if jnp.issubdtype(leaf.dtype, jnp.floating):  # its bits: no NaN to convert
-        leaf = lax.bitcast_convert_type(leaf, jnp.dtype(f"int{leaf.dtype.itemsize * 8}"))
-    return lax.max(index, -lax.abs(leaf.astype(jnp.int32)))

@@ -101,24 +101,31 @@ class StageOptimizer:
         # only by an optimizer step; a weight policy makes them every tick instead.
         chunks = prog.chunk_params(params, pos) if weights is None else []
 
-        def step(row, losses, state):
+        def chain(stepper: frozenset[tuple[int, int]], c: int) -> Callable:
+            """Chunk c's reduction over the live holders of the positions that step it
+            in a tick of `stepper` (a plan.TickPlan.steppers entry)."""
+            positions = [p for p, chunk in stepper if chunk == c]
+            return functools.partial(prog.topo.reduce_over_replicas, positions=positions)
+
+        def step(row, losses, stepper, state):
             grads, params, chunks, opt, done, wcarry = state
             mine = ((row.update >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads, pos).items()}
-            # Every holder of a stage steps it in the same tick, so the devices that
-            # reduce together (a 'data' group, or a position's chain on a mesh with a
-            # failed worker) agree on these predicates: a device reduces a chunk's
-            # gradient row only at that chunk's step, not at every stage's. (XLA
-            # sets up the collectives of every branch before the program runs.)
-            rows = [
-                lax.cond(
-                    mine[c, 0],
-                    prog.topo.reduce_over_replicas,
-                    lambda t: t,
-                    {k: b[c] for k, b in g.items()},
-                )
-                for c in range(v)
-            ]
+            rows = [{k: b[c] for k, b in g.items()} for c in range(v)]
+            if prog.topo.complete:
+                # Every holder of a stage steps it in the same tick, so the devices of
+                # each 'data' group (one psum) agree on these predicates: a device
+                # reduces a chunk's gradient row only at that chunk's step.
+                reduce = prog.topo.reduce_over_replicas
+                rows = [lax.cond(mine[c, 0], reduce, lambda t: t, r) for c, r in enumerate(rows)]
+            else:
+                # One ppermute chain serves every stepping position, so each device
+                # must run it, stepping or not: a switch on the tick's `stepper`, the
+                # same everywhere (a chain some devices skip pairs other collectives).
+                rows = [
+                    lax.switch(stepper - 1, [chain(st, c) for st in plan.steppers[1:]], r)
+                    for c, r in enumerate(rows)
+                ]
             g = {k: jnp.stack([r[k] for r in rows]) for k in g}
             if weights is not None:  # one microbatch's gradient per step
                 g = weights.step_gradients(g)
@@ -140,7 +147,7 @@ class StageOptimizer:
             return grads, params, chunks, opt, done + mine[:, 0], wcarry
 
         def tick(carry, inputs):
-            row, update = inputs
+            row, stepper = inputs
             msgs, res, grads, losses, params, chunks, opt, done, wcarry = carry
             if weights is None:
                 now, back = chunks, None
@@ -153,8 +160,8 @@ class StageOptimizer:
             it = jnp.where(row.f.branch > 0, row.f.iteration, row.w.iteration)
             losses = losses.at[it].add(dloss)
             grads, params, chunks, opt, done, wcarry = lax.cond(
-                update,
-                functools.partial(step, row, losses),
+                stepper > 0,
+                functools.partial(step, row, losses, stepper),
                 lambda s: s,
                 (grads, params, chunks, opt, done, wcarry),
             )

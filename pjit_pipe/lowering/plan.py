@@ -124,7 +124,11 @@ class TickPlan:
     grad_shifts: Shifts
     branches: tuple[tuple[BranchKind, int], ...]
     order: LaneOrder  # the order the tick body runs its lanes in (the table's)
-    updates: np.ndarray  # bool (ticks,): some stage steps its optimizer after this tick
+    # int32 (ticks,): which of `steppers` steps after this tick (0: none), the same on
+    # every device, so the collectives of the gradient reduction run everywhere or
+    # nowhere; steppers: each set of (pipeline position, chunk) pairs some tick steps.
+    updates: np.ndarray
+    steppers: tuple[frozenset[tuple[int, int]], ...]
     # The sets of (activation, gradient) ppermute indices a tick runs; `rows.sends`
     # picks one per tick. One set, every ppermute, unless skipping the idle ones
     # saves at least half of them (see `routes.gated_sends`).
@@ -342,7 +346,6 @@ def build_plan(
         else:
             recv[act][index[dest], t, via] = slot
     update = np.zeros((n, T), np.int32)
-    updates = np.zeros(T, bool)
     for (s, it, j), ticks in update_tick.items():
         if len(ticks) > 1:
             of = f"stage {s} in iteration {it}" + (f", microbatch {j}," if j >= 0 else "")
@@ -351,10 +354,19 @@ def build_plan(
                 "a stage's replicas must step in one tick (their gradients are reduced there)"
             )
         (t,) = ticks
-        updates[t] = True
         for w in devices:
             if w.stage == schedule.layout[s]:
                 update[index[w], t] |= 1 << schedule.chunk_of(s)
+    stepping = [
+        frozenset(
+            (w.stage, c)
+            for w in devices
+            for c in range(schedule.chunks)
+            if update[index[w], t] >> c & 1
+        )
+        for t in range(T)
+    ]
+    steppers = (frozenset(), *sorted(set(stepping) - {frozenset()}, key=sorted))
     sends, pick = gated_sends(recv[True] < K, recv[False] < K)
     rows = TickRow(
         f=OpRow(**lanes["f"]),
@@ -378,7 +390,8 @@ def build_plan(
         grad_shifts=grad_shifts,
         branches=tuple(branches),
         order=table.order,
-        updates=updates,
+        updates=np.array([steppers.index(st) for st in stepping], np.int32),
+        steppers=steppers,
         sends=sends,
         deferred=table.deferred,
     )

@@ -42,7 +42,7 @@ from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks, late_channel
 from pjit_pipe.lowering.async_weights import AsyncWeights
-from pjit_pipe.lowering.delivery import Post, after
+from pjit_pipe.lowering.delivery import Post
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.messages import MessageSpec
 from pjit_pipe.lowering.packing import Buffers, FlatSpec
@@ -88,15 +88,6 @@ class TickProgram:
                 f"ticks: a table of {ticks.iterations} iteration(s) of schedule "
                 f"{ticks.schedule.kind!r} was given to lower {iterations} iteration(s) of "
                 f"{schedule.kind!r}; pack_ticks(schedule, costs, iterations={iterations})"
-            )
-        if ticks.deferred and schedule.failed:
-            # Re-routed training over several iterations then drifts from optax (a
-            # 1e-3 relative error in one leaf after two steps of 1F1B on 4x2, in
-            # tests/test_deferred_sends.py); the cause is not found yet.
-            raise ScheduleError(
-                "ticks: a deferred table (ir/ticks.py) of a schedule with failed workers "
-                f"{sorted(schedule.failed)} is not supported yet; pass "
-                "dataclasses.replace(ticks, deferred=False) (pack_ticks never defers one)"
             )
         self.ticks = ticks  # the table this program runs (its iteration 0 for value_and_grad)
         # The loss stage's F and backward of a microbatch that share a tick run as one
@@ -193,11 +184,12 @@ class TickProgram:
 
     def inboxes(self, plan: TickPlan, msgs: Buffers, row: TickRow, second_w: bool):
         """(the F, B and W lanes' message rows, and the second W's when the plan has
-        one; the store after the tick's first delivery). Activations (`in_slot`) and
-        gradients (`g_slot`) are read in one gather, or, in a deferred plan, the
-        other channel's first, then the late channel's messages of the tick before
-        are delivered (their writes ordered after that read: in place) and read: a
-        lane that reads only the other channel need not wait for that ppermute."""
+        one; a deferred plan's late arrivals, else None). Activations (`in_slot`)
+        and gradients (`g_slot`) are read in one gather, a deferred plan's outbox
+        row too: its late messages of the tick before then travel while the first
+        lane runs (it reads only the other channel), and the late channel's reads
+        see them (`delivery.Arrived.read_through`). Every write of the store
+        (`Post.end_of_tick`) follows that one read: in place."""
         none = self.msg_spec.zeros()
         reads = [row.b, row.w, row.w2] if second_w else [row.b, row.w]
         n = len(reads)
@@ -207,15 +199,17 @@ class TickProgram:
         elif self.fused:  # a fused F and backward in the W lane reads its input
             act_slots.append(row.w.in_slot)
         grad_slots = [r.g_slot for r in reads]
-        if not plan.deferred:
-            got = _gather(msgs, act_slots + grad_slots)
-            acts, grads = got[: len(act_slots)], got[len(act_slots) :]
-        else:
-            late_acts = late_channel(plan.order) is Kind.F
-            early = _gather(msgs, grad_slots if late_acts else act_slots)
-            msgs = self.post.start_of_tick(plan, row, msgs, early[0])
-            late = _gather(msgs, act_slots if late_acts else grad_slots)
-            acts, grads = (late, early) if late_acts else (early, late)
+        outbox = [plan.outbox] if plan.deferred else []
+        got = _gather(msgs, act_slots + grad_slots + outbox)
+        acts = got[: len(act_slots)]
+        grads = got[len(act_slots) : len(act_slots) + len(grad_slots)]
+        late = None
+        if plan.deferred:
+            late = self.post.start_of_tick(plan, row, got[-1])
+            if late_channel(plan.order) is Kind.F:
+                acts = [late.read_through(s, a) for s, a in zip(act_slots, acts, strict=True)]
+            else:
+                grads = [late.read_through(s, g) for s, g in zip(grad_slots, grads, strict=True)]
         if self.remat:
             lane_acts = acts[1:]
         else:
@@ -226,7 +220,7 @@ class TickProgram:
             Inbox(acts[0], none),
             *(Inbox(a, g) for a, g in zip(lane_acts, grads, strict=True)),
         ]
-        return inboxes, msgs
+        return inboxes, late
 
     def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry):
         """`run(op, *carry)` for the op of `group` that the lane's branch names, else
@@ -258,7 +252,7 @@ class TickProgram:
         back = params if back_params is None else back_params
         # The W lane runs a second W only in plans whose table has one (ir/ticks.py).
         second_w = bool(np.any(plan.rows.w2.branch))
-        (f_in, b_in, *w_ins), msgs = self.inboxes(plan, msgs, row, second_w)
+        (f_in, b_in, *w_ins), late = self.inboxes(plan, msgs, row, second_w)
 
         def forward_lane() -> None:
             nonlocal act, res, loss
@@ -325,7 +319,7 @@ class TickProgram:
         lanes = {Kind.F: forward_lane, Kind.B: input_grad_lane, Kind.W: weight_grad_lane}
         for kind in plan.order:
             lanes[kind]()
-        return self.post.end_of_tick(plan, row, msgs, act, grad), res, grads, loss
+        return self.post.end_of_tick(plan, row, msgs, act, grad, late), res, grads, loss
 
     def tick_loop(
         self, params: Buffers, x: Any, y: Any, rows: TickRow, pos: jax.Array, with_aux: bool = False
@@ -358,3 +352,24 @@ def _gather(store: Buffers, slots: list) -> list[Buffers]:
     """The message rows at `slots` of `store`, read in one gather per dtype."""
     read = {k: jnp.take(b, jnp.stack(slots), axis=0, mode="clip") for k, b in store.items()}
     return [{k: r[i] for k, r in read.items()} for i in range(len(slots))]
+
+
+def after(token: Buffers, index: jax.Array) -> jax.Array:
+    """`index`, computed from `token` as well, so that XLA runs what uses it after
+    whatever made `token` (it orders ops by data dependence only).
+
+    Under the lane order B, W, F the tick's F writes residual slots that its B, W
+    and BW have just read (their conds take the stores as read-only operands).
+    Unless F's in-place writes depend on those conds, XLA cannot tell that the
+    reads come first and copies the whole residual store on every tick. F's slot
+    indices are therefore made to depend on the gradient message, the output of
+    the B and W lanes: max(index, -|bits of one element|) is `index` exactly
+    (an index is >= 0, the other side <= 0), whatever the element holds, NaN
+    included, and XLA does not fold it away (an optimization_barrier or a
+    pass-through output does not survive to its copy insertion)."""
+    leaf = jnp.ravel(jax.tree.leaves(token)[0])[0]
+    if jnp.iscomplexobj(leaf):
+        leaf = leaf.real
+    if jnp.issubdtype(leaf.dtype, jnp.floating):  # its bits: no NaN to convert
+        leaf = lax.bitcast_convert_type(leaf, jnp.dtype(f"int{leaf.dtype.itemsize * 8}"))
+    return lax.max(index, -lax.abs(leaf.astype(jnp.int32)))

@@ -80,17 +80,23 @@ class Topology:
         """Linear indices of the live workers of one pipeline position."""
         return [i for i, w in enumerate(self.workers) if w.stage == position]
 
-    def reduce_over_replicas(self, tree: Any) -> Any:
+    def reduce_over_replicas(self, tree: Any, positions: Sequence[int] | None = None) -> Any:
         """Sum over the live replicas of each worker's stage (inside shard_map).
 
         With a member missing there is no mesh axis to psum over, so the sum
         runs down a chain of ppermutes (holder 0 -> 1 -> ... -> last, adding)
         and the total comes back up the chain. Every holder then has the same
-        bits, summed in one fixed order, so replicas stay identical.
+        bits, summed in one fixed order, so replicas stay identical. The chain
+        sums the holders of `positions` alone (None: every position); every
+        device must run it (it is one set of collectives), and any other
+        device's tree comes back as it was.
         """
         if self.complete:
             return lax.psum(tree, "data")
-        groups = [self.holders(p) for p in range(self.stages)]
+        positions = range(self.stages) if positions is None else positions
+        groups = [self.holders(p) for p in positions]
+        if not groups:
+            return tree
         rounds = max(len(g) for g in groups) - 1
         me = lax.axis_index(SURVIVOR_AXIS)
         for k in range(rounds):

@@ -7,21 +7,22 @@ earlier tick and each residual earlier or in an earlier lane of this tick
 (ir/ticks.py's rule); a younger op may overtake an older one that waits, but
 only within the memory limit and leaving room for the rest of the program in
 program order (so the greedy never deadlocks), and never past an OPT. Each
-worker's picks are priced by the time it would keep the tick, and the tick's
-length is then chosen by a rule (`RULES`): the shortest that lets every
-ready worker run one op, the longest anyone asks for, or the one that keeps
-the workers busiest per unit of tick. A variant may take one W a tick or up
-to ir.ticks.W_PER_TICK. The OPTs of a stage run together at the end of the
+worker's picks are priced by the time it would keep the tick (with its
+messages sent at once, or deferred: passes/send_timing.py), and the tick's
+length is then chosen by a rule (passes/tick_length.py). A variant may take
+one W a tick or up to ir.ticks.W_PER_TICK. The OPTs of a stage run together at the end of the
 tick that completes its gradients (one reduction); a worker's run of OPTs
 goes in any order, since its replicas may step their stages in another.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
 from pjit_pipe.ir.memory import MemoryBound
-from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
+from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Payload, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import (
     FORWARD_FIRST,
@@ -33,10 +34,11 @@ from pjit_pipe.ir.ticks import (
     is_message,
     lane_order,
     lanes,
+    late_channel,
+    sends_late,
 )
+from pjit_pipe.passes.tick_length import RULES, cut
 
-# How the greedy picks each tick's length from the workers' ready prefixes.
-RULES = ("utilization", "shortest", "longest")
 # The greedy variants pack_ticks prices: (rule, whether a W may overtake, whether a W
 # waits for a tick its worker has nothing else for). A lazy W lets a staggered
 # table run a stage's last W's after the next iteration has started elsewhere.
@@ -85,6 +87,12 @@ class PackingFacts:
             for w, _, op in sched.ops()
         }
         self.produces = {(w, op): self.flow.produces(w, op) for w, _, op in sched.ops()}
+        # Per (worker, op): the messages it reads from another worker, with their payload
+        # (a deferred table's late channel carries one payload: ir.ticks.late_channel).
+        self.reads = {
+            (w, op): [(key, key.payload) for key, cross in self.flow.deps(w, op) if cross]
+            for w, _, op in sched.ops()
+        }
         # Per (worker, op): its duration, and C when it sends a message to another worker.
         self.cost = {
             (w, op): (
@@ -116,15 +124,30 @@ class GreedyPacker:
         order: LaneOrder = FORWARD_FIRST,
         w_per_tick: int = W_PER_TICK,
         facts: PackingFacts | None = None,
+        deferred: bool = False,
     ):
         self.sched, self.costs, self.iterations = sched, costs, iterations
         self.order = order  # the lane order of the table (ir/ticks.py)
+        # Whether the table sends its late channel at the start of the next tick, and
+        # so prices a tick as `simulator.simulate.packed_events` prices a deferred one.
+        self.deferred = deferred
         self.w_per_tick = w_per_tick  # the W's a worker may run in one tick (<= W_PER_TICK)
         self.overtaking_w = overtaking_w  # whether a W may run ahead of an older op
         self.lazy_w = lazy_w  # whether a W runs only in a tick the worker has nothing else for
         facts = facts or PackingFacts(sched, costs, mem_limit)
         self.flow, self.bound, self.delta = facts.flow, facts.bound, facts.delta
         self.deps, self.produces, self.cost = facts.deps, facts.produces, facts.cost
+        if deferred:
+            # A late message leaves after the tick: its op does not keep the tick for C.
+            self.cost = {
+                (w, op): (took, 0.0 if sends_late(op.kind, order) else send)
+                for (w, op), (took, send) in self.cost.items()
+            }
+            late = Payload.ACT if late_channel(order) is Kind.F else Payload.GRAD
+            self.late_reads = {
+                wop: [key for key, payload in reads if payload is late]
+                for wop, reads in facts.reads.items()
+            }
         self.holders = facts.holders
         self.fusion, self.loss_stage = facts.fusion, facts.loss_stage
         # The lanes each compute kind takes in this order (ir.ticks.lanes, looked up once).
@@ -144,7 +167,7 @@ class GreedyPacker:
         while left:
             t = len(ticks)
             picks = {w: self._picks(w, st, t) for w, st in self.workers.items()}
-            tick = {w: es for w, es in _cut(picks, rule, self.order).items() if es}
+            tick = {w: es for w, es in cut(picks, rule, self.order).items() if es}
             for w, es in tick.items():
                 for e in es:
                     self._place(w, e, t)
@@ -159,7 +182,7 @@ class GreedyPacker:
                 raise DeadlockError(f"tick packing is stuck at tick {t}: {', '.join(stuck[:6])}")
             left -= sum(len(es) for es in tick.values())
             ticks.append(tick)
-        return PackedTicks(self.sched, self.iterations, tuple(ticks), self.order)
+        return PackedTicks(self.sched, self.iterations, tuple(ticks), self.order, self.deferred)
 
     def _place(self, w: Worker, entry: Entry, t: int) -> None:
         st = self.workers[w]
@@ -244,18 +267,27 @@ class GreedyPacker:
             if chosen:
                 break
         return [
-            (chosen[n - 1], self.worker_time(w, lane_order(chosen[:n], self.order)))
+            (chosen[n - 1], self.worker_time(w, lane_order(chosen[:n], self.order), t, self.done))
             for n in range(1, len(chosen) + 1)
         ]
 
-    def worker_time(self, w: Worker, entries: list[Entry]) -> float:
-        """How long worker w keeps a tick running `entries`, in the order given (the
+    def worker_time(
+        self, w: Worker, entries: list[Entry], tick: int, made: Mapping[Stamped, int]
+    ) -> float:
+        """How long worker w keeps tick `tick` running `entries`, in the order given (the
         table's lane order): its ops, and C after each op that sends a message (as
-        `simulator.simulate.packed_events` prices it, a fused loss-stage group too)."""
+        `simulator.simulate.packed_events` prices it, a fused loss-stage group too).
+        Deferred, a late message leaves after the tick instead, and an op that reads
+        one made in the tick before (`made`: the tick each message was made in)
+        starts no earlier than C into the tick."""
         busy = end = 0.0
         fused = fused_loss_ops(entries, self.loss_stage) if self.fusion != 1.0 else ()
         for entry in entries:
             took, send = self.cost[(w, entry[1])]
+            if self.deferred and any(
+                made.get((entry[0], key)) == tick - 1 for key in self.late_reads[(w, entry[1])]
+            ):
+                busy = max(busy, self.costs.c)
             busy += took * self.fusion if entry in fused else took
             if send:
                 end = max(end, busy + send)
@@ -350,34 +382,3 @@ def add(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int
 
 def highest(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
     return max(a[0], b[0]), max(a[1], b[1]), max(a[2], b[2])
-
-
-def _within(picks: list[tuple[Entry, float]], length: float) -> int:
-    """How many of a worker's picks (oldest first) fit a tick of `length`: the longest
-    prefix whose time does (a fused loss-stage group can make a longer prefix
-    cheaper than a shorter one)."""
-    return max((n for n, (_, tm) in enumerate(picks, 1) if tm <= length), default=0)
-
-
-def _cut(picks: dict[Worker, list[tuple[Entry, float]]], rule: str, order: LaneOrder):
-    """Each worker's longest list of picks (oldest first) within the tick length the
-    rule picks, in lane order."""
-    firsts = [p[0][1] for p in picks.values() if p]
-    if not firsts:
-        return {}
-    floor = max(firsts)  # every ready worker runs at least one op
-    lengths = sorted({tm for p in picks.values() for _, tm in p if tm >= floor})
-    if rule == "shortest":
-        length = floor
-    elif rule == "longest":
-        length = lengths[-1]
-    else:
-
-        def work(x: float) -> float:
-            return sum(p[n - 1][1] for p in picks.values() if (n := _within(p, x)))
-
-        length = max(lengths, key=lambda x: (work(x) / x if x else float("inf"), x))
-    out = {}
-    for w, p in picks.items():
-        out[w] = tuple(lane_order([e for e, _ in p[: _within(p, length)]], order))
-    return out

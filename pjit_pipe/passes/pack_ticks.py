@@ -13,10 +13,12 @@ tick's length, as the simulator's lockstep mode prices it
 `pack_ticks` is the one function that builds the table: the frontend hands
 its result to the lowering and the CLI prices it. It runs a fast greedy
 (passes/greedy_ticks.py) in a few variants (`VARIANTS`) under each lane
-order (F, B, W and B, W, F), each taking one W a tick and then two,
-improves each table by a local search that pulls ops one tick earlier
-(`passes/pull_forward.py`), and keeps the cheapest (ties: the earlier
-variant, F, B, W before B, W, F); a synchronous schedule packs one iteration
+order (F, B, W and B, W, F), each taking one W a tick and then two, and
+where C > 0 each again pricing ticks as a deferred table runs them
+(passes/send_timing.py), improves each table by a local search that pulls
+ops one tick earlier (`passes/pull_forward.py`), sends each at its cheaper
+timing, and keeps the cheapest (ties: the earlier variant, F, B, W before
+B, W, F); a synchronous schedule packs one iteration
 and repeats it (behind the barrier every iteration starts from the same
 state); a table that reaches `simulator.bounds.lockstep_lower_bound` ends the
 search. `exact_pack` (a HiGHS MILP) finds the optimum of small cases, to
@@ -224,17 +226,20 @@ def _cheapest(
     # has W's): a greedy that may take a second W takes other ops later, which is
     # not always cheaper.
     has_w = any(op.kind is Kind.W for _, _, op in sched.ops())
-    variants = itertools.product(orders, VARIANTS, (1, W_PER_TICK) if has_w else (1,))
+    # Then each again packing for the deferred price (send_timing.py), where that can
+    # differ (C > 0; an asynchronous schedule returned above).
+    timings = (False, True) if costs.c > 0 else (False,)
+    variants = itertools.product(timings, orders, VARIANTS, (1, W_PER_TICK) if has_w else (1,))
     facts = PackingFacts(sched, costs, mem_limit)
-    for tried, (order, (rule, overtaking_w, lazy_w), ws) in enumerate(variants):
+    for tried, (deferred, order, (rule, overtaking_w, lazy_w), ws) in enumerate(variants):
         if best_price <= floor + 1e-9 and (not ties or best_fused == most or tried):
             return best
         greedy = GreedyPacker(
-            sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order, ws, facts
+            sched, costs, iterations, mem_limit, overtaking_w, lazy_w, order, ws, facts, deferred
         )
         table = greedy.run(rule)
         ticks = tuple(PullForward(greedy, table).run())
-        table = PackedTicks(schedule, iterations, ticks, order)
+        table = cheaper_timing(PackedTicks(schedule, iterations, ticks, order), costs)
         price = packed_time(table, costs)
         if better(table, price):
             keep(table, price)

@@ -46,10 +46,6 @@ class PullForward:
         self.made: dict[Stamped, int] = {}
         self.opt_tick: dict[tuple[int, int], int] = {}  # (stage, iteration) -> tick
         self.last_opt: dict[int, int] = {}  # iteration -> tick of its last OPT
-        # Per tick: each worker's time in it (GreedyPacker.worker_time), kept up to date.
-        self.times = [
-            {w: self.g.worker_time(w, es) for w, es in tick.items()} for tick in self.ticks
-        ]
         for t, tick in enumerate(self.ticks):
             for w, es in tick.items():
                 for it, op in es:
@@ -58,6 +54,12 @@ class PullForward:
                     if op.kind is Kind.OPT:
                         self.opt_tick[(op.stage, it)] = t
                         self.last_opt[it] = max(self.last_opt.get(it, -1), t)
+        # Per tick: each worker's time in it (GreedyPacker.worker_time), kept up to date
+        # (deferred, a pulled op's readers in later ticks may wait less: not re-priced).
+        self.times = [
+            {w: self.g.worker_time(w, es, t, self.made) for w, es in tick.items()}
+            for t, tick in enumerate(self.ticks)
+        ]
 
     def _lengths(self, t: int, w: Worker, time: float) -> tuple[float, float]:
         """Tick t's length as `simulator.simulate.packed_events` prices it, now and
@@ -79,7 +81,8 @@ class PullForward:
         if not fits(ops, self.g.order, self.g.w_per_tick) or not self._ready(w, entry, t, joined):
             return False
         rest = [e for e in there[w] if e != entry]
-        joined_time, rest_time = self.g.worker_time(w, joined), self.g.worker_time(w, rest)
+        joined_time = self.g.worker_time(w, joined, t, self.made)
+        rest_time = self.g.worker_time(w, rest, t + 1, self.made)
         here_now, here_then = self._lengths(t, w, joined_time)
         there_now, there_then = self._lengths(t + 1, w, rest_time)
         before, after = here_now + there_now, here_then + there_then

@@ -7,7 +7,8 @@ work. Deferred, the transfer overlaps the receiver's first lane of the next
 tick instead, and only the op that reads the message waits for it. Neither
 timing wins everywhere (deferred, a tick whose receivers have no first-lane
 op pays C at its start), so the table takes the one its lockstep price finds
-cheaper. The greedy and the exact engine pack with messages sent at once.
+cheaper. The greedy packs for either price (`GreedyPacker(deferred=...)`); the
+exact engine packs with messages sent at once.
 """
 
 from __future__ import annotations
@@ -21,10 +22,9 @@ from pjit_pipe.simulator.simulate import packed_time
 
 def cheaper_timing(table: PackedTicks, costs: Costs) -> PackedTicks:
     """`table`, deferred or not, whichever `packed_time` finds cheaper under `costs`
-    (not deferred on a tie). Never deferred: an asynchronous table (its carried
-    messages cross calls, lowering/steady_window.py), and a table of a schedule
-    with failed workers (the lowering refuses it: `lowering.tick.TickProgram`)."""
-    if table.schedule.asynchronous or table.schedule.failed:
+    (not deferred on a tie). An asynchronous table is never deferred (its carried
+    messages cross calls, lowering/steady_window.py)."""
+    if table.schedule.asynchronous:
         return dataclasses.replace(table, deferred=False)
     now, late = (dataclasses.replace(table, deferred=d) for d in (False, True))
     return late if packed_time(late, costs) < packed_time(now, costs) - 1e-9 else now
