@@ -61,7 +61,7 @@ from pjit_pipe.passes.pull_forward import PullForward
 from pjit_pipe.passes.send_timing import cheaper_timing
 from pjit_pipe.passes.tick_milp import polish_ticks
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
-from pjit_pipe.simulator.simulate import packed_time
+from pjit_pipe.simulator.simulate import TickPricer
 
 T = TypeVar("T")
 
@@ -176,7 +176,8 @@ def _cheapest(
     best = dataclasses.replace(PackedTicks.one_op_per_tick(schedule, iterations), order=orders[0])
     if schedule.asynchronous:
         return best
-    best_price = packed_time(best, costs)
+    pricer = TickPricer(schedule, costs)  # every candidate is a table of `schedule`
+    best_price = pricer.time(best)
     # Of two tables of one price, the one that runs more loss-stage groups as one op
     # (ir.ticks.fused_loss_ops): without `Costs.fbw` fusing is priced as free, and
     # measured it saves a quarter of those ops (docs/tick_packing.md, "On a GPU").
@@ -201,7 +202,7 @@ def _cheapest(
         # The table within the schedule's own peak is a table of every looser limit
         # (the greedy is not monotone in its limit: more room, other choices).
         tight = pack_ticks(schedule, costs, iterations, None, orders, polish)
-        price = packed_time(tight, costs)
+        price = pricer.time(tight)
         if better(tight, price):
             keep(tight, price)
     # No one-iteration table costs less than this: a table that reaches it is
@@ -217,7 +218,7 @@ def _cheapest(
         # any the greedy builds for all of them at once, and costs 1/iterations to build.
         # It is valid staggered too (each stage steps before its next iteration).
         table = _repeat(_pack(schedule, costs, 1, mem_limit, orders, polish), iterations)
-        price = packed_time(table, costs)
+        price = pricer.time(table)
         if better(table, price):
             keep(table, price)
         if not schedule.staggered:
@@ -226,10 +227,17 @@ def _cheapest(
     # has W's): a greedy that may take a second W takes other ops later, which is
     # not always cheaper.
     has_w = any(op.kind is Kind.W for _, _, op in sched.ops())
-    # Then each again packing for the deferred price (send_timing.py), where that can
-    # differ (C > 0; an asynchronous schedule returned above).
-    timings = (False, True) if costs.c > 0 else (False,)
-    variants = itertools.product(timings, orders, VARIANTS, (1, W_PER_TICK) if has_w else (1,))
+    # Then those of the utilization rule again, packing for the deferred price
+    # (send_timing.py), where that can differ (C > 0; an asynchronous schedule
+    # returned above). Measured on the grid of docs/tick_packing.md at 5,6,4,1
+    # (1f1b, zb-h1, zb-h2, zb-v, auto, re-routed zb-h1; both memory limits), every
+    # table only a deferred greedy found came from that rule; the other rules'
+    # deferred runs would cost a third more packing time for nothing.
+    ws_options = (1, W_PER_TICK) if has_w else (1,)
+    variants = list(itertools.product((False,), orders, VARIANTS, ws_options))
+    if costs.c > 0:
+        deferred_variants = [v for v in VARIANTS if v[0] == "utilization"]
+        variants += itertools.product((True,), orders, deferred_variants, ws_options)
     facts = PackingFacts(sched, costs, mem_limit)
     for tried, (deferred, order, (rule, overtaking_w, lazy_w), ws) in enumerate(variants):
         if best_price <= floor + 1e-9 and (not ties or best_fused == most or tried):
@@ -239,8 +247,8 @@ def _cheapest(
         )
         table = greedy.run(rule)
         ticks = tuple(PullForward(greedy, table).run())
-        table = cheaper_timing(PackedTicks(schedule, iterations, ticks, order), costs)
-        price = packed_time(table, costs)
+        table = cheaper_timing(PackedTicks(schedule, iterations, ticks, order), costs, pricer)
+        price = pricer.time(table)
         if better(table, price):
             keep(table, price)
     if polish and iterations == 1 and best_price > floor + 1e-9:

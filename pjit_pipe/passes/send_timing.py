@@ -17,14 +17,18 @@ import dataclasses
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ticks import PackedTicks
-from pjit_pipe.simulator.simulate import packed_time
+from pjit_pipe.simulator.simulate import TickPricer
 
 
-def cheaper_timing(table: PackedTicks, costs: Costs) -> PackedTicks:
-    """`table`, deferred or not, whichever `packed_time` finds cheaper under `costs`
-    (not deferred on a tie). An asynchronous table is never deferred (its carried
-    messages cross calls, lowering/steady_window.py)."""
+def cheaper_timing(
+    table: PackedTicks, costs: Costs, pricer: TickPricer | None = None
+) -> PackedTicks:
+    """`table`, deferred or not, whichever is cheaper under `costs` (not deferred on a
+    tie; `pricer`: a `TickPricer` of the table's schedule and `costs` to price
+    with). An asynchronous table is never deferred (its carried messages cross
+    calls, lowering/steady_window.py)."""
     if table.schedule.asynchronous:
         return dataclasses.replace(table, deferred=False)
+    pricer = pricer or TickPricer(table.schedule, costs)
     now, late = (dataclasses.replace(table, deferred=d) for d in (False, True))
-    return late if packed_time(late, costs) < packed_time(now, costs) - 1e-9 else now
+    return late if pricer.time(late) < pricer.time(now) - 1e-9 else now

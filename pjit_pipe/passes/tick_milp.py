@@ -56,7 +56,7 @@ from pjit_pipe.ir.ticks import (
     lanes,
 )
 from pjit_pipe.passes.send_timing import cheaper_timing
-from pjit_pipe.simulator.simulate import packed_time
+from pjit_pipe.simulator.simulate import TickPricer
 
 
 @dataclass(frozen=True)
@@ -94,7 +94,8 @@ def polish_ticks(
             f"{schedule.asynchronous}); polish one iteration's table, then repeat it"
         )
     width = width or max(4, 2 * schedule.stages)
-    best, price = table, packed_time(table, costs)
+    pricer = TickPricer(schedule, costs)
+    best, price = table, pricer.time(table)
     step = max(1, width // 2)
     for _ in range(rounds):
         improved = False
@@ -105,8 +106,8 @@ def polish_ticks(
                 schedule, costs, mem_limit, seconds, best.order, len(best), best, window
             )
             if found.table is not None:
-                candidate = cheaper_timing(found.table, costs)
-                if (p := packed_time(candidate, costs)) < price - 1e-9:
+                candidate = cheaper_timing(found.table, costs, pricer)
+                if (p := pricer.time(candidate)) < price - 1e-9:
                     best, price, improved = candidate, p, True
             t0 += step
         if not improved:

@@ -51,8 +51,9 @@ class SimResult:
         }
 
 
-def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
-    """Events of the compiled tick loop running `table`.
+class TickPricer:
+    """Prices tick tables of one schedule under one cost model, as the compiled tick
+    loop runs them (`events`).
 
     In a tick each worker runs its ops one after another; a message to another
     worker leaves when its op ends and takes C (it overlaps the worker's later
@@ -68,48 +69,76 @@ def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
     lengths add up to.
     A microbatch's loss-stage forward and backward that share a tick run as one
     program (`ir.ticks.fused_loss_ops`), their ops scaled by `costs.loss_fusion`.
+
+    What every pricing reads (each op's duration, the messages it reads from
+    and sends to other workers) is built once: the packer prices a hundred
+    candidate tables of one schedule.
     """
-    sched = compute_only(table.schedule)
-    duration = costs.duration_fn(sched)
-    fusion, loss_stage = costs.loss_fusion(sched), sched.num_virtual_stages - 1
-    index = {w: {op: i for i, op in enumerate(sched.program(w))} for w in sched.alive_workers}
-    flow = Engine(sched)
-    crosses = set()
-    for w, _, op in sched.ops():
-        for key, cross in flow.deps(w, op):
-            if cross:
-                crosses.add(key)
-    events, t = [], 0.0
-    in_flight: set = set()  # (iteration, key): late messages made in the tick before
-    for tick in table.ticks:
-        t += costs.tick
-        length = 0.0
-        made = set()
-        for w, entries in tick.items():
-            busy = 0.0
-            fused = fused_loss_ops(entries, loss_stage) if fusion != 1.0 else ()
-            for it, op in entries:
-                if in_flight and any(
-                    cross and (it, key) in in_flight for key, cross in flow.deps(w, op)
-                ):
-                    busy, length = max(busy, costs.c), max(length, costs.c)
-                d = duration(w, op) * (fusion if (it, op) in fused else 1.0)
-                events.append(TimedOp(w, index[w][op], it, op, t + busy, t + busy + d))
-                busy += d
-                sent = [k for k in flow.produces(w, op) if k in crosses]
-                if sent and table.deferred and sends_late(op.kind, table.order):
-                    made.update((it, k) for k in sent)
-                elif sent:
-                    length = max(length, busy + costs.c)
-            length = max(length, busy)
-        t += length
-        in_flight = made
-    return events
+
+    def __init__(self, schedule: Schedule, costs: Costs):
+        self.schedule, self.costs = schedule, costs
+        sched = compute_only(schedule)
+        duration = costs.duration_fn(sched)
+        self.fusion, self.loss_stage = costs.loss_fusion(sched), sched.num_virtual_stages - 1
+        flow = Engine(sched)
+        crosses = {key for w, _, op in sched.ops() for key, cross in flow.deps(w, op) if cross}
+        # Per (worker, op): its place in the worker's program, its duration, the
+        # messages it reads from another worker and those it sends to one.
+        self.index = {
+            (w, op): i for w in sched.alive_workers for i, op in enumerate(sched.program(w))
+        }
+        self.duration = {(w, op): duration(w, op) for w, _, op in sched.ops()}
+        self.reads = {
+            (w, op): [key for key, cross in flow.deps(w, op) if cross] for w, _, op in sched.ops()
+        }
+        self.sends = {
+            (w, op): [k for k in flow.produces(w, op) if k in crosses] for w, _, op in sched.ops()
+        }
+
+    def events(self, table: PackedTicks) -> list[TimedOp]:
+        """Events of the compiled tick loop running `table` (a table of this
+        pricer's schedule)."""
+        if table.schedule is not self.schedule and table.schedule != self.schedule:
+            raise ScheduleError("TickPricer: the table is of another schedule than the pricer's")
+        costs, c = self.costs, self.costs.c
+        events, t = [], 0.0
+        in_flight: set = set()  # (iteration, key): late messages made in the tick before
+        for tick in table.ticks:
+            t += costs.tick
+            length = 0.0
+            made = set()
+            for w, entries in tick.items():
+                busy = 0.0
+                fused = fused_loss_ops(entries, self.loss_stage) if self.fusion != 1.0 else ()
+                for it, op in entries:
+                    if in_flight and any((it, key) in in_flight for key in self.reads[(w, op)]):
+                        busy, length = max(busy, c), max(length, c)
+                    d = self.duration[(w, op)] * (self.fusion if (it, op) in fused else 1.0)
+                    events.append(TimedOp(w, self.index[(w, op)], it, op, t + busy, t + busy + d))
+                    busy += d
+                    sent = self.sends[(w, op)]
+                    if sent and table.deferred and sends_late(op.kind, table.order):
+                        made.update((it, k) for k in sent)
+                    elif sent:
+                        length = max(length, busy + c)
+                length = max(length, busy)
+            t += length
+            in_flight = made
+        return events
+
+    def time(self, table: PackedTicks) -> float:
+        """The time the compiled tick loop takes to run the whole table."""
+        return max((e.end for e in self.events(table)), default=0.0)
+
+
+def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
+    """Events of the compiled tick loop running `table` (`TickPricer.events`)."""
+    return TickPricer(table.schedule, costs).events(table)
 
 
 def packed_time(table: PackedTicks, costs: Costs) -> float:
     """The time the compiled tick loop takes to run the whole table."""
-    return max((e.end for e in packed_events(table, costs)), default=0.0)
+    return TickPricer(table.schedule, costs).time(table)
 
 
 def simulate(
