@@ -20,6 +20,7 @@ BENCHMARKS = [
     "bench_dropout",
     "bench_planner",
     "bench_lockstep",
+    "bench_pack_memory",
     "bench_lane_order",
     "bench_async",
     "bench_gpu",
