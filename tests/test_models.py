@@ -61,12 +61,21 @@ def test_corpus_round_trip():
     [
         (gpt_batch, lm_loss, (2, 4), dict(schedule="zb-h1", microbatches=4)),
         (mlp_batch, mse_loss, (2, 2), dict(schedule="interleaved-1f1b", microbatches=4, chunks=2)),
+        # Priced with the Zero Bubble paper's costs (C > 0), the table defers its
+        # gradients to the start of the next tick (passes/send_timing.py).
+        (
+            gpt_batch,
+            lm_loss,
+            (1, 4),
+            dict(schedule="zb-h1", microbatches=4, costs=pp.Costs(5, 6, 4, 1)),
+        ),
     ],
-    ids=["gpt-2x4-zb-h1", "mlp-2x2-interleaved"],
+    ids=["gpt-2x4-zb-h1", "mlp-2x2-interleaved", "gpt-1x4-zb-h1-deferred"],
 )
 def test_pipelined_value_and_grad_matches_jax(make, loss_fn, mesh, options):
     model, x, y = make(16)
     pm = pp.pipeline(model, stages=mesh[1], mesh=pp.make_mesh(*mesh), **options)
+    assert pm.tick_table().deferred == ("costs" in options)
     params = pm.init(jax.random.key(0), x)
     loss, grads = pm.value_and_grad(loss_fn)(params, x, y)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(lambda p: loss_fn(model.apply(p, x), y)))(
