@@ -24,6 +24,7 @@ from pjit_pipe.passes import stagger
 from pjit_pipe.passes.greedy_ticks import GreedyPacker
 from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.passes.send_timing import cheaper_timing
+from pjit_pipe.passes.tick_milp import solve_ticks
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import packed_time
@@ -131,7 +132,8 @@ def test_pack_ticks_keeps_the_cheaper_timing():
 def test_the_greedy_prices_a_tick_as_the_simulator_does(kind, order):
     """The greedy picks each tick's ops by the time it thinks a worker keeps the tick
     (`GreedyPacker.worker_time`); packing for either timing, its ticks' longest
-    such times add up to what the simulator prices the table at."""
+    such times (at least C in a tick after one that made a late message, which
+    lands then) add up to what the simulator prices the table at."""
     costs = Costs.parse("5,6,4,1")
     chunks = 2 if kind == "interleaved-1f1b" else None
     sched = compute_only(make_schedule(kind, 4, 8, chunks=chunks, costs=costs))
@@ -146,8 +148,19 @@ def test_the_greedy_prices_a_tick_as_the_simulator_does(kind, order):
             for it, op in entries
             for key in greedy.produces[(w, op)]
         }
+        late_keys = {k for keys in greedy.late_reads.values() for k in keys}
+        sent_late = {  # the ticks that make a message another worker reads late
+            t
+            for t, tick in enumerate(table.ticks)
+            for w, entries in tick.items()
+            for _, op in entries
+            if late_keys.intersection(greedy.produces[(w, op)])
+        }
         total = sum(
-            max(greedy.worker_time(w, list(entries), t, made) for w, entries in tick.items())
+            max(
+                costs.c if t - 1 in sent_late else 0.0,
+                *(greedy.worker_time(w, list(entries), t, made) for w, entries in tick.items()),
+            )
             for t, tick in enumerate(table.ticks)
         )
         assert total == pytest.approx(packed_time(table, costs))
@@ -170,3 +183,22 @@ def test_packing_for_the_deferred_price_beats_choosing_a_timing_afterwards():
         for d in (False, True)
     ]
     assert prices[1] < prices[0] - 1e-9
+
+
+@pytest.mark.parametrize(("kind", "P", "m"), [("1f1b", 2, 3), ("zb-h1", 3, 3), ("gpipe", 2, 3)])
+def test_the_exact_engine_prices_deferred_tables_as_the_simulator(kind, P, m):
+    """The MILP for deferred tables (tick_milp.py: a tick after one that made a late
+    message lasts at least C, its reader starts C in) reaches, at its optimum, the
+    price the simulator gives the table it returns; no greedy table beats it."""
+    costs = Costs.parse("5,6,4,1")
+    sched = make_schedule(kind, P, m)
+    greedy = pack_ticks(sched, costs)
+    start = PackedTicks.one_op_per_tick(sched)
+    horizon = max(len(greedy), len(start))
+    for order in (FORWARD_FIRST, FORWARD_LAST):
+        found = solve_ticks(sched, costs, None, 30.0, order, horizon, start, deferred=True)
+        assert found.optimal and found.table.deferred
+        found.table.check()
+        assert found.time == pytest.approx(packed_time(found.table, costs))
+        if greedy.order == order and greedy.deferred:
+            assert found.time <= packed_time(greedy, costs) + 1e-9

@@ -4,7 +4,6 @@ jax.value_and_grad of the unpipelined model."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 
@@ -130,13 +129,10 @@ def test_greedy_is_close_to_the_exact_optimum(kind, P, m, costs):
     sched = make_schedule(kind, P, m, chunks=2 if kind == "interleaved-1f1b" else None)
     best = exact_pack(sched, costs)
     best.check()
-    table = pack_ticks(sched, costs)
-    # The optimum is over tables that send at once (tick_milp.py); the packer's own
-    # table may then defer a channel (passes/send_timing.py), which never costs more.
-    greedy = packed_time(dataclasses.replace(table, deferred=False), costs)
+    # The optimum is over both send timings where C > 0 (passes/send_timing.py).
+    greedy = packed_time(pack_ticks(sched, costs), costs)
     optimum = packed_time(best, costs)
     assert optimum - 1e-9 <= greedy <= 1.03 * optimum
-    assert packed_time(table, costs) <= greedy + 1e-9
 
 
 def _ops_by_tick(table: PackedTicks, index: dict[Worker, int]) -> set:
@@ -257,12 +253,14 @@ def test_polish_stays_between_the_optimum_and_the_greedy(width):
     greedy = pack_ticks(sched, costs)
     polished = polish_ticks(greedy, costs, width=width)
     polished.check()
-    optimum = packed_time(exact_pack(sched, costs), costs)  # over tables sent at once
-    at_once = packed_time(dataclasses.replace(polished, deferred=False), costs)
-    assert optimum - 1e-9 <= at_once
-    assert packed_time(polished, costs) <= min(at_once, packed_time(greedy, costs)) + 1e-9
-    if width >= len(greedy):  # one window holds the whole table: the exact optimum
-        assert packed_time(polished, costs) <= optimum + 1e-9
+    best = exact_pack(sched, costs)  # over both send timings
+    price = packed_time(polished, costs)
+    assert packed_time(best, costs) - 1e-9 <= price <= packed_time(greedy, costs) + 1e-9
+    if width >= len(greedy):
+        # One window holds the whole table: the optimum of the polished table's
+        # timing (a window keeps its table's timing; the greedy's here: deferred).
+        assert polished.deferred == greedy.deferred == best.deferred
+        assert price <= packed_time(best, costs) + 1e-9
 
 
 def pool_rows(table: PackedTicks) -> tuple[int, int]:

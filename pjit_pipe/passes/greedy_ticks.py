@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped
+from pjit_pipe.ir.engine import DeadlockError, Engine, StageGrads, Stamped, Tensor
 from pjit_pipe.ir.memory import MemoryBound
-from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Payload, Worker
+from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Payload, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import (
     FORWARD_FIRST,
@@ -137,6 +137,8 @@ class GreedyPacker:
         facts = facts or PackingFacts(sched, costs, mem_limit)
         self.flow, self.bound, self.delta = facts.flow, facts.bound, facts.delta
         self.deps, self.produces, self.cost = facts.deps, facts.produces, facts.cost
+        # Per (worker, op): the messages it reads on the late channel (deferred only).
+        self.late_reads: dict[tuple[Worker, Op], list[Tensor]] = {}
         if deferred:
             # A late message leaves after the tick: its op does not keep the tick for C.
             self.cost = {

@@ -2,8 +2,10 @@
 
 It solves the problem `pack_ticks` solves greedily, so that tests can measure
 how far the greedy is from the optimum. The MILP (passes/tick_milp.py) has a
-fixed lane order, so there is one per order (F, B, W and B, W, F), and the
-better wins, as `pack_ticks` keeps the better of its tables. The horizon is
+fixed lane order and send timing, so there is one per order (F, B, W and B,
+W, F) and, where C > 0, per timing (sent at once or deferred,
+passes/send_timing.py), and the best wins, as `pack_ticks` keeps the best
+of its tables. The horizon is
 the larger of the greedy's and the unpacked table's tick counts (both
 feasible), so the optimum is over tables of at most that many ticks. Only
 sizes of a few dozen ops solve quickly.
@@ -62,6 +64,9 @@ def exact_bounds(
     unpacked = PackedTicks.one_op_per_tick(schedule)
     # Horizon: the greedy's and the unpacked table's tick counts (both feasible).
     horizon = max(len(greedy), len(unpacked))
+    # Where a deferred table can cost less (C > 0, a schedule the lowering may defer),
+    # each order is solved with either send timing.
+    timings = (False, True) if costs.c > 0 and not schedule.asynchronous else (False,)
     results = [
         # The greedy's table is HiGHS's first solution for its own order, the unpacked
         # table (valid in every order) for the other.
@@ -73,8 +78,10 @@ def exact_bounds(
             order,
             horizon,
             greedy if greedy.order == order else unpacked,
+            deferred=deferred,
         )
         for order in LANE_ORDERS
+        for deferred in timings
     ]
     best = min(results, key=lambda r: r.time)
     bound = max(floor, min(r.bound for r in results))

@@ -12,10 +12,13 @@ may run its ops in any order the dependencies allow, as the greedy may. The
 lane order is fixed within one MILP. OPTs run at the end of the last tick, so
 the tables are those of one iteration that steps every stage at its end
 (valid for a staggered schedule too, which only asks that each stage step
-before its next iteration). Messages leave in the tick that fills them (the
-table is not deferred, ir/ticks.py): the optimum is over such tables, and
-`polish_ticks` keeps each window's table at the cheaper of its two send
-timings (passes/send_timing.py).
+before its next iteration). One MILP prices one send timing: messages leave
+in the tick that fills them or, `deferred`, the late channel at the start of
+the next tick (ir/ticks.py; a reader of a late message made in the tick
+before starts C into its tick: one more continuous variable per late read
+and tick, z >= x[reader, t] + x[producer, t - 1] - 1). `polish_ticks` solves
+each window at its table's timing and keeps the window's table at the
+cheaper of the two (passes/send_timing.py).
 
 Variables: x[i, t] = 1 when op i runs in tick t, each tick's length L_t and,
 with a priced tick, u_t >= x[i, t] (continuous: at the optimum it is 0 or 1).
@@ -54,6 +57,7 @@ from pjit_pipe.ir.ticks import (
     compute_only,
     is_message,
     lanes,
+    sends_late,
 )
 from pjit_pipe.passes.send_timing import cheaper_timing
 from pjit_pipe.simulator.simulate import TickPricer
@@ -103,7 +107,15 @@ def polish_ticks(
         while t0 < len(best):
             window = (t0, min(len(best), t0 + width) - 1)
             found = solve_ticks(
-                schedule, costs, mem_limit, seconds, best.order, len(best), best, window
+                schedule,
+                costs,
+                mem_limit,
+                seconds,
+                best.order,
+                len(best),
+                best,
+                window,
+                best.deferred,
             )
             if found.table is not None:
                 candidate = cheaper_timing(found.table, costs, pricer)
@@ -124,11 +136,13 @@ def solve_ticks(
     horizon: int,
     start_table: PackedTicks,
     window: tuple[int, int] | None = None,
+    deferred: bool = False,
 ) -> ExactResult:
     """The MILP for tables of lane order `order` and at most `horizon` ticks, started
     from `start_table` (a feasible table of at most that many ticks, any order whose
-    ticks also fit this one). With `window`, only the ops the start table places in
-    those ticks (inclusive) move, and only within them."""
+    ticks also fit this one), priced with the late channel sent at the start of
+    the next tick when `deferred` (ir/ticks.py). With `window`, only the ops the
+    start table places in those ticks (inclusive) move, and only within them."""
     sched = compute_only(schedule)
     flow, duration = Engine(sched), costs.duration_fn(sched)
     ops = [(w, op) for w, _, op in sched.ops() if op.kind in COMPUTE_KINDS]
@@ -138,20 +152,40 @@ def solve_ticks(
             producer[key] = i
     crosses = {key for w, op in ops for key, cross in flow.deps(w, op) if cross}
     first_lane = [lanes(op.kind, order)[0] for _, op in ops]
-    sends = [costs.c if any(k in crosses for k in flow.produces(w, op)) else 0.0 for w, op in ops]
+    # Deferred, a late message adds no C to its sender's tick; its reader starts no
+    # earlier than C into its tick when the message was made in the tick before.
+    sent_late = [deferred and sends_late(op.kind, order) for _, op in ops]
+    sends = [
+        costs.c if not sent_late[i] and any(k in crosses for k in flow.produces(w, op)) else 0.0
+        for i, (w, op) in enumerate(ops)
+    ]
     took = [duration(w, op) for w, op in ops]
+    # (producer, reader) of each message on the late channel.
+    late_reads = [
+        (producer[key], i)
+        for i, (w, op) in enumerate(ops)
+        for key, cross in flow.deps(w, op)
+        if cross and key in producer and sent_late[producer[key]]
+    ]
 
     n, T = len(ops), horizon
     x = lambda i, t: i * T + t  # noqa: E731
     length = lambda t: n * T + t  # noqa: E731
     used = lambda t: n * T + T + t  # noqa: E731  (1 when tick t holds an op; priced Costs.tick)
     ticked = costs.tick > 0
-    cols = n * T + T + (T if ticked else 0)
+    # z[j, t] (continuous, 0 or 1 at the optimum): late read j's reader in tick t and
+    # its producer in tick t - 1, so that the reader waits C.
+    waits = n * T + T + (T if ticked else 0)
+    z = lambda j, t: waits + j * T + t  # noqa: E731
+    cols = waits + len(late_reads) * T
     placed = {(w, op): t for (w, _, op), (t, _) in start_table.placement().items()}
     tick_of = [placed[key] for key in ops]
     start = np.zeros(cols)
     for i in range(n):
         start[x(i, tick_of[i])] = 1.0
+    for j, (p, i) in enumerate(late_reads):
+        if tick_of[p] == tick_of[i] - 1:
+            start[z(j, tick_of[i])] = 1.0
     # (producer, consumer, least tick gap): a message needs a later tick, and so
     # does a residual whose producer runs in a later lane than its consumer.
     edges = []
@@ -179,6 +213,8 @@ def solve_ticks(
             break
     fixed = [early[i] == late[i] for i in range(n)]
     free_ticks = {t for i in range(n) if not fixed[i] for t in range(early[i], late[i] + 1)}
+    if late_reads:  # a tick's length depends on the tick before's late messages too
+        free_ticks |= {t + 1 for t in free_ticks if t + 1 < T}
 
     rows: list[tuple[float, float, dict[int, float]]] = []
     lo, hi = np.zeros(cols), np.ones(cols)
@@ -205,17 +241,25 @@ def solve_ticks(
         for t in range(early[i], late[i] + 1):
             at[t].append(i)
 
-    def tick_length(chosen: list[int]) -> float:
-        """How long a tick lasts holding `chosen` (op indices): each op's end in lane
-        order, plus C when it sends."""
-        ends = [0.0]
-        for i in chosen:
-            w = ops[i][0]
-            before = sum(
-                took[k] for k in chosen if ops[k][0] == w and first_lane[k] <= first_lane[i]
-            )
-            ends.append(before + sends[i])
-        return max(ends)
+    senders_late = sorted({p for p, _ in late_reads})  # the ops that send a late message
+    late_producers: dict[int, list[int]] = {}  # reader -> the producers of its late reads
+    for p, i in late_reads:
+        late_producers.setdefault(i, []).append(p)
+
+    def tick_length(t: int, chosen: list[int]) -> float:
+        """How long tick t of the start table lasts holding `chosen` (op indices): each
+        op's end in lane order, plus C when it sends; deferred, an op that reads a
+        late message made in tick t - 1 starts no earlier than C into the tick, and
+        the tick lasts at least C when any late message was made then."""
+        end = costs.c if any(tick_of[p] == t - 1 for p in senders_late) else 0.0
+        for w in {ops[i][0] for i in chosen}:
+            busy = 0.0
+            for i in sorted((i for i in chosen if ops[i][0] == w), key=lambda i: first_lane[i]):
+                if any(tick_of[p] == t - 1 for p in late_producers.get(i, ())):
+                    busy = max(busy, costs.c)
+                busy += took[i]
+                end = max(end, busy + sends[i])
+        return end
 
     bound = MemoryBound.of(sched, mem_limit)
     held = [bound.delta(op) for _, op in ops]  # op i's change of (units, B rows, W rows)
@@ -223,7 +267,7 @@ def solve_ticks(
     for i, t in enumerate(tick_of):
         in_start[t].append(i)
     for t in range(T):
-        start[length(t)] = tick_length(in_start[t])
+        start[length(t)] = tick_length(t, in_start[t])
         if ticked:
             start[used(t)] = 1.0 if in_start[t] else 0.0
         if t not in free_ticks:  # nothing in tick t moves: its length is a constant
@@ -234,6 +278,8 @@ def solve_ticks(
         if ticked:  # a tick that holds an op is paid for (an empty one is dropped)
             for i in at[t]:
                 rows.append((-np.inf, 0, {x(i, t): 1.0, used(t): -1.0}))
+            if deferred and t + 1 < T:  # no empty tick before a used one (see below)
+                rows.append((-np.inf, 0, {used(t + 1): 1.0, used(t): -1.0}))
         for mine in by_worker.values():
             here = [i for i in mine if early[i] <= t <= late[i]]
             for position in range(3):
@@ -253,6 +299,22 @@ def solve_ticks(
                     if first_lane[k] <= first_lane[i]:
                         coefs[x(k, t)] = -took[k] - (sends[i] if k == i else 0.0)
                 rows.append((0, np.inf, coefs))
+        # Deferred: a late message made in tick t - 1 lands in tick t, which lasts at
+        # least C; its reader starts C into tick t, so the tick lasts at least C
+        # plus the reader's and its later lanes' ops.
+        for p in senders_late:
+            if early[p] <= t - 1 <= late[p]:
+                rows.append((0, np.inf, {length(t): 1.0, x(p, t - 1): -costs.c}))
+        for j, (p, i) in enumerate(late_reads):
+            if not (early[i] <= t <= late[i] and early[p] <= t - 1 <= late[p]):
+                hi[z(j, t)] = 0.0
+                continue
+            rows.append((-np.inf, 1, {x(i, t): 1.0, x(p, t - 1): 1.0, z(j, t): -1.0}))
+            coefs = {length(t): 1.0, z(j, t): -costs.c}
+            for k in by_worker[ops[i][0]]:
+                if early[k] <= t <= late[k] and first_lane[k] >= first_lane[i]:
+                    coefs[x(k, t)] = -took[k]
+            rows.append((0, np.inf, coefs))
         # The tick's peak of each resource (units, B-pool rows, W-pool rows): with F
         # first, the memory before it plus its F (a release counts after its tick);
         # with F last, the memory after it. Only F allocates. Ops fixed in earlier
@@ -313,7 +375,13 @@ def solve_ticks(
     for i, (w, op) in enumerate(ops):
         t = int(np.argmax(sol[i * T : (i + 1) * T]))
         ticks[t].setdefault(w, []).append((0, op))
-    ticks = [tk for tk in ticks if tk]
+    if deferred:
+        # An empty tick between a late message and its reader spares the reader's
+        # wait (as priced): only trailing ones go (with a priced tick there are no
+        # others: the ticks used come first, rows above).
+        ticks = ticks[: max(t for t, tk in enumerate(ticks) if tk) + 1]
+    else:
+        ticks = [tk for tk in ticks if tk]
     for w, _, op in sched.ops():
         if op.kind is Kind.OPT:
             ticks[-1].setdefault(w, []).append((0, op))
@@ -321,7 +389,7 @@ def solve_ticks(
         {w: tuple(sorted(es, key=lambda e: _lane_key(e, order))) for w, es in tk.items()}
         for tk in ticks
     )
-    table = PackedTicks(schedule, 1, ordered, order)
+    table = PackedTicks(schedule, 1, ordered, order, deferred)
     best = info.objective_function_value
     return ExactResult(table, best, best if optimal else info.mip_dual_bound, optimal)
 

@@ -61,8 +61,9 @@ class TickPricer:
     fills it). The tick ends when the slowest worker is done and every
     message has arrived; the next tick starts then. In a deferred table
     (ir/ticks.py) the late channel's messages leave at the start of the next
-    tick instead: an op that reads one made in the tick before starts no
-    earlier than C into its tick, and the tick lasts at least C. Every tick
+    tick instead: that tick lasts at least C (it ends when they have landed,
+    read or not), and an op that reads one starts no earlier than C into it.
+    Every tick
     first pays `costs.tick`, the fixed cost of one step of the loop (its
     conditionals and ppermute launches, ir/costs.py), whether its workers are
     busy or not, so a table of n ticks costs n * tick more than its tick
@@ -105,14 +106,14 @@ class TickPricer:
         in_flight: set = set()  # (iteration, key): late messages made in the tick before
         for tick in table.ticks:
             t += costs.tick
-            length = 0.0
+            length = c if in_flight else 0.0
             made = set()
             for w, entries in tick.items():
                 busy = 0.0
                 fused = fused_loss_ops(entries, self.loss_stage) if self.fusion != 1.0 else ()
                 for it, op in entries:
                     if in_flight and any((it, key) in in_flight for key in self.reads[(w, op)]):
-                        busy, length = max(busy, c), max(length, c)
+                        busy = max(busy, c)
                     d = self.duration[(w, op)] * (self.fusion if (it, op) in fused else 1.0)
                     events.append(TimedOp(w, self.index[(w, op)], it, op, t + busy, t + busy + d))
                     busy += d
