@@ -8,10 +8,11 @@ Two compiles of zb-h1 on 1x4, so the F, B and W lanes all run (B writes a
 split stage's cotangents into the residual store): one op per tick, and a
 table packed in the lane order B, W, F (an F writes the residual slot its
 tick's W read last), tables with two W's a tick, and 1F1B with its last
-stage's F and BW fused into one op, and deferred tables (ir/ticks.py) of
+stage's F and BW fused into one op, deferred tables (ir/ticks.py) of
 either lane order, whose late channel waits in an outbox row of the message
-store. The loss and gradients of each program are checked against
-jax.value_and_grad.
+store, and a re-routed deferred table on 2x4, whose ticks gate their
+ppermutes with a switch at each delivery. The loss and gradients of each
+program are checked against jax.value_and_grad.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, lane_or
 from pjit_pipe.lowering import lower
 from pjit_pipe.lowering.plan import build_plan
 from pjit_pipe.passes.pack_ticks import pack_ticks
-from pjit_pipe.schedules import make_schedule
+from pjit_pipe.schedules import make_schedule, schedule_with_failures
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
 _CALLEES = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
@@ -161,7 +162,21 @@ def zb_h1_forward_last_deferred():
     return packed_program("zb-h1", 4, 6, Costs(1, 2, 1, 1), FORWARD_LAST, deferred=True)
 
 
-# The conds of each program's tick: F, B and W lanes, and the second W where a tick has one.
+@pytest.fixture(scope="module")
+def zb_h1_rerouted_deferred():
+    """Re-routed (2x4, worker (1, 2) failed) and deferred: its ticks gate their
+    ppermutes, one switch at the start of a tick (the late channel) and one at
+    its end."""
+    sched = schedule_with_failures("zb-h1", 4, 4, 2, [(1, 2)], time_limit=1.0)
+    table = pack_ticks(sched, Costs(5, 6, 4, 1))
+    fns, params = tiny_model(4)
+    x, y = batch(2 * 4 * 2, seed=1)
+    step = lower(sched, fns, xent, mesh_of(2, 4), params, x, y, ticks=table)
+    return step, fns, params, x, y
+
+
+# The lane conds of each program's tick: F, B and W lanes, and the second W where a
+# tick has one (a plan that gates its ppermutes adds a switch per delivery).
 CONDS = {
     "zb_h1": 3,
     "zb_h1_forward_last": 3,
@@ -170,6 +185,7 @@ CONDS = {
     "zb_h2_two_ws": 4,
     "zb_h1_two_ws_forward_last": 4,
     "one_f_one_b_fused": 2,  # 1F1B has no B lane
+    "zb_h1_rerouted_deferred": 3,
 }
 
 
@@ -188,6 +204,8 @@ def test_tick_loop_copies_no_carried_store(program, request):
         assert any(kinds[-3:] == [Kind.W, Kind.W, Kind.F] for kinds in two_ws)
     assert low.fused == (program == "one_f_one_b_fused")
     assert low.plan.deferred == program.endswith("_deferred")
+    gated = len(low.plan.sends) > 1
+    assert gated == (program == "zb_h1_rerouted_deferred")
     compiled = step._vg.lower(list(params), x, y).compile()
     ((dtype, size),) = low.msg_spec.sizes.items()
     store = f"{jnp.dtype(dtype).kind}{jnp.dtype(dtype).itemsize * 8}"
@@ -197,7 +215,8 @@ def test_tick_loop_copies_no_carried_store(program, request):
     groups = [low.ops.forwards, low.ops.input_grads, *low.ops.weight_grads]
     if two_ws:
         groups += low.ops.second_weight_grads
-    assert conds == sum(1 for ids, _ in groups if ids) == CONDS[program]
+    assert sum(1 for ids, _ in groups if ids) == CONDS[program]
+    assert conds == CONDS[program] + (1 + low.plan.deferred) * gated
     assert loops == 0
     # The program inspected computes what jax.value_and_grad does.
     loss, grads = compiled(list(params), x, y)
