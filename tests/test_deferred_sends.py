@@ -131,9 +131,9 @@ def test_pack_ticks_keeps_the_cheaper_timing():
 @pytest.mark.parametrize("order", [FORWARD_FIRST, FORWARD_LAST])
 def test_the_greedy_prices_a_tick_as_the_simulator_does(kind, order):
     """The greedy picks each tick's ops by the time it thinks a worker keeps the tick
-    (`GreedyPacker.worker_time`); packing for either timing, its ticks' longest
-    such times (at least C in a tick after one that made a late message, which
-    lands then) add up to what the simulator prices the table at."""
+    (`GreedyPacker.worker_time`: at least C in a tick after one that made a late
+    message, which lands then); packing for either timing, its ticks' longest
+    such times add up to what the simulator prices the table at."""
     costs = Costs.parse("5,6,4,1")
     chunks = 2 if kind == "interleaved-1f1b" else None
     sched = compute_only(make_schedule(kind, 4, 8, chunks=chunks, costs=costs))
@@ -148,18 +148,10 @@ def test_the_greedy_prices_a_tick_as_the_simulator_does(kind, order):
             for it, op in entries
             for key in greedy.produces[(w, op)]
         }
-        late_keys = {k for keys in greedy.late_reads.values() for k in keys}
-        sent_late = {  # the ticks that make a message another worker reads late
-            t
-            for t, tick in enumerate(table.ticks)
-            for w, entries in tick.items()
-            for _, op in entries
-            if late_keys.intersection(greedy.produces[(w, op)])
-        }
         total = sum(
             max(
-                costs.c if t - 1 in sent_late else 0.0,
-                *(greedy.worker_time(w, list(entries), t, made) for w, entries in tick.items()),
+                greedy.worker_time(w, list(entries), t, made, costs.c * (t - 1 in greedy.sent_late))
+                for w, entries in tick.items()
             )
             for t, tick in enumerate(table.ticks)
         )

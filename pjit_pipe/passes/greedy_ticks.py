@@ -137,9 +137,17 @@ class GreedyPacker:
         facts = facts or PackingFacts(sched, costs, mem_limit)
         self.flow, self.bound, self.delta = facts.flow, facts.bound, facts.delta
         self.deps, self.produces, self.cost = facts.deps, facts.produces, facts.cost
-        # Per (worker, op): the messages it reads on the late channel (deferred only).
+        # Per (worker, op): the messages it reads on the late channel, and the ops that
+        # send one to another worker, and the ticks that made one (deferred only).
         self.late_reads: dict[tuple[Worker, Op], list[Tensor]] = {}
+        self.late_senders: set[tuple[Worker, Op]] = set()
+        self.sent_late: set[int] = set()
         if deferred:
+            self.late_senders = {
+                (w, op)
+                for (w, op), (_, send) in facts.cost.items()
+                if send and sends_late(op.kind, order)
+            }
             # A late message leaves after the tick: its op does not keep the tick for C.
             self.cost = {
                 (w, op): (took, 0.0 if sends_late(op.kind, order) else send)
@@ -192,6 +200,8 @@ class GreedyPacker:
         st.advance()
         it, op = entry
         st.memory = add(st.memory, self.delta[op])
+        if (w, op) in self.late_senders:
+            self.sent_late.add(t)
         for k in self.produces[(w, op)]:
             key = (it, k)
             self.counts[key] = self.counts.get(key, 0) + 1
@@ -268,21 +278,31 @@ class GreedyPacker:
             self._choose(w, st, t, skip_w, chosen, here)
             if chosen:
                 break
+        floor = self.costs.c if t - 1 in self.sent_late else 0.0
         return [
-            (chosen[n - 1], self.worker_time(w, lane_order(chosen[:n], self.order), t, self.done))
+            (
+                chosen[n - 1],
+                self.worker_time(w, lane_order(chosen[:n], self.order), t, self.done, floor),
+            )
             for n in range(1, len(chosen) + 1)
         ]
 
     def worker_time(
-        self, w: Worker, entries: list[Entry], tick: int, made: Mapping[Stamped, int]
+        self,
+        w: Worker,
+        entries: list[Entry],
+        tick: int,
+        made: Mapping[Stamped, int],
+        floor: float = 0.0,
     ) -> float:
         """How long worker w keeps tick `tick` running `entries`, in the order given (the
         table's lane order): its ops, and C after each op that sends a message (as
         `simulator.simulate.packed_events` prices it, a fused loss-stage group too).
         Deferred, a late message leaves after the tick instead, and an op that reads
         one made in the tick before (`made`: the tick each message was made in)
-        starts no earlier than C into the tick."""
-        busy = end = 0.0
+        starts no earlier than C into the tick; `floor`: the least the tick lasts (C
+        after a tick that made a late message, which lands in this one)."""
+        busy, end = 0.0, floor
         fused = fused_loss_ops(entries, self.loss_stage) if self.fusion != 1.0 else ()
         for entry in entries:
             took, send = self.cost[(w, entry[1])]

@@ -54,10 +54,20 @@ class PullForward:
                     if op.kind is Kind.OPT:
                         self.opt_tick[(op.stage, it)] = t
                         self.last_opt[it] = max(self.last_opt.get(it, -1), t)
-        # Per tick: each worker's time in it (GreedyPacker.worker_time), kept up to date
-        # (deferred, a pulled op's readers in later ticks may wait less: not re-priced).
+        # Per tick: the least it lasts (C after a tick that made a late message) and each
+        # worker's time in it (GreedyPacker.worker_time), kept up to date (deferred,
+        # a pulled op's readers and its ticks' floors are re-priced at the next pass).
+        sent_late = {
+            t
+            for t, tick in enumerate(self.ticks)
+            for w, es in tick.items()
+            if any((w, op) in self.g.late_senders for _, op in es)
+        }
+        self.floors = [
+            self.g.costs.c if t - 1 in sent_late else 0.0 for t in range(len(self.ticks))
+        ]
         self.times = [
-            {w: self.g.worker_time(w, es, t, self.made) for w, es in tick.items()}
+            {w: self.g.worker_time(w, es, t, self.made, self.floors[t]) for w, es in tick.items()}
             for t, tick in enumerate(self.ticks)
         ]
 
@@ -81,8 +91,8 @@ class PullForward:
         if not fits(ops, self.g.order, self.g.w_per_tick) or not self._ready(w, entry, t, joined):
             return False
         rest = [e for e in there[w] if e != entry]
-        joined_time = self.g.worker_time(w, joined, t, self.made)
-        rest_time = self.g.worker_time(w, rest, t + 1, self.made)
+        joined_time = self.g.worker_time(w, joined, t, self.made, self.floors[t])
+        rest_time = self.g.worker_time(w, rest, t + 1, self.made, self.floors[t + 1])
         here_now, here_then = self._lengths(t, w, joined_time)
         there_now, there_then = self._lengths(t + 1, w, rest_time)
         before, after = here_now + there_now, here_then + there_then
