@@ -37,6 +37,7 @@ from pjit_pipe.ir.ticks import (
     late_channel,
     sends_late,
 )
+from pjit_pipe.passes.held_memory import Held, add, highest, rise
 from pjit_pipe.passes.tick_length import RULES, cut
 
 # The greedy variants pack_ticks prices: (rule, whether a W may overtake, whether a W
@@ -355,8 +356,8 @@ class GreedyPacker:
                 continue
             if i > st.ptr:
                 window = window or self._window(st)
-                rise = _rise(window, {st.position[e] for e in chosen} | {i})
-                if not self.bound.admits(add(mem, rise)):
+                still = rise(window, {st.position[e] for e in chosen} | {i})
+                if not self.bound.admits(add(mem, still)):
                     continue
             chosen.append((it, op))
             taken.update(self.lanes[op.kind])
@@ -366,7 +367,7 @@ class GreedyPacker:
             if len(taken) == 3 and ws in (0, self.w_per_tick):  # every lane is full
                 break
 
-    def _window(self, st: _Worker) -> list[tuple[int, tuple[int, int, int]]]:
+    def _window(self, st: _Worker) -> list[tuple[int, Held]]:
         """The worker's unplaced entries within the greedy's scan, in program order:
         (position, memory delta)."""
         return [
@@ -374,33 +375,3 @@ class GreedyPacker:
             for i in range(st.ptr, min(len(st.entries), st.ptr + _SCAN))
             if not st.placed[i]
         ]
-
-
-def _rise(window: list[tuple[int, tuple[int, int, int]]], skip: set[int]) -> tuple[int, int, int]:
-    """How far a worker's memory must still rise running the `window` of its unplaced
-    ops (GreedyPacker._window) in program order, the positions in `skip` left out
-    (the tick's), per resource: an op that overtakes keeps this much room free, so
-    the program order stays possible (no deadlock)."""
-    units = b_rows = w_rows = 0
-    rise_units = rise_b = rise_w = 0
-    for i, (du, db, dw) in window:
-        if i not in skip:
-            units, b_rows, w_rows = units + du, b_rows + db, w_rows + dw
-            # (comparisons, not max(): this loop is the greedy's hottest)
-            if units > rise_units:
-                rise_units = units
-            if b_rows > rise_b:
-                rise_b = b_rows
-            if w_rows > rise_w:
-                rise_w = w_rows
-    return rise_units, rise_b, rise_w
-
-
-# Held memory as (units, B-pool rows, W-pool rows) (ir.memory.MemoryBound), summed and
-# maxed by hand: the greedy's inner loop runs these a hundred thousand times.
-def add(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
-    return a[0] + b[0], a[1] + b[1], a[2] + b[2]
-
-
-def highest(a: tuple[int, int, int], b: tuple[int, int, int]) -> tuple[int, int, int]:
-    return max(a[0], b[0]), max(a[1], b[1]), max(a[2], b[2])

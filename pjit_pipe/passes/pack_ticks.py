@@ -156,20 +156,9 @@ def _pack(
     orders: tuple[LaneOrder, ...],
     polish: float,
 ) -> PackedTicks:
-    """`pack_ticks` without its argument check and cache: the cheapest table, sent
-    at the cheaper of its two send timings (`cheaper_timing`)."""
-    return cheaper_timing(_cheapest(schedule, costs, iterations, mem_limit, orders, polish), costs)
-
-
-def _cheapest(
-    schedule: Schedule,
-    costs: Costs,
-    iterations: int,
-    mem_limit: float | None,
-    orders: tuple[LaneOrder, ...],
-    polish: float,
-) -> PackedTicks:
-    """The cheapest table the greedy variants (and polishing) find."""
+    """`pack_ticks` without its argument check and cache: the cheapest table the
+    greedy variants (and polishing) find, each sent at its cheaper timing
+    (`cheaper_timing`)."""
     sched = compute_only(schedule)
     # The unpacked table is a candidate too: packing never makes a schedule slower.
     # (With one op per worker and tick it is a table of every lane order.)
@@ -177,6 +166,7 @@ def _cheapest(
     if schedule.asynchronous:
         return best
     pricer = TickPricer(schedule, costs)  # every candidate is a table of `schedule`
+    best = cheaper_timing(best, costs, pricer)
     best_price = pricer.time(best)
     # Of two tables of one price, the one that runs more loss-stage groups as one op
     # (ir.ticks.fused_loss_ops): without `Costs.fbw` fusing is priced as free, and

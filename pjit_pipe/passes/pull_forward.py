@@ -14,7 +14,8 @@ from __future__ import annotations
 from pjit_pipe.ir.engine import Stamped
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
 from pjit_pipe.ir.ticks import Entry, PackedTicks, fits, lane_order
-from pjit_pipe.passes.greedy_ticks import GreedyPacker, add, highest
+from pjit_pipe.passes.greedy_ticks import GreedyPacker
+from pjit_pipe.passes.held_memory import add, highest
 
 
 class PullForward:
