@@ -110,8 +110,9 @@ class Post:
             received = send(plan.sends[0])(*sent)
         else:  # only the ppermutes some device uses in this tick
             # Collectives in a branch: safe only because every device takes the same
-            # one (build_plan gives all devices the tick's index); a branch some
-            # devices skip would deadlock (DESIGN.md, JAX facts).
+            # one (build_plan gives all devices the tick's index); a ppermute some
+            # devices skip deadlocks, or on CPU pairs with another collective and
+            # gives wrong numbers (docs/tick_packing.md, "Deferred sends, continued").
             received = lax.switch(row.sends, [send(w) for w in plan.sends], *sent)
         slots = ((row.self_act, row.recv_act), (row.self_grad, row.recv_grad))
         return tuple(

@@ -88,10 +88,9 @@ class PackingFacts:
             for w, _, op in sched.ops()
         }
         self.produces = {(w, op): self.flow.produces(w, op) for w, _, op in sched.ops()}
-        # Per (worker, op): the messages it reads from another worker, with their payload
-        # (a deferred table's late channel carries one payload: ir.ticks.late_channel).
+        # Per (worker, op): the messages it reads from another worker.
         self.reads = {
-            (w, op): [(key, key.payload) for key, cross in self.flow.deps(w, op) if cross]
+            (w, op): [key for key, cross in self.flow.deps(w, op) if cross]
             for w, _, op in sched.ops()
         }
         # Per (worker, op): its duration, and C when it sends a message to another worker.
@@ -154,9 +153,10 @@ class GreedyPacker:
                 (w, op): (took, 0.0 if sends_late(op.kind, order) else send)
                 for (w, op), (took, send) in self.cost.items()
             }
+            # (a deferred table's late channel carries one payload: ir.ticks.late_channel)
             late = Payload.ACT if late_channel(order) is Kind.F else Payload.GRAD
             self.late_reads = {
-                wop: [key for key, payload in reads if payload is late]
+                wop: [key for key in reads if key.payload is late]
                 for wop, reads in facts.reads.items()
             }
         self.holders = facts.holders

@@ -58,7 +58,7 @@ from pjit_pipe.ir.ticks import (
 )
 from pjit_pipe.passes.greedy_ticks import VARIANTS, GreedyPacker, PackingFacts
 from pjit_pipe.passes.pull_forward import PullForward
-from pjit_pipe.passes.send_timing import cheaper_timing
+from pjit_pipe.passes.send_timing import at_cheaper_timing
 from pjit_pipe.passes.tick_milp import polish_ticks
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import TickPricer
@@ -158,7 +158,7 @@ def _pack(
 ) -> PackedTicks:
     """`pack_ticks` without its argument check and cache: the cheapest table the
     greedy variants (and polishing) find, each sent at its cheaper timing
-    (`cheaper_timing`)."""
+    (`send_timing.at_cheaper_timing`)."""
     sched = compute_only(schedule)
     # The unpacked table is a candidate too: packing never makes a schedule slower.
     # (With one op per worker and tick it is a table of every lane order.)
@@ -166,8 +166,7 @@ def _pack(
     if schedule.asynchronous:
         return best
     pricer = TickPricer(schedule, costs)  # every candidate is a table of `schedule`
-    best = cheaper_timing(best, costs, pricer)
-    best_price = pricer.time(best)
+    best, best_price = at_cheaper_timing(best, pricer)
     # Of two tables of one price, the one that runs more loss-stage groups as one op
     # (ir.ticks.fused_loss_ops): without `Costs.fbw` fusing is priced as free, and
     # measured it saves a quarter of those ops (docs/tick_packing.md, "On a GPU").
@@ -237,8 +236,7 @@ def _pack(
         )
         table = greedy.run(rule)
         ticks = tuple(PullForward(greedy, table).run())
-        table = cheaper_timing(PackedTicks(schedule, iterations, ticks, order), costs, pricer)
-        price = pricer.time(table)
+        table, price = at_cheaper_timing(PackedTicks(schedule, iterations, ticks, order), pricer)
         if better(table, price):
             keep(table, price)
     if polish and iterations == 1 and best_price > floor + 1e-9:

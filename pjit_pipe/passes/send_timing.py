@@ -20,15 +20,19 @@ from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.simulator.simulate import TickPricer
 
 
-def cheaper_timing(
-    table: PackedTicks, costs: Costs, pricer: TickPricer | None = None
-) -> PackedTicks:
+def cheaper_timing(table: PackedTicks, costs: Costs) -> PackedTicks:
     """`table`, deferred or not, whichever is cheaper under `costs` (not deferred on a
-    tie; `pricer`: a `TickPricer` of the table's schedule and `costs` to price
-    with). An asynchronous table is never deferred (its carried messages cross
+    tie). An asynchronous table is never deferred (its carried messages cross
     calls, lowering/steady_window.py)."""
+    return at_cheaper_timing(table, TickPricer(table.schedule, costs))[0]
+
+
+def at_cheaper_timing(table: PackedTicks, pricer: TickPricer) -> tuple[PackedTicks, float]:
+    """(`cheaper_timing`'s table, its price) under `pricer` (a `TickPricer` of the
+    table's schedule): both timings priced once, for the packer's loops."""
     if table.schedule.asynchronous:
-        return dataclasses.replace(table, deferred=False)
-    pricer = pricer or TickPricer(table.schedule, costs)
+        now = dataclasses.replace(table, deferred=False)
+        return now, pricer.time(now)
     now, late = (dataclasses.replace(table, deferred=d) for d in (False, True))
-    return late if pricer.time(late) < pricer.time(now) - 1e-9 else now
+    now_price, late_price = pricer.time(now), pricer.time(late)
+    return (late, late_price) if late_price < now_price - 1e-9 else (now, now_price)

@@ -59,7 +59,7 @@ from pjit_pipe.ir.ticks import (
     lanes,
     sends_late,
 )
-from pjit_pipe.passes.send_timing import cheaper_timing
+from pjit_pipe.passes.send_timing import at_cheaper_timing
 from pjit_pipe.simulator.simulate import TickPricer
 
 
@@ -118,8 +118,8 @@ def polish_ticks(
                 best.deferred,
             )
             if found.table is not None:
-                candidate = cheaper_timing(found.table, costs, pricer)
-                if (p := pricer.time(candidate)) < price - 1e-9:
+                candidate, p = at_cheaper_timing(found.table, pricer)
+                if p < price - 1e-9:
                     best, price, improved = candidate, p, True
             t0 += step
         if not improved:
@@ -376,9 +376,9 @@ def solve_ticks(
         t = int(np.argmax(sol[i * T : (i + 1) * T]))
         ticks[t].setdefault(w, []).append((0, op))
     if deferred:
-        # An empty tick between a late message and its reader spares the reader's
-        # wait (as priced): only trailing ones go (with a priced tick there are no
-        # others: the ticks used come first, rows above).
+        # Dropping an empty tick would put a late message's reader in the tick right
+        # after it, a wait the MILP did not price: only trailing ones go (with a
+        # priced tick there are no others: the ticks used come first, rows above).
         ticks = ticks[: max(t for t, tk in enumerate(ticks) if tk) + 1]
     else:
         ticks = [tk for tk in ticks if tk]
