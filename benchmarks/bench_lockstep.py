@@ -51,9 +51,11 @@ import argparse
 import itertools
 import math
 import time
+from collections.abc import Iterator
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import peak_memory
+from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import FORWARD_FIRST, LANE_ORDERS, PackedTicks
 from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import pack_ticks
@@ -129,23 +131,38 @@ def grid(sizes, exact: float = 0.0) -> list[tuple[float, float, float]]:
     )
     print("|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if exact else ""))
     ratios = []
-    for P, m in sizes:
-        for costs_text in COSTS:
-            for kind in KINDS:
-                chunks = 2 if kind == "interleaved-1f1b" else None
-                sched = make_schedule(kind, P, m, chunks=chunks, costs=Costs.parse(costs_text))
-                # An asynchronous table keeps its stream order: nothing to optimize.
-                solve = exact if P == 4 and kind != "async-1f1b" else 0.0
-                ratio = row(f"{kind} P={P} m={m}", sched, costs_text, solve)
-                if kind != "async-1f1b":
-                    ratios.append(ratio)
+    for label, sched, costs_text in kind_cases(sizes, with_async=True):
+        # An asynchronous table keeps its stream order: nothing to optimize.
+        solve = exact if sched.stages == 4 and not sched.asynchronous else 0.0
+        ratio = row(label, sched, costs_text, solve)
+        if not sched.asynchronous:
+            ratios.append(ratio)
+    for label, sched, costs_text in rerouted_cases():
+        ratios.append(row(label, sched, costs_text))
+    return ratios
+
+
+def kind_cases(sizes, with_async: bool) -> Iterator[tuple[str, Schedule, str]]:
+    """(label, schedule, costs) of the grid's cases of every kind at each (P, m) of
+    `sizes` under each of COSTS; async-1f1b's only `with_async` (its table keeps
+    the stream order: not packed)."""
+    for (P, m), costs_text in itertools.product(sizes, COSTS):
+        for kind in KINDS:
+            if kind == "async-1f1b" and not with_async:
+                continue
+            chunks = 2 if kind == "interleaved-1f1b" else None
+            sched = make_schedule(kind, P, m, chunks=chunks, costs=Costs.parse(costs_text))
+            yield f"{kind} P={P} m={m}", sched, costs_text
+
+
+def rerouted_cases() -> Iterator[tuple[str, Schedule, str]]:
+    """(label, schedule, costs) of the grid's re-routed cases: zb-h1 on a 4x4 mesh,
+    m=8, with one and with two failed workers, under 1,2,1,0 and 5,6,4,1."""
     for failed in ([(1, 2)], [(1, 2), (2, 0)]):
         for costs_text in ("1,2,1,0", "5,6,4,1"):
             costs = Costs.parse(costs_text)
             sched = schedule_with_failures("zb-h1", 4, 8, 4, failed, costs, time_limit=2.0)
-            label = f"zb-h1 4x4 m=8, {len(failed)} failed"
-            ratios.append(row(label, sched, costs_text))
-    return ratios
+            yield f"zb-h1 4x4 m=8, {len(failed)} failed", sched, costs_text
 
 
 def polished(seconds: float, sizes) -> None:
@@ -153,29 +170,23 @@ def polished(seconds: float, sizes) -> None:
     print("| kind, P, m | costs | greedy | polished | s |")
     print("|---|---|---|---|---|")
     counts = [0, 0, 0]
-    for (P, m), costs_text in itertools.product(sizes, COSTS):
+    for label, sched, costs_text in kind_cases(sizes, with_async=False):
         costs = Costs.parse(costs_text)
-        for kind in KINDS:
-            if kind == "async-1f1b":  # its table keeps the stream order: not packed
-                continue
-            chunks = 2 if kind == "interleaved-1f1b" else None
-            sched = make_schedule(kind, P, m, chunks=chunks, costs=costs)
-            start = time.perf_counter()
-            ratios = [
-                after / event
-                for event, _, after, _ in (periods(sched, costs, polish=p) for p in (0.0, seconds))
-            ]
-            took = time.perf_counter() - start
-            print(
-                f"| {kind} P={P} m={m} | {costs_text} | {ratios[0]:.3f} | {ratios[1]:.3f} "
-                f"| {took:.0f} |",
-                flush=True,
-            )
-            counts = [
-                counts[0] + 1,
-                counts[1] + (ratios[0] <= 1.05),
-                counts[2] + (ratios[1] <= 1.05),
-            ]
+        start = time.perf_counter()
+        ratios = [
+            after / event
+            for event, _, after, _ in (periods(sched, costs, polish=p) for p in (0.0, seconds))
+        ]
+        took = time.perf_counter() - start
+        print(
+            f"| {label} | {costs_text} | {ratios[0]:.3f} | {ratios[1]:.3f} | {took:.0f} |",
+            flush=True,
+        )
+        counts = [
+            counts[0] + 1,
+            counts[1] + (ratios[0] <= 1.05),
+            counts[2] + (ratios[1] <= 1.05),
+        ]
     print(
         f"\nwithin 1.05 x steady_period: {counts[1]} of {counts[0]} greedy, "
         f"{counts[2]} polished ({seconds:g} s per window)"

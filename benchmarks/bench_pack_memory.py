@@ -21,13 +21,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import itertools
 import math
 
-from bench_lockstep import COSTS, periods
+from bench_lockstep import kind_cases, periods, rerouted_cases
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import largest_peak
-from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
 
 TARGET = 1.05
 STEP = 0.25  # memory units: a chunk of a two-chunk layout holds half an activation
@@ -51,27 +51,6 @@ def smallest_limit(schedule, costs: Costs, event: float, low: float, high: float
     return low + hi * STEP, found
 
 
-def cases(sizes):
-    for P, m in sizes:
-        for costs_text in COSTS:
-            for kind in KINDS:
-                if kind == "async-1f1b":  # its table keeps the stream order: not packed
-                    continue
-                chunks = 2 if kind == "interleaved-1f1b" else None
-                costs = Costs.parse(costs_text)
-                yield (
-                    f"{kind} P={P} m={m}",
-                    make_schedule(kind, P, m, chunks=chunks, costs=costs),
-                    costs_text,
-                )
-    for failed in ([(1, 2)], [(1, 2), (2, 0)]):
-        for costs_text in ("1,2,1,0", "5,6,4,1"):
-            sched = schedule_with_failures(
-                "zb-h1", 4, 8, 4, failed, Costs.parse(costs_text), time_limit=2.0
-            )
-            yield f"zb-h1 4x4 m=8, {len(failed)} failed", sched, costs_text
-
-
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="P=4 m=8 and re-routed 4x4 only")
@@ -82,7 +61,9 @@ def main(argv: list[str] | None = None) -> None:
         "| there | unbounded: memory, period |"
     )
     print("|---|---|---|---|---|---|---|")
-    for label, sched, costs_text in cases(sizes):
+    for label, sched, costs_text in itertools.chain(
+        kind_cases(sizes, with_async=False), rerouted_cases()
+    ):
         costs = Costs.parse(costs_text)
         event, _, own_period, _ = periods(sched, costs)
         if own_period / event <= TARGET:
