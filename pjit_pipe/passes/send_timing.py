@@ -7,8 +7,8 @@ work. Deferred, the transfer overlaps the receiver's first lane of the next
 tick instead, and only the op that reads the message waits for it. Neither
 timing wins everywhere (deferred, a tick whose receivers have no first-lane
 op pays C at its start), so the table takes the one its lockstep price finds
-cheaper. The greedy packs for either price (`GreedyPacker(deferred=...)`); the
-exact engine packs with messages sent at once.
+cheaper. The greedy and the exact engine pack for either price
+(`GreedyPacker(deferred=...)`, `tick_milp.solve_ticks(deferred=...)`).
 """
 
 from __future__ import annotations
