@@ -23,7 +23,7 @@ test-quick: $(STAMP)
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 bench: $(STAMP)
-	$(BIN)/python benchmarks/run.py
+	$(BIN)/python -m benchmarks.run
 
 lint: $(STAMP)
 	$(BIN)/ruff format --check .

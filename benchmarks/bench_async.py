@@ -7,7 +7,7 @@
 2. Carrying across calls: the lockstep time of one compiled call (one batch) of
    async-1f1b that drains (fills and drains its pipeline) against one that
    carries its in-flight microbatches (runs the steady window,
-   lowering/async_carry.py), and the measured wall time of a compiled step of
+   lowering/async_pipeline/async_carry.py), and the measured wall time of a compiled step of
    the tiny GPT on 1x4 for 1f1b, zb-h1, async draining and async carrying,
    in one run (`--calls` timed calls each, taking turns).
 3. Convergence: the tiny GPT on the bundled corpus on a 1x4 mesh, m=4, with
@@ -22,10 +22,10 @@
 The learning rate is injected (optax.inject_hyperparams) so one compiled
 program per (schedule, optimizer) serves every rate and seed.
 
-Run: python benchmarks/bench_async.py [--steps N] [--seeds K] [--plot FILE.png]
+Run: python -m benchmarks.bench_async [--steps N] [--seeds K] [--plot FILE.png]
     [--calls N] [--skip-convergence]
 The defaults are a short run for a 2-core machine; the full study is
-    python benchmarks/bench_async.py --steps 300 --seeds 3
+    python -m benchmarks.bench_async --steps 300 --seeds 3
 """
 
 from __future__ import annotations
@@ -45,16 +45,16 @@ import numpy as np
 import optax
 
 import pjit_pipe as pp
-from models import GPT, GPTConfig, lm_loss
-from models.text import CharCorpus
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ticks import PackedTicks
-from pjit_pipe.lowering import lower
-from pjit_pipe.lowering.steady_window import steady_window
+from pjit_pipe.lowering import LoweringOptions, lower
+from pjit_pipe.lowering.async_pipeline.steady_window import steady_window
+from pjit_pipe.models import GPT, GPTConfig, lm_loss
+from pjit_pipe.models.char_corpus import CharCorpus
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator.simulate import packed_time, simulate
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 P, M, BATCH = 4, 4, 16
 # Iterations per compiled call: asynchronous 1F1B runs without a flush inside a
@@ -173,15 +173,13 @@ def compiled(kind: str, weights: str | None, optimizer, config, mesh, params, ba
     pm = pp.pipeline(GPT(config), stages=P, microbatches=M, schedule=kind, mesh=mesh)
     cut = pm.cut(params, batch[0])
     step = lower(
-        pm.schedule,
+        PackedTicks.one_op_per_tick(pm.schedule, CALL_ITERATIONS),
         cut.stage_fns(),
         lm_loss,
         mesh,
         cut.split(params),
         *batch,
-        optimizer=optimizer,
-        iterations=CALL_ITERATIONS,
-        async_weights=weights,
+        LoweringOptions(optimizer=optimizer, async_weights=weights),
     )
     return cut, step
 

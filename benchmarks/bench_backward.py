@@ -25,7 +25,7 @@
    over the fused BW's residual bytes: what the memory units F +1, B -1/2,
    W -1/2 say the split holds after F (1) and after B (1/2).
 
-Run: python benchmarks/bench_backward.py [--repeats N] [--pairs N] [--quick] [--part 1..4]
+Run: python -m benchmarks.bench_backward [--repeats N] [--pairs N] [--quick] [--part 1..4]
 """
 
 from __future__ import annotations
@@ -36,23 +36,17 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench_lowering import median_times
-from timing import quartiles
-
 import pjit_pipe as pp
-from models.gpt import GPT, Block, GPTConfig, lm_loss
-from models.mlp import ResidualBlock
-from pjit_pipe.lowering.loss import LossLayout
-from pjit_pipe.lowering.stages import StageVjp
+from benchmarks.common import HeavySecond, median_times, mse, quartiles
+from pjit_pipe.lowering.compute.loss import LossLayout
+from pjit_pipe.lowering.compute.stages import StageVjp
+from pjit_pipe.models.gpt import GPT, Block, GPTConfig, lm_loss
+from pjit_pipe.models.mlp import ResidualBlock
 
 
 class Blocks(nn.Module):
@@ -149,24 +143,6 @@ def per_stage(repeats: int, quick: bool) -> None:
         )
 
 
-class HeavySecond(nn.Module):
-    """A light first stage (one dense), then 4 residual blocks after a boundary."""
-
-    width: int = 256
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(self.width)(x)
-        x = pp.boundary(x)
-        for _ in range(4):
-            x = ResidualBlock(4 * self.width)(x)
-        return nn.Dense(8)(x)
-
-
-def mse(out, y):
-    return jnp.mean((out - y) ** 2)
-
-
 def heavy_second_stage(pairs: int, quick: bool) -> None:
     """zb-h1 over 1f1b on the 1x2 pipeline, both packed with measured costs.
 
@@ -188,10 +164,10 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
 
     from pjit_pipe.ir.memory import largest_peak
     from pjit_pipe.lowering import lower
-    from pjit_pipe.passes.pack_ticks import pack_ticks
     from pjit_pipe.passes.split_backward import split_backward
     from pjit_pipe.schedules import make_schedule
     from pjit_pipe.simulator.simulate import packed_time
+    from pjit_pipe.tick_packing.packer import pack_ticks
 
     m, mb = 16, 16 if quick else 64
     model = HeavySecond(128 if quick else 256)
@@ -212,7 +188,7 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
             f"  F not split {costs.f_fused[p]:.3f}"
         )
     print(f"    C {costs.c:.3f}  tick {costs.tick:.3f}")
-    from pjit_pipe.frontend.measure import tick_seconds
+    from pjit_pipe.frontend.planning.measure import tick_seconds
 
     wide = pp.make_mesh(data=2, stage=4)
     boundary = jax.ShapeDtypeStruct((mb, model.width), jnp.float32)
@@ -247,14 +223,14 @@ def heavy_second_stage(pairs: int, quick: bool) -> None:
             if name is None:
                 name = f"{kind} #{len(tables)}"
                 tables[name] = table
-                step = lower(sched, cut.stage_fns(), mse, mesh, sp, x, y, ticks=table)
+                step = lower(table, cut.stage_fns(), mse, mesh, sp, x, y)
                 programs[name] = lambda step=step: step.value_and_grad(sp, x, y)
             rows.append((label, kind, name))
     # The zb-h1 own-peak table with IDLE empty ticks appended: what an idle tick
     # of the real tick body costs, against the measured `tick`.
     idle, zb = 256, next(n for lab, k, n in rows if lab == "own peak" and k == "zb-h1")
     padded = dataclasses.replace(tables[zb], ticks=tables[zb].ticks + ({},) * idle)
-    step = lower(padded.schedule, cut.stage_fns(), mse, mesh, sp, x, y, ticks=padded)
+    step = lower(padded, cut.stage_fns(), mse, mesh, sp, x, y)
     programs["padded"] = lambda step=step: step.value_and_grad(sp, x, y)
     for f in programs.values():  # compile and warm up
         jax.block_until_ready(f())
@@ -324,7 +300,7 @@ def auto_vs_fixed(repeats: int, quick: bool) -> None:
             continue
         fs[kind] = lambda vg=vg: vg(params, x, y)
         if kind == "auto":
-            notes[kind] = f"  measured costs {pm.measured_costs}"
+            notes[kind] = f"  measured costs {pm.costs}"
     med = median_times(fs, repeats)
     best = min(med.values())
     print(f"3. Tiny GPT, mesh {D}x{P}, m={m} x 2 sequences:")
@@ -394,7 +370,7 @@ def compiled_stores() -> None:
 
 
 def memory(quick: bool) -> None:
-    from models.mlp import ResidualMLP
+    from pjit_pipe.models.mlp import ResidualMLP
 
     print("4. Bytes per microbatch of a split stage over the fused BW's residuals:")
     m = 8

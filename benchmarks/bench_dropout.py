@@ -2,14 +2,14 @@
 
 A stage function reads its microbatch's keys from a context variable, so the
 split backward traces them as explicit inputs of the stage jaxpr
-(`pjit_pipe/lowering/split_backward.py`). Before, a model lowered with
+(`pjit_pipe/lowering/compute/stage_backward.py`). Before, a model lowered with
 `rngs=` fell back to a W that re-ran the stage's pullback (B + W about twice
 BW). On a 1x2 pipeline of pre-norm MLP blocks with dropout, this times 1f1b,
 zb-h1 with the old W (`lower(..., split_backward=False)`) and zb-h1 with the
 split, in alternating rounds in one process, and prints the medians, each
 over 1f1b's time of the same round, and the losses (the same keys: equal).
 
-Run: python benchmarks/bench_dropout.py [--rounds N] [--quick]
+Run: python -m benchmarks.bench_dropout [--rounds N] [--quick]
 """
 
 from __future__ import annotations
@@ -20,19 +20,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
 import statistics
-import sys
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from timing import round_times
 
 import pjit_pipe as pp
-from pjit_pipe.lowering import lower
+from benchmarks.common import mse, round_times
+from pjit_pipe.lowering import LoweringOptions, lower
 from pjit_pipe.schedules import make_schedule
 
 
@@ -61,10 +55,6 @@ class DropoutMLP(nn.Module):
         return nn.Dense(8)(x)
 
 
-def mse(out, y):
-    return jnp.mean((out - y) ** 2)
-
-
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=11)
@@ -86,10 +76,7 @@ def main(argv: list[str] | None = None) -> None:
         ("zb-h1, W re-runs the pullback", "zb-h1", False),
         ("zb-h1, split backward", "zb-h1", True),
     ):
-        step = lower(
-            make_schedule(kind, P, m), cut.stage_fns(), mse, mesh, sp, x, y,
-            rngs=rngs, split_backward=split,
-        )  # fmt: skip
+        step = lower(make_schedule(kind, P, m), cut.stage_fns(), mse, mesh, sp, x, y, LoweringOptions(rngs=rngs, split_backward=split))  # fmt: skip
         programs[name] = lambda step=step: step.value_and_grad(sp, x, y, rngs)
     losses = {name: float(f()[0]) for name, f in programs.items()}
     times = round_times(programs, args.rounds)

@@ -5,7 +5,7 @@ For each (P, m, costs, memory limit) the exact engine runs for at most
 whether optimality was proven, and the heuristics' makespans (event
 simulation, one iteration). auto/opt is auto's makespan over the exact one.
 
-Run: python benchmarks/bench_exact.py [--time-limit S]
+Run: python -m benchmarks.bench_exact [--time-limit S]
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ costs, memory limit 2P) and 0..3 failed workers, prints the steady period of
 - naive:    re-routed 1F1B with fused BW and an iteration barrier,
 and draws a Gantt chart of one re-routed schedule.
 
-Run: python benchmarks/bench_failures.py [--plot out/failures_reroute.png]
+Run: python -m benchmarks.bench_failures [--plot out/failures_reroute.png]
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"{replicas:>2} {stages:>2} {microbatches:>3}  {pattern!s:<16} {got:>8g} "
                 f"{bound:>6g} {got / bound - 1:>6.1%} {drop:>6g} {naive:>6g} {took:>8.2f}"
             )
-    from pjit_pipe.simulator.plot import gantt
+    from pjit_pipe.simulator.charts import gantt
 
     pattern = FailurePattern.of(4, 4, {(0, 1)})
     *_, picture = row(4, 4, 8, pattern, costs)

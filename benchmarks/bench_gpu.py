@@ -1,7 +1,7 @@
 """The tick body on accelerators: what a tick costs, and each kind's step time
 against a plain gradient-accumulation scan over the same microbatches.
 
-    python benchmarks/bench_gpu.py [--modes off,default,conditional] [--rounds N]
+    python -m benchmarks.bench_gpu [--modes off,default,conditional] [--rounds N]
                                    [--stages P] [--pricing unit,measure] [--quick]
 
 Runs on the default backend's devices: GPUs where there are some. On a
@@ -39,7 +39,7 @@ In each mode:
    jitted `jax.value_and_grad` of the model, and a jitted `jax.vjp` forward
    that returns its residuals and a jitted backward that reads them, with every
    residual kept and with `jax.checkpoint`'s dots_saveable (what pjit_pipe's F
-   keeps: lowering/stages.py); part 3 gives pjit_pipe's own F and BW.
+   keeps: lowering/compute/stages.py); part 3 gives pjit_pipe's own F and BW.
 With one stage (the default) there is no bubble: every kind does the scan's
 work, so the ratio is what the tick-synchronous program costs over the
 plainest loop.
@@ -57,9 +57,6 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 MODES = {
     "off": "--xla_gpu_enable_command_buffer=",
     "default": "",
@@ -76,7 +73,7 @@ def run_mode(
     import jax.numpy as jnp
 
     import pjit_pipe as pp
-    from models.gpt import GPT, GPTConfig, lm_loss
+    from pjit_pipe.models.gpt import GPT, GPTConfig, lm_loss
 
     device = jax.devices()[0]
     print(
@@ -136,10 +133,10 @@ def tick_cost(run: Run, message: Any, idle: int) -> None:
     tick body (zb-h1's table with `idle` empty ticks appended, against the table)."""
     from timing import quartiles, round_times
 
-    from pjit_pipe.frontend.measure import tick_seconds
+    from pjit_pipe.frontend.planning.measure import tick_seconds
     from pjit_pipe.ir.costs import Costs
     from pjit_pipe.lowering import lower
-    from pjit_pipe.passes.pack_ticks import pack_ticks
+    from pjit_pipe.tick_packing.packer import pack_ticks
 
     print(f"1. idle loop (tick_seconds): {tick_seconds(run.mesh, message) * 1e6:8.1f} us a tick")
     pm = run.pipeline("zb-h1")
@@ -149,9 +146,7 @@ def tick_cost(run: Run, message: Any, idle: int) -> None:
     padded = dataclasses.replace(table, ticks=table.ticks + ({},) * idle)
     programs = {}
     for name, t in (("table", table), ("padded", padded)):
-        step = lower(
-            t.schedule, cut.stage_fns(), run.loss_fn, run.mesh, split, run.x, run.y, ticks=t
-        )
+        step = lower(t, cut.stage_fns(), run.loss_fn, run.mesh, split, run.x, run.y)
         programs[name] = lambda step=step: step.value_and_grad(split, run.x, run.y)
     times = round_times(programs, run.rounds)
     extra = [(p - t) / idle for p, t in zip(times["padded"], times["table"], strict=True)]
@@ -317,7 +312,15 @@ def main(argv: list[str] | None = None) -> None:
         ap.error(f"--modes: unknown {unknown}; choose from {sorted(MODES)}")
     for mode in modes:
         flags = f"{os.environ.get('XLA_FLAGS', '')} {MODES[mode]}".strip()
-        child = [sys.executable, __file__, "--mode", mode, "--rounds", str(args.rounds)]
+        child = [
+            sys.executable,
+            "-m",
+            "benchmarks.bench_gpu",
+            "--mode",
+            mode,
+            "--rounds",
+            str(args.rounds),
+        ]
         child += ["--idle", str(args.idle), "--stages", str(args.stages)]
         child += ["--quick"] if quick else []
         child += ["--pricing", args.pricing]

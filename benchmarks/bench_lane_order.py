@@ -11,7 +11,7 @@ store rows (W-pool / B-pool), XLA's compiled temp memory, the median step
 time over `--rounds` rounds of alternating calls and the median of the
 per-round ratios.
 
-Run: python benchmarks/bench_lane_order.py [--rounds N] [--quick]
+Run: python -m benchmarks.bench_lane_order [--rounds N] [--quick]
 """
 
 from __future__ import annotations
@@ -22,26 +22,20 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from bench_backward import HeavySecond, mse
-from timing import round_times
-
 import pjit_pipe as pp
-from models.gpt import GPT, GPTConfig, lm_loss
-from models.mlp import ResidualMLP
+from benchmarks.common import HeavySecond, mse, round_times
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ticks import FORWARD_FIRST
 from pjit_pipe.lowering import lower
-from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.models.gpt import GPT, GPTConfig, lm_loss
+from pjit_pipe.models.mlp import ResidualMLP
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator.simulate import packed_time
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 
 def _case(name, model, x, y, loss, D, P, m, kinds, rounds, given: str | None = None) -> None:
@@ -68,7 +62,7 @@ def _case(name, model, x, y, loss, D, P, m, kinds, rounds, given: str | None = N
             print(f"    {sched.kind}: the same table ({len(tables['both orders'])} ticks, F, B, W)")
             continue
         for label, table in tables.items():
-            step = lower(sched, cut.stage_fns(), loss, mesh, sp, x, y, ticks=table)
+            step = lower(table, cut.stage_fns(), loss, mesh, sp, x, y)
             programs[(kind, label)] = lambda step=step: step.value_and_grad(sp, x, y)
             plan = step._low.plan
             notes[(kind, label)] = (

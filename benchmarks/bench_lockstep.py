@@ -3,11 +3,11 @@
 1. The acceptance grid of issue 11: lockstep_period / steady_period (4
    iterations) for every kind at P=4 m=8 and P=8 m=32 under costs 1,1,1,0,
    1,2,1,0 and 5,6,4,1, before (one op per device per tick) and after tick
-   packing (passes/pack_ticks.py): within the schedule's own peak memory (the
+   packing (tick_packing/packer.py): within the schedule's own peak memory (the
    default: the compiled program holds no more activations) and unbounded,
    with the unbounded table's peak activation memory next to the schedule's own;
    the own-peak table's lane order (ir/ticks.py) and whether it defers its late
-   channel (passes/send_timing.py), and the own-peak period with
+   channel (tick_packing/send_timing.py), and the own-peak period with
    the lane order F, B, W alone (what packing gave before B, W, F existed),
    and the lower bound no tick table beats (simulator.bounds), all over the
    event-driven steady period.
@@ -18,7 +18,7 @@
 4. Messages on a 4x4 mesh with one and with two failures (zb-h1, m=8, costs
    1,2,1,0, packed), in units of one message buffer: the ppermutes a tick
    runs (one per grid shift, or the fewest partial permutations,
-   lowering/routes.py), how many run per iteration (every tick, or only in
+   lowering/comms/routes.py), how many run per iteration (every tick, or only in
    the ticks some device uses them), and what the busiest device sends.
 5. With --compile: the seconds to compile the tiny GPT's train step on 2x4
    (zb-h1, m=8), one op per tick against the packed table, and the table
@@ -28,16 +28,16 @@
 
 With --polish SECONDS (alone): the synchronous cases of the grid (P=4 m=8
 and, without --quick, P=8 m=32) packed within their own peak by the greedy, then polished by exact solves of windows of
-ticks (`pack_ticks(..., polish=SECONDS)`, passes/tick_milp.py), with the
+ticks (`pack_ticks(..., polish=SECONDS)`, tick_packing/tick_milp.py), with the
 seconds polishing took.
 
 With --exact SECONDS: the exact optimum of the P=4 cases (pack_ticks_exact,
 HiGHS), own peak / unbounded, or [lower bound, best found] where HiGHS does
 not prove it within SECONDS per solve.
 
-Run: python benchmarks/bench_lockstep.py [--quick] [--compile] [--exact SECONDS]
-     python benchmarks/bench_lockstep.py [--messages] [--step-time] [--compile-only]
-     python benchmarks/bench_lockstep.py --polish SECONDS
+Run: python -m benchmarks.bench_lockstep [--quick] [--compile] [--exact SECONDS]
+     python -m benchmarks.bench_lockstep [--messages] [--step-time] [--compile-only]
+     python -m benchmarks.bench_lockstep --polish SECONDS
 """
 
 from __future__ import annotations
@@ -48,37 +48,18 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import itertools
 import math
 import time
-from collections.abc import Iterator
 
+from benchmarks.common import kind_cases, periods, rerouted_cases
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import peak_memory
-from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.ir.ticks import FORWARD_FIRST, LANE_ORDERS, PackedTicks
+from pjit_pipe.ir.ticks import FORWARD_FIRST
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.pack_ticks import pack_ticks
-from pjit_pipe.passes.pack_ticks_exact import exact_bounds
-from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
+from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
-from pjit_pipe.simulator.simulate import simulate
-
-ITERATIONS = 4
-COSTS = ("1,1,1,0", "1,2,1,0", "5,6,4,1")
-
-
-def periods(
-    schedule, costs: Costs, mem_limit: float | None = None, orders=LANE_ORDERS, polish=0.0
-) -> tuple[float, float, float, PackedTicks]:
-    """(event steady period, one-op-per-tick lockstep period, packed lockstep period, table);
-    packed within `mem_limit` (None: the schedule's own peak, pack_ticks' default) in
-    the cheaper of the lane `orders`, polished `polish` seconds per window (0: not)."""
-    event = simulate(schedule, costs, ITERATIONS).steady_period
-    before = simulate(schedule, costs, ITERATIONS, mode="lockstep").steady_period
-    table = pack_ticks(schedule, costs, ITERATIONS, mem_limit, orders, polish)
-    after = simulate(schedule, costs, ITERATIONS, mode="lockstep", ticks=table).steady_period
-    return event, before, after, table
+from pjit_pipe.tick_packing.exact_table import exact_bounds
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 
 def optimum(schedule, costs: Costs, event: float, seconds: float) -> str:
@@ -142,29 +123,6 @@ def grid(sizes, exact: float = 0.0) -> list[tuple[float, float, float]]:
     return ratios
 
 
-def kind_cases(sizes, with_async: bool) -> Iterator[tuple[str, Schedule, str]]:
-    """(label, schedule, costs) of the grid's cases of every kind at each (P, m) of
-    `sizes` under each of COSTS; async-1f1b's only `with_async` (its table keeps
-    the stream order: not packed)."""
-    for (P, m), costs_text in itertools.product(sizes, COSTS):
-        for kind in KINDS:
-            if kind == "async-1f1b" and not with_async:
-                continue
-            chunks = 2 if kind == "interleaved-1f1b" else None
-            sched = make_schedule(kind, P, m, chunks=chunks, costs=Costs.parse(costs_text))
-            yield f"{kind} P={P} m={m}", sched, costs_text
-
-
-def rerouted_cases() -> Iterator[tuple[str, Schedule, str]]:
-    """(label, schedule, costs) of the grid's re-routed cases: zb-h1 on a 4x4 mesh,
-    m=8, with one and with two failed workers, under 1,2,1,0 and 5,6,4,1."""
-    for failed in ([(1, 2)], [(1, 2), (2, 0)]):
-        for costs_text in ("1,2,1,0", "5,6,4,1"):
-            costs = Costs.parse(costs_text)
-            sched = schedule_with_failures("zb-h1", 4, 8, 4, failed, costs, time_limit=2.0)
-            yield f"zb-h1 4x4 m=8, {len(failed)} failed", sched, costs_text
-
-
 def polished(seconds: float, sizes) -> None:
     """Own-peak lockstep/steady: the greedy's table against the polished one."""
     print("| kind, P, m | costs | greedy | polished | s |")
@@ -220,7 +178,7 @@ def staggering() -> None:
 def messages() -> None:
     import numpy as np
 
-    from pjit_pipe.lowering.plan import build_plan
+    from pjit_pipe.lowering.tick_plan import build_plan
 
     costs = Costs.parse("1,2,1,0")
     print(
@@ -268,9 +226,9 @@ def compile_times() -> None:
     import optax
 
     import pjit_pipe as pp
-    from models import GPT, GPTConfig, lm_loss
-    from models.text import CharCorpus
-    from pjit_pipe.lowering import lower
+    from pjit_pipe.lowering import LoweringOptions, lower
+    from pjit_pipe.models import GPT, GPTConfig, lm_loss
+    from pjit_pipe.models.char_corpus import CharCorpus
 
     corpus = CharCorpus.load()
     config = GPTConfig.tiny(vocab=corpus.vocab)
@@ -298,15 +256,14 @@ def compile_times() -> None:
         tables += (("packed for 5,6,4,1, deferred", deferred),)
     for label, ticks in tables:
         step = lower(
-            pm.schedule,
+            ticks,
             cut.stage_fns(),
             lm_loss,
             pm.mesh,
             stage_params,
             x,
             y,
-            optimizer=optax.adam(1e-3),
-            ticks=ticks,
+            LoweringOptions(optimizer=optax.adam(1e-3)),
         )
         opt = step.init_opt_state(stage_params)
         args = jax.tree.map(
@@ -328,9 +285,9 @@ def step_times(calls: int = 20) -> None:
     import optax
 
     import pjit_pipe as pp
-    from models import GPT, GPTConfig, lm_loss
-    from models.text import CharCorpus
-    from pjit_pipe.lowering import lower
+    from pjit_pipe.lowering import LoweringOptions, lower
+    from pjit_pipe.models import GPT, GPTConfig, lm_loss
+    from pjit_pipe.models.char_corpus import CharCorpus
 
     corpus = CharCorpus.load()
     config = GPTConfig.tiny(vocab=corpus.vocab)
@@ -362,12 +319,12 @@ def step_times(calls: int = 20) -> None:
     mlp = (make_schedule("1f1b", P, m), [dense] * P, xent, mesh, mlp_params, mlp_x, mlp_y)
     print("\n| train step | ticks | first call (compile) s | s per step (median) | (fastest) |")
     print("|---|---|---|---|---|")
-    for label, (sched, fns, loss, mesh, stage_params, xb, yb), ticks in (
+    for label, (_, fns, loss, mesh, stage_params, xb, yb), ticks in (
         ("tiny GPT 2x4 zb-h1 m=8 packed", gpt, gpt_ticks),
-        ("MLP 1x4 1f1b m=8, 256 wide", mlp, None),
+        ("MLP 1x4 1f1b m=8, 256 wide", mlp, mlp[0]),
     ):
         opt = optax.adam(1e-3)
-        step = lower(sched, fns, loss, mesh, stage_params, xb, yb, optimizer=opt, ticks=ticks)
+        step = lower(ticks, fns, loss, mesh, stage_params, xb, yb, LoweringOptions(optimizer=opt))
         state = step.init_opt_state(stage_params)
         start = time.perf_counter()
         jax.block_until_ready(step.train_step(stage_params, state, xb, yb))

@@ -6,7 +6,7 @@
 2. Eight virtual CPU devices (mesh 2x4): the step time of every schedule kind
    that make_schedule implements, and the compiled temp memory.
 
-Run: python benchmarks/bench_lowering.py [--repeats N]
+Run: python -m benchmarks.bench_lowering [--repeats N]
 """
 
 from __future__ import annotations
@@ -17,16 +17,13 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
-import statistics
-import time
-from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from baselines import scan_accumulation
 from jax.sharding import Mesh
 
+from benchmarks.common import median_times, scan_accumulation
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.lowering import lower
 from pjit_pipe.schedules import KINDS, make_schedule
@@ -65,19 +62,6 @@ def xent(logits: jax.Array, y: jax.Array) -> jax.Array:
 def batch(n: int, seed: int = 1):
     kx, ky = jax.random.split(jax.random.PRNGKey(seed))
     return jax.random.randint(kx, (n, SEQ), 0, VOCAB), jax.random.randint(ky, (n,), 0, CLASSES)
-
-
-def median_times(fs: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time of each callable, run round-robin so machine load hits all alike."""
-    for f in fs.values():
-        jax.block_until_ready(f())
-    times: dict[str, list[float]] = {k: [] for k in fs}
-    for _ in range(repeats):
-        for k, f in fs.items():
-            t = time.perf_counter()
-            jax.block_until_ready(f())
-            times[k].append(time.perf_counter() - t)
-    return {k: statistics.median(v) for k, v in times.items()}
 
 
 def one_device(repeats: int, layers: int, width: int, mbsize: int, m: int) -> None:

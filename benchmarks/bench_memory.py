@@ -15,7 +15,7 @@ flat layout pads each device's rows to the largest stage, so a device of a
 small stage pays for the embedding or LM head of the largest one: the
 configurations show how much.
 
-Run: python benchmarks/bench_memory.py [--steps N]
+Run: python -m benchmarks.bench_memory [--steps N]
 """
 
 from __future__ import annotations
@@ -36,9 +36,9 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 import pjit_pipe as pp
-from models import GPT, GPTConfig, lm_loss
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
-from pjit_pipe.lowering.device_state import device_bytes
+from pjit_pipe.lowering.layout.device_state import device_bytes
+from pjit_pipe.models import GPT, GPTConfig, lm_loss
 
 CONFIGS = {
     "tiny GPT 2x4": (GPTConfig.tiny(vocab=65), 2, 4, 4),

@@ -10,7 +10,7 @@ between the own peak and the unbounded table's peak) whose table is within
 1.05x, and that table's period. The packer is not monotone in its limit, so
 a smaller limit may exist off the bisection's path.
 
-Run: python benchmarks/bench_pack_memory.py [--quick]
+Run: python -m benchmarks.bench_pack_memory [--quick]
 """
 
 from __future__ import annotations
@@ -24,8 +24,7 @@ import argparse
 import itertools
 import math
 
-from bench_lockstep import kind_cases, periods, rerouted_cases
-
+from benchmarks.common import kind_cases, periods, rerouted_cases
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import largest_peak
 

@@ -4,13 +4,13 @@ A chunk whose pipeline positions hold stages of different parameter shapes
 used to keep them in a flat row per dtype, and every op sliced its weights
 out of it (XLA copies a slice that feeds a matmul). The lowering now holds
 them in size classes, whole buffers per (dtype, size) that an op reshapes
-(`pjit_pipe/lowering/param_layout.py`). For each model and kind this compiles
+(`pjit_pipe/lowering/layout/param_layout.py`). For each model and kind this compiles
 both (the flat one by refusing every class, `MAX_CLASS_OVERHEAD = 0`) and
 prints the classes' bytes over the flat row's, XLA's compiled temp memory,
 the median step time of each over `--rounds` rounds of alternating calls,
 and the median of the per-round ratios.
 
-Run: python benchmarks/bench_param_layout.py [--rounds N] [--quick]
+Run: python -m benchmarks.bench_param_layout [--rounds N] [--quick]
 """
 
 from __future__ import annotations
@@ -21,22 +21,17 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import argparse
 import statistics
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.dirname(__file__))
-
-from bench_backward import HeavySecond, mse
-from timing import round_times
-
 import pjit_pipe as pp
-from models.gpt import GPT, GPTConfig, lm_loss
-from pjit_pipe.lowering import lower, param_layout
+from benchmarks.common import HeavySecond, mse, round_times
+from pjit_pipe.lowering import LoweringOptions, lower
+from pjit_pipe.lowering.layout import param_layout
+from pjit_pipe.models.gpt import GPT, GPTConfig, lm_loss
 from pjit_pipe.schedules import make_schedule
 
 
@@ -56,7 +51,9 @@ def _case(name, model, x, y, loss, D, P, m, kinds, rounds, failed=()):
                 sched = make_schedule(kind, P, m, replicas=D, failed=failed)
                 if failed:
                     opt = optax.sgd(0.1)
-                    step = lower(sched, cut.stage_fns(), loss, mesh, sp, x, y, optimizer=opt)
+                    step = lower(
+                        sched, cut.stage_fns(), loss, mesh, sp, x, y, LoweringOptions(optimizer=opt)
+                    )
                     state = step.init_opt_state(sp)
                     programs[(kind, layout)] = lambda step=step, state=state: step.train_step(
                         sp, state, x, y

@@ -34,7 +34,7 @@ from pjit_pipe.planner import (
     shipped_profile,
 )
 from pjit_pipe.planner.cost import peak_inflight
-from pjit_pipe.planner.exact import exact_plan
+from pjit_pipe.planner.exhaustive import exact_plan
 from pjit_pipe.planner.partition import even_cuts, positions
 from pjit_pipe.planner.random_instance import random_instance
 

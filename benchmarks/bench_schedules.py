@@ -5,7 +5,7 @@ the time to generate; "-" rows are requests the kind refuses (e.g. a memory
 limit below its peak). Ends with the time auto takes at P=32, m=128 (costs
 5,6,4,1, limit P), which must stay under 1 s.
 
-Run: python benchmarks/bench_schedules.py
+Run: python -m benchmarks.bench_schedules
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ The tiny GPT with zb-h1, m=8, on 8 virtual CPU devices.
 3. Disk cache: a fresh process compiling one variant with a warm
    `cache_dir` against one with a cold cache.
 
-Run: python benchmarks/bench_variants.py [--steps N]
+Run: python -m benchmarks.bench_variants [--steps N]
 """
 
 from __future__ import annotations
@@ -37,8 +37,8 @@ import numpy as np
 import optax
 
 import pjit_pipe as pp
-from models import GPT, GPTConfig, lm_loss
-from models.text import CharCorpus
+from pjit_pipe.models import GPT, GPTConfig, lm_loss
+from pjit_pipe.models.char_corpus import CharCorpus
 from pjit_pipe.runtime import Variants
 
 D, P, M, BATCH = 2, 4, 8, 32
@@ -141,11 +141,10 @@ def main(argv: list[str]) -> None:
     )
 
     with tempfile.TemporaryDirectory() as cache:
-        here = os.path.abspath(__file__)
         runs = []
         for _ in range(2):  # cold, then warm
             out = subprocess.run(
-                [sys.executable, here, "--compile-one", cache],
+                [sys.executable, "-m", "benchmarks.bench_variants", "--compile-one", cache],
                 capture_output=True,
                 text=True,
                 check=True,

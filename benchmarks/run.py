@@ -1,4 +1,4 @@
-"""`make bench`: run every benchmark script and print its figures."""
+"""`make bench` (`python -m benchmarks.run [name ...]`): run every benchmark and print its figures."""
 
 import importlib
 import os
@@ -6,7 +6,6 @@ import sys
 import time
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
-sys.path.insert(0, os.path.dirname(__file__))
 
 BENCHMARKS = [
     "bench_schedules",
@@ -32,7 +31,7 @@ def main() -> None:
     for name in only:
         print(f"\n=== {name} ===", flush=True)
         start = time.perf_counter()
-        importlib.import_module(name).main([])  # each benchmark's defaults
+        importlib.import_module(f"benchmarks.{name}").main([])  # each benchmark's defaults
         print(f"({name}: {time.perf_counter() - start:.1f} s)", flush=True)
 
 

@@ -28,14 +28,14 @@ from pjit_pipe.errors import (
 )
 
 if TYPE_CHECKING:
-    from pjit_pipe.frontend.cut import StageCut
+    from pjit_pipe.frontend.cutter.cut import StageCut
+    from pjit_pipe.frontend.cutter.trace import boundary
     from pjit_pipe.frontend.mesh import make_mesh
     from pjit_pipe.frontend.options import PipelineOptions
     from pjit_pipe.frontend.pipeline import pipeline
     from pjit_pipe.frontend.pipelined import Pipelined
-    from pjit_pipe.frontend.plan import plan_pipeline
+    from pjit_pipe.frontend.planning.live_plan import plan_pipeline
     from pjit_pipe.frontend.state import TrainState
-    from pjit_pipe.frontend.trace import boundary
     from pjit_pipe.frontend.train_step import TrainStep
     from pjit_pipe.ir.costs import Costs
     from pjit_pipe.ir.schedule import Schedule
@@ -54,14 +54,14 @@ _LAZY: dict[str, str] = {
     "Pipelined": "pjit_pipe.frontend.pipelined",
     "ResilientTrainer": "pjit_pipe.runtime.trainer",
     "Schedule": "pjit_pipe.ir.schedule",
-    "StageCut": "pjit_pipe.frontend.cut",
+    "StageCut": "pjit_pipe.frontend.cutter.cut",
     "TrainState": "pjit_pipe.frontend.state",
     "TrainStep": "pjit_pipe.frontend.train_step",
-    "boundary": "pjit_pipe.frontend.trace",
+    "boundary": "pjit_pipe.frontend.cutter.trace",
     "make_mesh": "pjit_pipe.frontend.mesh",
     "make_schedule": "pjit_pipe.schedules",
     "pipeline": "pjit_pipe.frontend.pipeline",
-    "plan_pipeline": "pjit_pipe.frontend.plan",
+    "plan_pipeline": "pjit_pipe.frontend.planning.live_plan",
 }
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""Asynchronous 1F1B across compiled calls: the carrying program (lowering/async_carry.py).
+"""Asynchronous 1F1B across compiled calls: the carrying program (lowering/async_pipeline/async_carry.py).
 
 N carrying calls and a flush run each worker's ops in the order of one call of
 N iterations, so they must give its parameters and per-batch losses; with a
@@ -19,13 +19,14 @@ import optax
 import pytest
 
 import pjit_pipe as pp
-from models import ResidualMLP, mse_loss
 from pjit_pipe.cli import main
 from pjit_pipe.errors import OptionError, StateError
 from pjit_pipe.ir.ops import Kind
-from pjit_pipe.lowering import lower
-from pjit_pipe.lowering.plan import LANE_OF
-from pjit_pipe.lowering.steady_window import CURRENT, PREVIOUS, steady_window
+from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering import LoweringOptions, lower
+from pjit_pipe.lowering.async_pipeline.steady_window import CURRENT, PREVIOUS, steady_window
+from pjit_pipe.lowering.tick_plan import LANE_OF
+from pjit_pipe.models import ResidualMLP, mse_loss
 from pjit_pipe.runtime.checkpoint import CheckpointError, Checkpoints
 from pjit_pipe.schedules import make_schedule
 from tests.test_async_lowering import ITERS, host_async_training
@@ -89,15 +90,13 @@ def test_calls_and_flush_equal_one_call_of_n_iterations(tmp_path):
 
     cut = pm.cut(params, batches[0][0])
     ref = lower(
-        pm.schedule,
+        PackedTicks.one_op_per_tick(pm.schedule, CALLS),
         cut.stage_fns(),
         mse_loss,
         pm.mesh,
         cut.split(params),
         *batches[0],
-        optimizer=optimizer,
-        iterations=CALLS,
-        async_weights="stash",
+        LoweringOptions(optimizer=optimizer, async_weights="stash"),
     )
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
     stage_params = cut.split(params)
@@ -130,9 +129,7 @@ def test_carried_messages_and_prediction_follow_the_host_arithmetic():
         mesh_of(1, 2),
         params,
         *batches[0],
-        optimizer=opt,
-        remat=True,
-        async_weights="predict",
+        LoweringOptions(optimizer=opt, remat=True, async_weights="predict"),
     )
     got, losses = carry_and_drain(step, params, batches)
     window = step._carrying.window

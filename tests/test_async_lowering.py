@@ -14,11 +14,11 @@ from pjit_pipe.errors import OptionError
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.ops import Kind
-from pjit_pipe.lowering import lower
-from pjit_pipe.lowering.async_weights import AsyncWeights, staleness
-from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.lowering import LoweringOptions, lower
+from pjit_pipe.lowering.async_pipeline.async_weights import AsyncWeights, staleness
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.schedules.asynchronous import async_one_f_one_b
+from pjit_pipe.tick_packing.packer import pack_ticks
 from tests.test_lowering import (
     MB,
     assert_trees_close,
@@ -69,16 +69,13 @@ def train_iterations(problem, sched, mode: str, ticks=None):
     fns, params, batches, opt, _ = problem
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
     step = lower(
-        sched,
+        ticks or sched,
         fns,
         xent,
         mesh_of(1, P),
         params,
         *batches[0],
-        optimizer=opt,
-        iterations=ITERS,
-        async_weights=mode,
-        ticks=ticks,
+        LoweringOptions(optimizer=opt, async_weights=mode),
     )
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     return step, got, losses

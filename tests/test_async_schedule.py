@@ -13,13 +13,13 @@ from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import OPT, Kind, Worker
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.ir.text import from_json, from_text, to_json, to_text
+from pjit_pipe.ir.serialize import from_json, from_text, to_json, to_text
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import simulate
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 
 @pytest.mark.parametrize("stages", [4, 8])

@@ -15,8 +15,8 @@ import pytest
 from orbax.checkpoint._src.path import atomicity
 
 import pjit_pipe as pp
-from models import ResidualMLP, mse_loss
 from pjit_pipe.cli import main
+from pjit_pipe.models import ResidualMLP, mse_loss
 from pjit_pipe.runtime.checkpoint import CheckpointError, Checkpoints
 
 MODEL = ResidualMLP(d_model=16, hidden=16, n_layers=4, d_out=4)

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pjit_pipe.cli import main
-from pjit_pipe.cli.schedule import DEFAULT_ITERATIONS
+from pjit_pipe.cli.schedule_command import DEFAULT_ITERATIONS
 from pjit_pipe.ir import Costs, from_json
 from pjit_pipe.passes import stagger
 from pjit_pipe.schedules import make_schedule

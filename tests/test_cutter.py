@@ -15,10 +15,10 @@ import pytest
 from flax import nnx
 
 import pjit_pipe as pp
-from models import CNN, GPT2LM, GPT2Config, gpt2_batch, lm_loss
 from pjit_pipe.frontend import cut_module
-from pjit_pipe.frontend.analysis import liveness
+from pjit_pipe.frontend.cutter.analysis import liveness
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
+from pjit_pipe.models import CNN, GPT2LM, GPT2Config, gpt2_batch, lm_loss
 from pjit_pipe.runtime.checkpoint import Checkpoints
 from tests.test_frontend import compose, rel_err
 

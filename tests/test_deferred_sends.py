@@ -19,15 +19,15 @@ from test_lowering import check_value_and_grad
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import BW, OPT, F, Worker
 from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, compute_only
-from pjit_pipe.lowering.plan import build_plan
+from pjit_pipe.lowering.tick_plan import build_plan
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.greedy_ticks import GreedyPacker
-from pjit_pipe.passes.pack_ticks import pack_ticks
-from pjit_pipe.passes.send_timing import cheaper_timing
-from pjit_pipe.passes.tick_milp import solve_ticks
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import packed_time
+from pjit_pipe.tick_packing.greedy import GreedyPacker
+from pjit_pipe.tick_packing.packer import pack_ticks
+from pjit_pipe.tick_packing.send_timing import cheaper_timing
+from pjit_pipe.tick_packing.tick_milp import solve_ticks
 
 COSTS = Costs(1, 2, 1, 0.5)  # BW = 3, a message takes half an F
 

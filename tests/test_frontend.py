@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 import pjit_pipe as pp
-from models import GPT, Chain, GPTConfig, ResidualMLP, hetero_layers, mse_loss
 from pjit_pipe.frontend import cut_module
+from pjit_pipe.models import GPT, Chain, GPTConfig, ResidualMLP, hetero_layers, mse_loss
 
 
 def rel_err(a, b) -> float:

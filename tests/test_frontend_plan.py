@@ -7,11 +7,11 @@ import jax.numpy as jnp
 import pytest
 
 import pjit_pipe as pp
-from models import GPT, GPTConfig, lm_loss
 from pjit_pipe.errors import MeshError, OptionError
 from pjit_pipe.frontend import cut_module
-from pjit_pipe.frontend.cut import layer_cut
-from pjit_pipe.frontend.plan import profile_model, scaled
+from pjit_pipe.frontend.cutter.cut import layer_cut
+from pjit_pipe.frontend.planning.live_plan import profile_model, scaled
+from pjit_pipe.models import GPT, GPTConfig, lm_loss
 from pjit_pipe.planner import CostModel, Plan, plan_model
 from tests.test_frontend import compose, rel_err
 

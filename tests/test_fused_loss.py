@@ -29,16 +29,16 @@ from test_semantics import DropoutNet, check_weighted, mean_loss, per_microbatch
 from test_semantics import batch as weighted_batch
 
 import pjit_pipe as pp
-from pjit_pipe.frontend.measure import StageTimes
+from pjit_pipe.frontend.planning.measure import StageTimes
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import BW, B, F, W
 from pjit_pipe.ir.ticks import PackedTicks, fused_loss_ops
-from pjit_pipe.lowering import lower
-from pjit_pipe.lowering.plan import FUSED, build_plan
-from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.lowering import LoweringOptions, lower
+from pjit_pipe.lowering.tick_plan import FUSED, build_plan
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import packed_time
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 FUSING = Costs(1, 2, 1, fbw=3)  # F + BW = 4 apart, 3 as one program
 
@@ -115,7 +115,7 @@ def test_fused_programs_give_value_and_grad(P, remat):
     fns, params = tiny_model(P)
     x, y = batch(sched.microbatches * MB, seed=1)
     table = pack_ticks(sched, FUSING)
-    step = lower(sched, fns, xent, mesh_of(1, P), params, x, y, remat=remat, ticks=table)
+    step = lower(table, fns, xent, mesh_of(1, P), params, x, y, LoweringOptions(remat=remat))
     assert step._low.fused
     loss, grads = step.value_and_grad(params, x, y)
     ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
@@ -131,10 +131,7 @@ def train_as_optax(sched, table: PackedTicks, seed: int):
     opt = optax.adam(1e-2)
     batches = [batch(D * sched.microbatches * MB, seed=seed + i) for i in range(iterations)]
     xs, ys = (np.stack(b) for b in zip(*batches, strict=True))
-    step = lower(
-        sched, fns, xent, mesh_of(D, P), params, *batches[0],
-        optimizer=opt, iterations=iterations, ticks=table,
-    )  # fmt: skip
+    step = lower(table, fns, xent, mesh_of(D, P), params, *batches[0], LoweringOptions(optimizer=opt))  # fmt: skip
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     ref, want = unpipelined_training(fns, params, opt, batches)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)

@@ -18,7 +18,7 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 # (seed, stages, microbatches, replicas, layout, staggered, costs)
 CASES = [

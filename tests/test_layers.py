@@ -1,7 +1,8 @@
 """The package's layering (docs: DESIGN.md section 1), read from the source with `ast`.
 
-Lowest first: ir < simulator < passes < schedules; the lowering uses ir only;
-the planner, frontend, runtime and CLI sit above. Every import counts, also
+Lowest first: ir < simulator < passes < schedules; tick packing uses ir and the
+simulator; the lowering uses ir only; the compile path (compiler) sits on all of
+those; the planner, frontend, runtime and CLI sit above. Every import counts, also
 the ones inside functions (a lazy import is still a dependency), and no two
 modules may import each other, directly or around a longer loop.
 """
@@ -19,21 +20,31 @@ PACKAGE = Path(__file__).resolve().parent.parent / "pjit_pipe"
 
 # Which layers each layer may import (itself included). "" is the package's own
 # facade (pjit_pipe/__init__.py, __main__.py), which sits with the CLI on top;
-# "errors" (pjit_pipe/errors.py, the exception classes) sits below everything.
+# "errors" (pjit_pipe/errors.py, the exception classes) sits below everything;
+# "models" (the example Flax models) uses nothing of the compiler.
 _CORE = {"errors", "ir", "simulator", "passes", "schedules"}
+# The compile path (pjit_pipe/compiler) sits on top of everything that builds a
+# program; whatever uses it may use what it uses.
+_BUILD = _CORE | {"tick_packing", "lowering", "compiler"}
 ALLOWED: dict[str, set[str]] = {
     "errors": {"errors"},
+    "models": {"models"},
     "ir": {"errors", "ir"},
     "simulator": {"errors", "ir", "simulator"},
     "lowering": {"errors", "ir", "lowering"},
     "passes": {"errors", "ir", "simulator", "passes"},
+    "tick_packing": {"errors", "ir", "simulator", "tick_packing"},
     "schedules": _CORE,
-    "planner": _CORE | {"planner"},
-    "frontend": _CORE | {"lowering", "planner", "frontend"},
-    "runtime": _CORE | {"lowering", "planner", "frontend", "runtime"},
-    "cli": _CORE | {"lowering", "planner", "frontend", "runtime", "cli", ""},
-    "": _CORE | {"lowering", "planner", "frontend", "runtime", "cli", ""},
+    "compiler": _BUILD,
+    "planner": _BUILD | {"planner"},
+    "frontend": _BUILD | {"planner", "frontend"},
+    "runtime": _BUILD | {"planner", "frontend", "runtime"},
+    "cli": _BUILD | {"planner", "frontend", "runtime", "cli", "models", ""},
+    "": _BUILD | {"planner", "frontend", "runtime", "cli", "models", ""},
 }
+# Packages whose every module is public vocabulary; any other package is used
+# from outside through its __init__ only (its submodules are internal).
+OPEN_PACKAGES = {"errors", "ir", "models"}
 
 
 def module_name(path: Path) -> str:
@@ -150,3 +161,39 @@ def test_modules_stay_readable() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not too_long, f"modules over {MAX_LINES} lines (split them): {too_long}"
+
+
+def test_packages_are_used_through_their_entry_points() -> None:
+    """Outside its own package, a package is imported from its __init__ only: the
+    names there are its interface, and its submodules may change freely. The
+    facade (pjit_pipe/__init__.py) maps its lazy names to their modules."""
+    bad = []
+    for name, path in all_modules().items():
+        if name == "pjit_pipe":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), name)):
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                targets = [node.module or ""]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                parts = target.split(".")
+                if (
+                    parts[0] == "pjit_pipe"
+                    and len(parts) > 2
+                    and parts[1] not in OPEN_PACKAGES | {layer(name)}
+                ):
+                    bad.append(f"{name} imports {target}")
+    assert not bad, "imports past a package's entry points:\n" + "\n".join(bad)
+
+
+def test_no_module_name_repeats() -> None:
+    """A module's file name says which one it is: no basename twice in the package."""
+    seen: dict[str, list[str]] = {}
+    for name, path in all_modules().items():
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(name)
+    repeated = {base: names for base, names in seen.items() if len(names) > 1}
+    assert not repeated, f"module names used twice: {repeated}"

@@ -13,17 +13,17 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_passes import costs, schedules
 
+import pjit_pipe.tick_packing.packer as pack_ticks_module
 from pjit_pipe.cli import main
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import LANE_ORDERS, W_PER_TICK, PackedTicks
-from pjit_pipe.passes import pack_ticks as pack_ticks_module
-from pjit_pipe.passes.pack_ticks import pack_ticks
-from pjit_pipe.passes.pack_ticks_exact import exact_bounds
-from pjit_pipe.passes.tick_milp import solve_ticks
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator.bounds import lockstep_lower_bound
 from pjit_pipe.simulator.simulate import packed_time, simulate
+from pjit_pipe.tick_packing.exact_table import exact_bounds
+from pjit_pipe.tick_packing.packer import pack_ticks
+from pjit_pipe.tick_packing.tick_milp import solve_ticks
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -18,7 +18,8 @@ from jax.sharding import Mesh
 from pjit_pipe.errors import BatchError, CutError, MeshError
 from pjit_pipe.ir.ops import BW, B, F, W
 from pjit_pipe.ir.schedule import ScheduleError, interleaved_layout, v_layout
-from pjit_pipe.lowering import lower
+from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering import LoweringOptions, lower
 from pjit_pipe.passes import fuse_stage
 from pjit_pipe.schedules import KINDS, make_schedule
 from pjit_pipe.schedules.common import replicated
@@ -140,7 +141,9 @@ def check_value_and_grad(sched, D: int, P: int, remat: bool = False, ticks=None)
     lowering's own) gives jax.value_and_grad's numbers on the tiny model."""
     fns, params = tiny_model(P * sched.chunks)
     x, y = batch(D * sched.microbatches * MB, seed=1)
-    step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, remat=remat, ticks=ticks)
+    step = lower(
+        ticks or sched, fns, xent, mesh_of(D, P), params, x, y, LoweringOptions(remat=remat)
+    )
     loss, grads = step.value_and_grad(params, x, y)
     ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
@@ -161,7 +164,7 @@ def test_adam_steps_match_unpipelined(kind, mesh_shape):
     fns, params = tiny_model(P * v)
     opt = optax.adam(1e-2)
     x, y = batch(D * m * MB, seed=1)
-    step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, optimizer=opt)
+    step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, LoweringOptions(optimizer=opt))
     batches = [batch(D * m * MB, seed=10 + i) for i in range(5)]
     ref_params, ref_losses = unpipelined_training(fns, params, opt, batches)
     state = step.init_opt_state(params)
@@ -228,7 +231,7 @@ def test_uniform_stages_match_unpipelined(kind, D, P):
 def class_model(num_stages: int, width: int = 8, seed: int = 0):
     """Dense stages of one width behind a narrower input layer, a head on the last:
     a chunk's stages differ but share most leaf sizes, so the loop holds their
-    parameters in size classes (lowering/param_layout.py) with a switch on entry."""
+    parameters in size classes (lowering/layout/param_layout.py) with a switch on entry."""
     keys = iter(jax.random.split(jax.random.PRNGKey(seed), 3 * num_stages))
     params = []
     for s in range(num_stages):
@@ -259,7 +262,7 @@ def test_size_classes_match_value_and_grad_and_adam(kind, D, P):
     x, y = uniform_batch(D * 4 * MB, seed=1, width=2)
     y = y % CLASSES
     opt = optax.adam(1e-2)
-    step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, optimizer=opt)
+    step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, LoweringOptions(optimizer=opt))
     layouts = step._low.layouts
     assert not any(layout.flat for layout in layouts)
     assert not all(layout.same for layout in layouts)  # positions lay out differently
@@ -287,7 +290,15 @@ def test_size_classes_step_inside_the_loop():
     batches = [(bx, by % CLASSES) for bx, by in batches]
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
     sched = make_schedule("zb-h1", P, m)
-    step = lower(sched, fns, xent, mesh_of(1, P), params, *batches[0], optimizer=opt, iterations=2)
+    step = lower(
+        PackedTicks.one_op_per_tick(sched, 2),
+        fns,
+        xent,
+        mesh_of(1, P),
+        params,
+        *batches[0],
+        LoweringOptions(optimizer=opt),
+    )
     assert not step._low.layouts[0].flat and not step._low.layouts[0].same
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     ref, want = unpipelined_training(fns, params, opt, batches)
@@ -304,7 +315,15 @@ def test_uniform_stages_step_inside_the_loop():
     batches = [uniform_batch(m * MB, seed=30 + i) for i in range(3)]
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
     sched = make_schedule("1f1b", P, m)
-    step = lower(sched, fns, xent, mesh_of(1, P), params, *batches[0], optimizer=opt, iterations=3)
+    step = lower(
+        PackedTicks.one_op_per_tick(sched, 3),
+        fns,
+        xent,
+        mesh_of(1, P),
+        params,
+        *batches[0],
+        LoweringOptions(optimizer=opt),
+    )
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     ref, want = unpipelined_training(fns, params, opt, batches)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)

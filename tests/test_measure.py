@@ -57,7 +57,7 @@ def test_measured_costs_are_positive_cached_and_steer_auto(capsys):
     for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
 
-    costs = pm.measured_costs
+    costs = pm.costs
     assert all(v > 0 for v in (*costs.f, *costs.w, costs.b[1], costs.c, costs.tick))
     assert costs.b[0] == 0  # the first stage's B is empty
     assert costs.f[1] > costs.f[0]  # the heavy stage is measured as heavier
@@ -90,8 +90,8 @@ def test_a_single_stage_is_measured_without_a_boundary():
 
 
 def test_balance_by_measured_time_cuts_the_model():
-    from models.mlp import Chain, Dense
-    from pjit_pipe.frontend.cut import cut_module
+    from pjit_pipe.frontend.cutter.cut import cut_module
+    from pjit_pipe.models.mlp import Chain, Dense
 
     model = Chain([Dense(8), Dense(8), Dense(512), Dense(8)])
     x = jnp.ones((64, 8))
@@ -107,8 +107,8 @@ def test_balance_by_measured_time_cuts_the_model():
 def test_show_costs_args_parse_back_into_the_same_costs():
     """`--show-costs`'s CLI texts, read by `pjit-pipe schedule`, give the per-stage
     means of the measured costs (ms), the fused ones included."""
-    from pjit_pipe.cli.schedule import costs_arg, fused_costs_arg
-    from pjit_pipe.frontend.measure import StageTimes
+    from pjit_pipe.cli.schedule_command import costs_arg, fused_costs_arg
+    from pjit_pipe.frontend.planning.measure import StageTimes
 
     times = StageTimes(
         f=(1e-3, 3e-3), b=(0.0, 2e-3), w=(1e-3, 2e-3), bw=(1e-3, 3.5e-3),
@@ -127,7 +127,7 @@ def test_show_costs_args_parse_back_into_the_same_costs():
 def test_a_v_layout_sums_each_position_s_own_chunks():
     """zb-v puts virtual stages p and 2P-1-p on position p (the first and the last,
     with the loss, together): measured costs sum those, not p and p + P."""
-    from pjit_pipe.frontend.measure import StageTimes
+    from pjit_pipe.frontend.planning.measure import StageTimes
     from pjit_pipe.ir.schedule import v_layout
 
     ms = (1e-3, 2e-3, 3e-3, 4e-3)  # four virtual stages, one time each

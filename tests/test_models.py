@@ -9,9 +9,9 @@ import optax
 import pytest
 
 import pjit_pipe as pp
-from models import GPT, GPTConfig, ResidualMLP, lm_loss, mse_loss
-from models.text import CharCorpus
 from pjit_pipe.cli import main
+from pjit_pipe.models import GPT, GPTConfig, ResidualMLP, lm_loss, mse_loss
+from pjit_pipe.models.char_corpus import CharCorpus
 
 
 def rel_err(a, b) -> float:
@@ -62,7 +62,7 @@ def test_corpus_round_trip():
         (gpt_batch, lm_loss, (2, 4), dict(schedule="zb-h1", microbatches=4)),
         (mlp_batch, mse_loss, (2, 2), dict(schedule="interleaved-1f1b", microbatches=4, chunks=2)),
         # Priced with the Zero Bubble paper's costs (C > 0), the table defers its
-        # gradients to the start of the next tick (passes/send_timing.py).
+        # gradients to the start of the next tick (tick_packing/send_timing.py).
         (
             gpt_batch,
             lm_loss,

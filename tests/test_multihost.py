@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from models import ResidualMLP, mse_loss
+from pjit_pipe.models import ResidualMLP, mse_loss
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -38,7 +38,7 @@ WORKER = textwrap.dedent(
     jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process)
 
     import pjit_pipe as pp
-    from models import ResidualMLP, mse_loss
+    from pjit_pipe.models import ResidualMLP, mse_loss
 
     rng = np.random.default_rng(0)
     x = rng.normal(size=(16, 16)).astype(np.float32)

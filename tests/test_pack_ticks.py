@@ -16,18 +16,18 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import MemoryBound, largest_peak, split_stages
 from pjit_pipe.ir.ops import BW, B, F, Kind, W, Worker
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.ir.text import from_text
+from pjit_pipe.ir.serialize import from_text
 from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, fits, lane_order
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.lowering.plan import FUSED, LANE_OF, build_plan
+from pjit_pipe.lowering.tick_plan import FUSED, LANE_OF, build_plan
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.greedy_ticks import GreedyPacker
-from pjit_pipe.passes.pack_ticks import pack_ticks
-from pjit_pipe.passes.pack_ticks_exact import exact_bounds, exact_pack
 from pjit_pipe.passes.reroute import reroute
-from pjit_pipe.passes.tick_milp import polish_ticks
 from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import packed_time, simulate
+from pjit_pipe.tick_packing.exact_table import exact_bounds, exact_pack
+from pjit_pipe.tick_packing.greedy import GreedyPacker
+from pjit_pipe.tick_packing.packer import pack_ticks
+from pjit_pipe.tick_packing.tick_milp import polish_ticks
 
 COSTS = Costs(1, 2, 1)
 
@@ -129,7 +129,7 @@ def test_greedy_is_close_to_the_exact_optimum(kind, P, m, costs):
     sched = make_schedule(kind, P, m, chunks=2 if kind == "interleaved-1f1b" else None)
     best = exact_pack(sched, costs)
     best.check()
-    # The optimum is over both send timings where C > 0 (passes/send_timing.py).
+    # The optimum is over both send timings where C > 0 (tick_packing/send_timing.py).
     greedy = packed_time(pack_ticks(sched, costs), costs)
     optimum = packed_time(best, costs)
     assert optimum - 1e-9 <= greedy <= 1.03 * optimum

@@ -1,4 +1,4 @@
-"""Size classes (lowering/param_layout.py): what goes in comes back out, per position."""
+"""Size classes (lowering/layout/param_layout.py): what goes in comes back out, per position."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pjit_pipe.lowering.packing import FlatSpec
-from pjit_pipe.lowering.param_layout import MAX_CLASS_OVERHEAD, ChunkLayout
+from pjit_pipe.lowering.layout.flat_buffers import FlatSpec
+from pjit_pipe.lowering.layout.param_layout import MAX_CLASS_OVERHEAD, ChunkLayout
 
 SHAPES = [(3,), (2, 3), (3, 2), (4,), (2, 2)]  # (2, 3) and (3, 2) share a class
 

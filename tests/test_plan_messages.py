@@ -1,4 +1,4 @@
-"""The message traffic of a tick plan (lowering/plan.py), run symbolically.
+"""The message traffic of a tick plan (lowering/tick_plan.py), run symbolically.
 
 Each message is a label (channel, iteration, stage, microbatch, replica); the
 run follows the plan as the compiled tick body does (tick.py, delivery.py):
@@ -20,10 +20,10 @@ import pytest
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.ticks import LANE_ORDERS, PackedTicks, late_channel
-from pjit_pipe.lowering.plan import TickPlan, build_plan
+from pjit_pipe.lowering.tick_plan import TickPlan, build_plan
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 Label = tuple  # (channel "act" / "grad", iteration, stage, microbatch, replica)
 

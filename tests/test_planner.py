@@ -21,8 +21,8 @@ from pjit_pipe.planner import (
     plan_model,
     shipped_profile,
 )
-from pjit_pipe.planner.exact import exact_plan
-from pjit_pipe.planner.probe import fit_bandwidth
+from pjit_pipe.planner.device_probe import fit_bandwidth
+from pjit_pipe.planner.exhaustive import exact_plan
 from pjit_pipe.planner.profile import SHIPPED
 from pjit_pipe.planner.random_instance import random_instance
 from pjit_pipe.schedules import make_schedule

@@ -14,8 +14,8 @@ from pjit_pipe.ir.ops import format_op
 from pjit_pipe.passes import defer_w, insert_comm, split_backward
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator import simulate
-from pjit_pipe.simulator.plot import gantt
-from pjit_pipe.simulator.trace import chrome_trace
+from pjit_pipe.simulator.charts import gantt
+from pjit_pipe.simulator.chrome_trace import chrome_trace
 
 COSTS = Costs(1, 1, 1, 0.25, opt=0.5)
 
@@ -88,8 +88,8 @@ def test_the_tick_chart_names_its_ticks_and_marks_the_fused_op(tmp_path: Path) -
     """The compiled program's table priced in lockstep: its tick count and lane order
     in the heading, its lockstep makespan, and a legend entry for the fused op
     (one stage: every microbatch's F and BW run as one op)."""
-    from pjit_pipe.passes.pack_ticks import pack_ticks
-    from pjit_pipe.simulator.plot import tick_gantt
+    from pjit_pipe.simulator.charts import tick_gantt
+    from pjit_pipe.tick_packing.packer import pack_ticks
 
     sched = make_schedule("1f1b", 1, 3)
     costs = Costs(1, 2, 1, fbw=3)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-import models  # noqa: F401  (the README's `from models...` imports: this checkout's, before chdir)
+import pjit_pipe.models  # noqa: F401  (the README's `from models...` imports: this checkout's, before chdir)
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 FENCE = re.compile(r"^```python\n(.*?)^```", re.S | re.M)

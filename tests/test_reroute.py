@@ -12,7 +12,7 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern, permute_replicas
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import ScheduleError
-from pjit_pipe.ir.text import from_json
+from pjit_pipe.ir.serialize import from_json
 from pjit_pipe.passes.reroute import reroute
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.schedules.baselines import drop_replica, naive_reroute

@@ -1,4 +1,4 @@
-"""Message routes (lowering/routes.py): the fewest ppermutes that carry a channel."""
+"""Message routes (lowering/comms/routes.py): the fewest ppermutes that carry a channel."""
 
 from __future__ import annotations
 
@@ -8,10 +8,10 @@ from collections import Counter
 import numpy as np
 
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.lowering.plan import build_plan
-from pjit_pipe.lowering.routes import degree, fewest_routes
-from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.lowering.comms.routes import degree, fewest_routes
+from pjit_pipe.lowering.tick_plan import build_plan
 from pjit_pipe.schedules import schedule_with_failures
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 
 def assert_partial_permutations(routes, pairs):

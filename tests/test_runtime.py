@@ -13,10 +13,10 @@ import optax
 import pytest
 
 import pjit_pipe as pp
-from models import ResidualMLP, mse_loss
 from pjit_pipe.ir.failures import enumerate_patterns
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.ir.schedule import ScheduleError
+from pjit_pipe.models import ResidualMLP, mse_loss
 from pjit_pipe.runtime import (
     InjectedFailures,
     ResilientTrainer,

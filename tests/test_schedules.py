@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pjit_pipe.ir import Costs, Kind, ScheduleError, Worker, validate
-from pjit_pipe.ir.text import from_json, from_text, to_json, to_text
+from pjit_pipe.ir.serialize import from_json, from_text, to_json, to_text
 from pjit_pipe.schedules import KINDS, make_schedule
 from pjit_pipe.schedules.heuristic import Policy, greedy
 from pjit_pipe.schedules.timing import Shape, Step, evaluate

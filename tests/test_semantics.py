@@ -25,9 +25,10 @@ from test_lowering import CLASSES, MB, SEQ, VOCAB, tiny_model
 
 import pjit_pipe as pp
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.lowering import lower
-from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering import LoweringOptions, lower
 from pjit_pipe.schedules import make_schedule
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 MATRIX = [(D, kind) for D in (2, 1) for kind in ("1f1b", "zb-h1")]
 
@@ -90,8 +91,8 @@ def check_weighted(D: int, kind: str, P: int = 4, m: int = 4, costs: Costs | Non
     x, y = batch(D * m * MB, seed=1)
     sched = make_schedule(kind, P, m, replicas=D)
     loss_fn = weighted_loss_with_metrics
-    ticks = None if costs is None else pack_ticks(sched, costs)
-    step = lower(sched, fns, loss_fn, mesh_of(D, P), params, x, y, has_aux=True, ticks=ticks)
+    ticks = sched if costs is None else pack_ticks(sched, costs)
+    step = lower(ticks, fns, loss_fn, mesh_of(D, P), params, x, y, LoweringOptions(has_aux=True))
     (loss, aux), grads = step.value_and_grad(params, x, y)
     ref_loss, ref_grads = jax.jit(
         jax.value_and_grad(lambda p, x, y: reference_weighted(fns, p, x, y))
@@ -144,7 +145,7 @@ def check_clipped(
         mesh_of(D, P),
         params,
         *batches[0],
-        optimizer=opt,
+        LoweringOptions(optimizer=opt),
     )
     got, state = params, step.init_opt_state(params)
     for x, y in batches:
@@ -179,15 +180,14 @@ def test_global_norm_clip_refused_in_the_staggered_loop():
     opt = optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.1))
     with pytest.raises(ValueError, match="clip_by_global_norm"):
         lower(
-            make_schedule("1f1b", 4, 4),
+            PackedTicks.one_op_per_tick(make_schedule("1f1b", 4, 4), 2),
             fns,
             mean_loss,
             mesh_of(1, 4),
             params,
             x,
             y,
-            optimizer=opt,
-            iterations=2,
+            LoweringOptions(optimizer=opt),
         )
 
 
@@ -291,14 +291,13 @@ def test_weighted_loss_with_the_optimizer_inside_the_loop():
     opt = optax.sgd(0.5, momentum=0.9)  # unlike adam, it sees the gradients' scale
     xs, ys = jax.tree.map(lambda *a: jnp.stack(a), *batches)
     step = lower(
-        make_schedule("zb-h1", 2, 4),
+        PackedTicks.one_op_per_tick(make_schedule("zb-h1", 2, 4), 2),
         fns,
         weighted_loss,
         mesh_of(1, 2),
         params,
         *batches[0],
-        optimizer=opt,
-        iterations=2,
+        LoweringOptions(optimizer=opt),
     )
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     want, state, want_losses = params, opt.init(params), []

@@ -1,4 +1,4 @@
-"""The split backward (pjit_pipe/lowering/split_backward.py): W's structure and its numbers.
+"""The split backward (pjit_pipe/lowering/compute/stage_backward.py): W's structure and its numbers.
 
 W must hold one contraction per weight matmul of the stage (no input-gradient
 chain), B must store parameter-sized cotangents for elementwise sites (biases,
@@ -14,15 +14,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from models.gpt import Block
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering import lower
-from pjit_pipe.lowering.flat_jaxpr import count_primitives
-from pjit_pipe.lowering.loss import LossLayout
-from pjit_pipe.lowering.plan import build_plan
-from pjit_pipe.lowering.split_backward import SplitBackward, _dot_weight_grad
-from pjit_pipe.lowering.stages import StageVjp
+from pjit_pipe.lowering.compute.flat_jaxpr import count_primitives
+from pjit_pipe.lowering.compute.loss import LossLayout
+from pjit_pipe.lowering.compute.stage_backward import SplitBackward, _dot_weight_grad
+from pjit_pipe.lowering.compute.stages import StageVjp
+from pjit_pipe.lowering.tick_plan import build_plan
+from pjit_pipe.models.gpt import Block
 from pjit_pipe.schedules import make_schedule
 from tests.test_lowering import assert_trees_close, mesh_of
 

@@ -14,7 +14,7 @@ import optax
 import pytest
 
 import pjit_pipe as pp
-from models import GPT, GPTConfig, lm_loss
+from pjit_pipe.models import GPT, GPTConfig, lm_loss
 
 CONFIG = GPTConfig.tiny(vocab=65)
 

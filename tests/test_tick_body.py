@@ -35,9 +35,9 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.ticks import FORWARD_FIRST, FORWARD_LAST, PackedTicks, lane_order
 from pjit_pipe.lowering import lower
-from pjit_pipe.lowering.plan import build_plan
-from pjit_pipe.passes.pack_ticks import pack_ticks
+from pjit_pipe.lowering.tick_plan import build_plan
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 _COMPUTATION = re.compile(r"^(?:ENTRY )?%?([\w.\-]+) \(")
 _CALLEES = re.compile(r"(?:calls|to_apply|body|condition)=%([\w.\-]+)")
@@ -120,7 +120,7 @@ def packed_program(kind: str, P: int, m: int, costs: Costs, order, deferred: boo
     table = dataclasses.replace(pack_ticks(sched, costs, orders=(order,)), deferred=deferred)
     fns, params = tiny_model(P)
     x, y = batch(m * 2, seed=1)
-    step = lower(sched, fns, xent, mesh_of(1, P), params, x, y, ticks=table)
+    step = lower(table, fns, xent, mesh_of(1, P), params, x, y)
     return step, fns, params, x, y
 
 
@@ -171,7 +171,7 @@ def zb_h1_rerouted_deferred():
     table = pack_ticks(sched, Costs(5, 6, 4, 1))
     fns, params = tiny_model(4)
     x, y = batch(2 * 4 * 2, seed=1)
-    step = lower(sched, fns, xent, mesh_of(2, 4), params, x, y, ticks=table)
+    step = lower(table, fns, xent, mesh_of(2, 4), params, x, y)
     return step, fns, params, x, y
 
 

@@ -16,9 +16,9 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
-from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator.simulate import packed_time, simulate
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 # A 1x2 pipeline with a nearly empty first stage, as in bench_backward.py's part 2.
 F, B, W = (0.05, 1.0), (0.0, 1.1), (0.05, 0.9)
@@ -84,7 +84,7 @@ def test_cli_tick_cost_reaches_lockstep_period(capsys) -> None:
 
 
 def test_an_idle_tick_is_measured_positive() -> None:
-    from pjit_pipe.frontend.measure import tick_seconds
+    from pjit_pipe.frontend.planning.measure import tick_seconds
 
     mesh = pp.make_mesh(data=1, stage=2)
     seconds = tick_seconds(mesh, jax.ShapeDtypeStruct((8, 16), jnp.float32), repeats=5, ticks=100)

@@ -27,11 +27,12 @@ from test_lowering import (
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.ops import Worker
-from pjit_pipe.lowering import lower
+from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering import LoweringOptions, lower
 from pjit_pipe.passes import stagger
-from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import packed_time
+from pjit_pipe.tick_packing.packer import pack_ticks
 
 M = 4
 PATTERNS = [(D, P, ((r, s),)) for D, P in ((2, 4), (4, 2)) for r in range(D) for s in range(P)] + [
@@ -75,14 +76,14 @@ def test_variant_equals_fault_free_step(fault_free, D, P, failed):
 
 
 def test_polished_rerouted_table_equals_fault_free_step(fault_free):
-    """A re-routed variant's tick table polished by exact windows (passes/tick_milp.py)
+    """A re-routed variant's tick table polished by exact windows (tick_packing/tick_milp.py)
     runs its ops in other ticks than the greedy's, with the same numbers."""
     fns, params, x, y, (loss0, grads0), _ = fault_free[(2, 4)]
     sched = schedule_with_failures("zb-h1", 4, M, 2, [(0, 1)], time_limit=2.0)
     costs = Costs(1, 2, 1)
     table = pack_ticks(sched, costs, polish=1.0)
     assert packed_time(table, costs) < packed_time(pack_ticks(sched, costs), costs)
-    step = lower(sched, fns, xent, mesh_of(2, 4), params, x, y, ticks=table)
+    step = lower(table, fns, xent, mesh_of(2, 4), params, x, y)
     loss, grads = step.value_and_grad(params, x, y)
     assert abs(float(loss) - float(loss0)) <= 1e-5 * abs(float(loss0))
     assert_trees_close(grads, grads0)
@@ -114,7 +115,15 @@ def test_five_staggered_steps_equal_five_synchronous_ones(kind, D, P, failed):
     opt = optax.adam(1e-2)
     batches = [batch(D * M * MB, seed=20 + i) for i in range(5)]
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
-    step = lower(sched, fns, xent, mesh_of(D, P), params, *batches[0], optimizer=opt, iterations=5)
+    step = lower(
+        PackedTicks.one_op_per_tick(sched, 5),
+        fns,
+        xent,
+        mesh_of(D, P),
+        params,
+        *batches[0],
+        LoweringOptions(optimizer=opt),
+    )
     assert step._low.step_plan.updates.sum() >= P  # optimizer steps inside the loop
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     ref, want = unpipelined_training(fns, params, opt, batches)
@@ -139,7 +148,7 @@ def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(
     run time: a callback inside the reduction."""
     import jax
 
-    from pjit_pipe.lowering.topology import SURVIVOR_AXIS, Topology
+    from pjit_pipe.lowering.comms.topology import SURVIVOR_AXIS, Topology
 
     calls: list[int] = []  # the position of each device whose gradients a reduction sums
     shapes: set[tuple[int, ...]] = set()  # what was reduced
@@ -166,7 +175,13 @@ def test_a_staggered_device_reduces_its_gradients_only_at_its_own_steps(
     batches = [batch(D * M * MB, seed=50 + i) for i in range(iterations)]
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
     step = lower(
-        sched, fns, xent, mesh_of(D, P), params, *batches[0], optimizer=opt, iterations=iterations
+        PackedTicks.one_op_per_tick(sched, iterations),
+        fns,
+        xent,
+        mesh_of(D, P),
+        params,
+        *batches[0],
+        LoweringOptions(optimizer=opt),
     )
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     jax.effects_barrier()

@@ -9,7 +9,7 @@ import numpy as np
 import optax
 import pytest
 
-from pjit_pipe.lowering.weight_prediction import last_update, predict, recognise
+from pjit_pipe.lowering.async_pipeline.weight_prediction import last_update, predict, recognise
 
 W0 = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.array([0.25])}
 GRADS = [

@@ -13,8 +13,14 @@ import importlib
 import sys
 from collections.abc import Sequence
 
-# One line per subcommand module: add yours here.
-SUBCOMMANDS = ("schedule", "train", "demo", "plan", "probe")
+# The module of each subcommand (pjit_pipe.cli.<module>): add yours here.
+SUBCOMMANDS = {
+    "schedule": "schedule_command",
+    "train": "train",
+    "demo": "demo",
+    "plan": "plan",
+    "probe": "probe",
+}
 
 
 class UsageError(Exception):
@@ -32,8 +38,8 @@ def build_parser() -> argparse.ArgumentParser:
     """The top-level parser with every subcommand of SUBCOMMANDS registered."""
     parser = OneLineParser(prog="pjit-pipe", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
-    for name in SUBCOMMANDS:
-        importlib.import_module(f"pjit_pipe.cli.{name}").register(sub)
+    for module in SUBCOMMANDS.values():
+        importlib.import_module(f"pjit_pipe.cli.{module}").register(sub)
     return parser
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from pjit_pipe.cli.train import ensure_host_devices
+from pjit_pipe.cli.device_choice import ensure_host_devices, run_devices
 from pjit_pipe.cli.train_args import mesh_arg
 
 GANTT_FILE = "demo_schedule.png"
@@ -56,9 +56,9 @@ def run(args: argparse.Namespace) -> int:
     import jax
     from tqdm import tqdm
 
-    from models.text import sample
     from pjit_pipe.cli.train import StepRecord, train
-    from pjit_pipe.simulator.plot import gantt
+    from pjit_pipe.models.char_corpus import sample
+    from pjit_pipe.simulator import gantt
 
     options = argparse.Namespace(
         model="gpt-tiny",
@@ -75,8 +75,9 @@ def run(args: argparse.Namespace) -> int:
         precompile=1,
         cache_dir=None,
     )
+    devices = run_devices(mesh[0] * mesh[1])  # too few accelerators: virtual CPU devices
     print(
-        f"Training the tiny GPT on {mesh[0] * mesh[1]} {jax.devices()[0].platform} devices: "
+        f"Training the tiny GPT on {mesh[0] * mesh[1]} {devices[0].platform} devices: "
         f"data={mesh[0]} x stage={mesh[1]}, schedule {options.schedule}, "
         f"{options.microbatches} microbatches of {options.batch // (mesh[0] * 8)} sequences"
     )

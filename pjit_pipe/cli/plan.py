@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pjit_pipe.cli.schedule import plot_path, positive_int
+from pjit_pipe.cli.schedule_command import plot_path, positive_int
 from pjit_pipe.planner import (
     PLANNABLE_KINDS,
     CostModel,
@@ -155,7 +155,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     ev = plan_model(model, stages=args.stages, replicas=args.replicas, schedule=args.schedule)
     if args.plot:
-        from pjit_pipe.planner.plot import draw_plan
+        from pjit_pipe.planner import draw_plan
 
         draw_plan(model, ev.plan, args.plot)
     print(json.dumps(_as_json(model, ev)) if args.json else _text(model, ev))

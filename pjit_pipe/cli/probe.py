@@ -2,7 +2,7 @@
 
 Times a ppermute between every ordered pair of the local devices (a few
 buffer sizes, the median of several runs each), reads each device's memory,
-and writes the devices JSON the planner reads (pjit_pipe.planner.probe).
+and writes the devices JSON the planner reads (pjit_pipe.planner.device_probe).
 """
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from pjit_pipe.cli.schedule import positive_int
+from pjit_pipe.cli.schedule_command import positive_int
 
 
 def _sizes(text: str) -> list[int]:
@@ -52,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     """Probe the devices and write (or print) their JSON description."""
     import jax
 
-    from pjit_pipe.planner.probe import probe_devices
+    from pjit_pipe.planner import probe_devices
 
     devices = jax.devices()
     if len(devices) < 2 and devices[0].platform == "cpu":

@@ -8,33 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import re
-import sys
 import time
 from dataclasses import dataclass
 from typing import Any
 
+from pjit_pipe.cli.device_choice import ensure_host_devices, run_devices
 from pjit_pipe.cli.train_args import (
     add_checkpoint_args,
     add_failure_args,
     add_training_args,
     check_failure_plan,
 )
-
-DEVICE_FLAG = "--xla_force_host_platform_device_count"
-
-
-def ensure_host_devices(count: int) -> None:
-    """Ask XLA for at least `count` CPU devices, if JAX has not been imported yet."""
-    if "jax" in sys.modules:
-        return
-    flags = os.environ.get("XLA_FLAGS", "")
-    found = re.search(rf"{DEVICE_FLAG}=(\d+)", flags)
-    if found and int(found[1]) >= count:
-        return
-    flags = re.sub(rf"\s*{DEVICE_FLAG}=\d+", "", flags)
-    os.environ["XLA_FLAGS"] = f"{flags} {DEVICE_FLAG}={count}".strip()
 
 
 def register(subparsers: Any) -> None:
@@ -82,8 +66,8 @@ class Task:
 def make_task(name: str, batch: int, seed: int) -> Task:
     import numpy as np
 
-    from models import GPT, GPTConfig, ResidualMLP, lm_loss, mse_loss
-    from models.text import CharCorpus
+    from pjit_pipe.models import GPT, GPTConfig, ResidualMLP, lm_loss, mse_loss
+    from pjit_pipe.models.char_corpus import CharCorpus
 
     rng = np.random.default_rng(seed)
     if name == "gpt-tiny":
@@ -133,8 +117,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     import optax
 
     import pjit_pipe as pp
-    from pjit_pipe.runtime import InjectedFailures, ResilientTrainer
-    from pjit_pipe.runtime.checkpoint import Checkpoints
+    from pjit_pipe.runtime import Checkpoints, InjectedFailures, ResilientTrainer
 
     directory = getattr(args, "checkpoint_dir", None)
     checkpoints = Checkpoints(directory, args.checkpoint_every) if directory else None
@@ -147,7 +130,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         microbatches=args.microbatches,
         schedule=args.schedule,
         chunks=args.chunks,
-        mesh=pp.make_mesh(data=data, stage=stages),
+        mesh=pp.make_mesh(data=data, stage=stages, devices=run_devices(data * stages)),
         optimizer=optax.adam(args.lr),
         async_weights=getattr(args, "async_weights", None),
         **({"costs": "measure"} if getattr(args, "show_costs", False) else {}),
@@ -225,7 +208,7 @@ def train_carrying(
     rows: int,
 ) -> Any:
     """`train` for async-1f1b without failures: steps carry their microbatches in
-    flight (lowering/async_carry.py), so the pipeline never drains between steps.
+    flight (lowering/async_pipeline/async_carry.py), so the pipeline never drains between steps.
     A step's record comes when its batch has finished, after the next step's call
     (`seconds`: that call's time); the pipeline is flushed before each checkpoint
     and at the end. Returns the final state."""
@@ -266,11 +249,10 @@ def show_costs(pm: Any, as_json: bool) -> None:
     """Print the measured per-stage costs (ms per microbatch), and what a step costs
     under them (ms): the event-driven schedule, the tick table the program runs, and
     the least any tick table of one iteration could cost."""
-    from pjit_pipe.simulator.bounds import lockstep_lower_bound
-    from pjit_pipe.simulator.simulate import packed_time, simulate
+    from pjit_pipe.simulator import lockstep_lower_bound, packed_time, simulate
 
     table = pm.stage_times.as_dict(pm.stages, pm.schedule.layout)
-    costs, schedule = pm.pricing_costs(), pm.schedule
+    costs, schedule = pm.costs, pm.schedule  # measured: --show-costs sets costs="measure"
     step = {
         "event_ms": simulate(schedule, costs).makespan,
         "ticks_ms": packed_time(pm.tick_table(), costs),

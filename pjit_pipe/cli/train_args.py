@@ -84,7 +84,7 @@ def check_failure_plan(
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:
     """Options shared by `train` and `demo`."""
-    from pjit_pipe.cli.schedule import positive_float, positive_int
+    from pjit_pipe.cli.schedule_command import positive_float, positive_int
     from pjit_pipe.schedules import KINDS
 
     parser.add_argument(
@@ -154,7 +154,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
 
 def add_failure_args(parser: argparse.ArgumentParser) -> None:
     """Injected failures and rejoins, and how many failures to precompile for."""
-    from pjit_pipe.cli.schedule import nonneg_int
+    from pjit_pipe.cli.schedule_command import nonneg_int
 
     parser.add_argument(
         "--fail",
@@ -188,7 +188,7 @@ def add_failure_args(parser: argparse.ArgumentParser) -> None:
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     """Where to save checkpoints (and resume from), and how often."""
-    from pjit_pipe.cli.schedule import positive_int
+    from pjit_pipe.cli.schedule_command import positive_int
 
     parser.add_argument(
         "--checkpoint-dir",

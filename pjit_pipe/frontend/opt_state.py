@@ -18,7 +18,7 @@ import jax
 import optax
 
 from pjit_pipe.errors import OptimizerError
-from pjit_pipe.frontend.cut import StageCut
+from pjit_pipe.frontend.cutter.cut import StageCut
 
 
 def _masked(node: Any) -> bool:

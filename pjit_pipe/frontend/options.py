@@ -17,7 +17,7 @@ import optax
 from jax.sharding import Mesh
 
 from pjit_pipe.errors import FailurePlanError, MeshError, OptionError
-from pjit_pipe.frontend.cut import BALANCE
+from pjit_pipe.frontend.cutter.cut import BALANCE
 from pjit_pipe.frontend.mesh import AXES
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
@@ -25,7 +25,7 @@ from pjit_pipe.schedules import KINDS
 
 Balance = Literal["flops", "params", "time"]
 AsyncWeightsMode = Literal["predict", "stash", "latest"]
-ASYNC_WEIGHTS = ("predict", "stash", "latest")  # lowering/async_weights.py MODES
+ASYNC_WEIGHTS = ("predict", "stash", "latest")  # lowering/async_pipeline/async_weights.py MODES
 
 
 @dataclass(frozen=True)

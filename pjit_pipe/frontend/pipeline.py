@@ -12,10 +12,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from pjit_pipe.errors import OptionError
-from pjit_pipe.frontend.auto_plan import AutoPlanned, check_auto_options
 from pjit_pipe.frontend.options import AsyncWeightsMode, Balance, PipelineOptions
 from pjit_pipe.frontend.pipelined import Pipelined
-from pjit_pipe.frontend.plan import planned_options
+from pjit_pipe.frontend.planning.auto_plan import AutoPlanned, check_auto_options
+from pjit_pipe.frontend.planning.live_plan import planned_options
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.planner import Plan
 
@@ -74,7 +74,7 @@ def pipeline(
     `plan`: a planner's `Plan` (see `pjit_pipe.plan_pipeline`): its layer ranges
     are the stage cut, its mapping the mesh and its kind the schedule.
     `plan="auto"`: the planner chooses them at first use, from the live model
-    (see `frontend/auto_plan.py`); stages, schedule and mesh, if given, bind it.
+    (see `frontend/planning/auto_plan.py`); stages, schedule and mesh, if given, bind it.
     """
     if isinstance(plan, str):
         if plan != "auto":

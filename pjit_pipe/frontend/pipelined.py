@@ -23,9 +23,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pjit_pipe.errors import BatchError, OptimizerError, RngError
-from pjit_pipe.frontend.adapters import as_model
-from pjit_pipe.frontend.cut import StageCut, cut_module
+from pjit_pipe.compiler import (
+    ScheduleSpec,
+    build_program,
+    build_schedule,
+    build_table,
+    chunks_of,
+    layout_of,
+)
+from pjit_pipe.errors import BatchError, OptimizerError, OptionError, RngError
+from pjit_pipe.frontend.cutter.adapters import as_model
+from pjit_pipe.frontend.cutter.cut import StageCut, cut_module
 from pjit_pipe.frontend.mesh import make_mesh
 from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.options import PipelineOptions
@@ -37,12 +45,10 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import PackedTicks
-from pjit_pipe.lowering.topology import Topology
-from pjit_pipe.passes.pack_ticks import pack_ticks
-from pjit_pipe.schedules import make_schedule
+from pjit_pipe.lowering import LoweringOptions, Topology
 
 if TYPE_CHECKING:
-    from pjit_pipe.lowering.program import PipelineStep
+    from pjit_pipe.lowering import PipelineStep
 
 LossFn = Callable[[Any, Any], jax.Array]
 
@@ -81,16 +87,27 @@ class Pipelined:
         )
         self.replicas = options.replicas
         self.failed = FailurePattern.of(self.replicas, self.stages, options.failed)
-        # costs="measure" (the default for schedule="auto"): the schedule is made
-        # again on first use, with the stage costs measured from the model.
+        self.spec = ScheduleSpec(
+            options.schedule,
+            self.stages,
+            self.microbatches,
+            options.chunks,
+            self.replicas,
+            self.failed,
+            options.mem_limit,
+            search_time=options.search_time,
+        )
+        self.chunks = chunks_of(options.schedule, options.chunks)
+        # The costs the schedule is built and its ticks packed with, resolved once:
+        # the ones given, or with costs="measure" (auto's default) the ones measured
+        # from the model at first use; the schedule waits for them.
         costs = options.costs
         if costs is None and options.schedule == "auto":
             costs = "measure"
         self.measure = costs == "measure"
-        self.measured_costs: Costs | None = None
+        self.costs: Costs | None = None if self.measure else costs
         self.stage_times = None  # measure.StageTimes, once measured
-        self._make_schedule(None if self.measure else costs)
-        self.chunks = self.schedule.chunks
+        self._schedule: Schedule | None = None
         # The mesh the compiled program runs on: `mesh`, or the survivors' devices.
         self.device_mesh: Mesh = Topology.of(self.mesh, self.failed.failed).mesh
         self.optimizer = options.optimizer
@@ -101,24 +118,25 @@ class Pipelined:
         # Per compiled program: its state view (module layout <-> device layout).
         self._views: weakref.WeakKeyDictionary[Any, StateView] = weakref.WeakKeyDictionary()
 
-    def _make_schedule(self, costs: Costs | None) -> None:
-        o = self.options
-        self.schedule: Schedule = make_schedule(
-            o.schedule,
-            self.stages,
-            self.microbatches,
-            o.chunks,
-            costs,
-            o.mem_limit,
-            self.replicas,
-            failed=self.failed,
-            search_time=o.search_time,
-        )
+    @property
+    def schedule(self) -> Schedule:
+        """The schedule this pipeline runs, built once (`compiler.build_schedule`) under
+        its resolved costs. With costs="measure" those are measured from the model
+        first: run a step, or `measure_schedule(params, x, y, loss_fn)`, before asking."""
+        if self._schedule is None:
+            if self.measure and self.costs is None:
+                raise OptionError(
+                    "schedule: with costs='measure' (auto's default) the schedule is made "
+                    "under costs measured from the model; call pm.measure_schedule(params, "
+                    "x, y, loss_fn) or run a step first, or pass costs=pp.Costs(...)"
+                )
+            self._schedule = build_schedule(self.spec, self.costs)
+        return self._schedule
 
     def measure_costs(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> Costs:
         """Per-stage F/B/W (ms) measured on this pipeline's devices for these shapes
         (cached per model, loss, shapes and devices; see `measure.py`)."""
-        from pjit_pipe.frontend.measure import measure_stage_times
+        from pjit_pipe.frontend.planning.measure import measure_stage_times
 
         cut = self.cut(params, x)
         n = self.replicas * self.microbatches
@@ -135,15 +153,14 @@ class Pipelined:
             cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, self.mesh, key=key
         )
         self.stage_times = times
-        return times.costs(self.stages, self.schedule.layout)  # V layouts too
+        return times.costs(self.stages, layout_of(self.spec.kind, self.stages, self.chunks))
 
     def measure_schedule(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> None:
-        """With costs="measure": measure the stage costs (once) and make the schedule
-        under them, as the first compile does; `schedule`, `tick_table()` and
-        `pricing_costs()` then tell what the program will run."""
-        if self.measure and self.measured_costs is None:
-            self.measured_costs = self.measure_costs(params, x, y, loss_fn)
-            self._make_schedule(self.measured_costs)
+        """With costs="measure": measure the stage costs (once), which the schedule is
+        then built under; `schedule`, `tick_table()` and `costs` then tell what the
+        program will run."""
+        if self.measure and self.costs is None:
+            self.costs = self.measure_costs(params, x, y, loss_fn)
 
     def with_options(self, **changes: Any) -> Pipelined:
         """A copy with some options changed (e.g. another mesh or optimizer), as
@@ -200,7 +217,7 @@ class Pipelined:
                 self.model,
                 params,
                 x_mb,
-                self.schedule.num_virtual_stages,
+                self.stages * self.chunks,
                 self.balance,
                 self.options.layers,
             )
@@ -234,7 +251,7 @@ class Pipelined:
 
     def _keyed_cut(self, params: Any, x: Any, rngs: dict[str, jax.Array] | None) -> StageCut:
         """`cut`; the cut traces the model, so a model with rngs gets stand-in keys."""
-        from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_rngs
+        from pjit_pipe.lowering import check_rngs, impls_of, microbatch_rngs
 
         if rngs is None:
             return self.cut(params, x)
@@ -242,27 +259,15 @@ class Pipelined:
         with microbatch_rngs(example, impls_of(check_rngs(rngs))):
             return self.cut(params, x)
 
-    def pricing_costs(self) -> Costs:
-        """The costs the tick table is packed and priced with: the measured ones once
-        measured, else the ones given, else unit costs."""
-        costs = self.measured_costs or self.options.costs
-        return costs if isinstance(costs, Costs) else Costs()
-
     def tick_table(self) -> PackedTicks:
         """The tick table the compiled program runs: the schedule's ops packed by
-        their priced costs (an asynchronous schedule is not packed: pack_ticks gives
-        it one op per tick). Cached by pack_ticks."""
-        return pack_ticks(
-            self.schedule,
-            self.pricing_costs(),
-            1,
-            self.options.mem_limit,
-            polish=self.options.pack_polish,
+        their costs (an asynchronous schedule is not packed: one op per tick).
+        Cached by pack_ticks."""
+        return build_table(
+            self.schedule, self.costs, 1, self.options.mem_limit, self.options.pack_polish
         )
 
     def _program(self, params, x, y, loss_fn, has_aux, rngs) -> tuple[StageCut, PipelineStep]:
-        from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
-
         self._batch(x, y)
         self.measure_schedule(params, x, y, loss_fn)
         cut = self._keyed_cut(params, x, rngs)
@@ -272,22 +277,22 @@ class Pipelined:
         def build() -> PipelineStep:
             if self.optimizer is not None:
                 check_opt_layout(cut, self.optimizer, params)  # before optax meets a stage
-            ticks = self.tick_table()
-            return lower(
-                self.schedule,
+            return build_program(
+                self.tick_table(),
                 cut.stage_fns(),
                 loss_fn,
                 self.mesh,
                 cut.split(params),
                 x,
                 y,
-                optimizer=self.optimizer,
-                remat=self.remat,
-                has_aux=has_aux,
-                rngs=rngs,
-                shared=cut.shared,
-                ticks=ticks,
-                async_weights=self.options.async_weights,
+                LoweringOptions(
+                    optimizer=self.optimizer,
+                    remat=self.remat,
+                    has_aux=has_aux,
+                    rngs=rngs,
+                    shared=cut.shared,
+                    async_weights=self.options.async_weights,
+                ),
             )
 
         return cut, self._programs.get(key, build)
@@ -324,7 +329,7 @@ class Pipelined:
         mesh (the schedule's forwards only; float outputs come back in x's row order,
         floating leaves as their dtype). `rngs` as in `value_and_grad`. For other
         batch sizes (sampling one sequence) use the unpipelined `apply`."""
-        from pjit_pipe.lowering.forward import lower_forward
+        from pjit_pipe.lowering import lower_forward
 
         rngs = step_rngs(rngs)
         self._batch(x, x)

@@ -3,7 +3,7 @@
 A step takes `rngs`: one key (the 'dropout' stream) or a dict {stream: key},
 as linen's `apply(..., rngs=...)` does. The lowering gives each microbatch its
 own keys (`fold_in(key, i)` for microbatch i of the global batch; see
-`lowering/rng.py`) and makes them current while it traces a stage; the
+`lowering/compute/rng.py`) and makes them current while it traces a stage; the
 model view here passes the current keys to linen's `apply`. Every stage of a
 microbatch gets the same keys and linen derives each submodule's stream from
 its path, so a pipelined step draws exactly what `module.apply(params, x_i,
@@ -17,8 +17,8 @@ from typing import Any
 
 import jax
 
-from pjit_pipe.frontend.adapters import LinenModel, Model
-from pjit_pipe.lowering.rng import current_rngs
+from pjit_pipe.frontend.cutter.adapters import LinenModel, Model
+from pjit_pipe.lowering import current_rngs
 
 
 def step_rngs(rngs: Any) -> dict[str, jax.Array] | None:

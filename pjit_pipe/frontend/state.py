@@ -1,7 +1,7 @@
 """The training state: kept in the device layout, seen in the module's layout.
 
 Between steps a `TrainState` holds the compiled pipeline's device layout
-(see lowering/device_state.py): each device has the parameter and optax-state
+(see lowering/layout/device_state.py): each device has the parameter and optax-state
 rows of the stages it runs, and the train step takes and returns exactly
 that, so no step gathers the model. `state.params` and `state.opt_state` are
 the user's view, the module's own trees (`module.init`, `optimizer.init`
@@ -18,10 +18,9 @@ import flax.struct
 import jax
 import optax
 
-from pjit_pipe.frontend.cut import StageCut
+from pjit_pipe.frontend.cutter.cut import StageCut
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
-from pjit_pipe.lowering.device_state import DeviceLayout, device_bytes
-from pjit_pipe.lowering.packing import Buffers
+from pjit_pipe.lowering import Buffers, DeviceLayout, device_bytes
 
 
 class StateView:
@@ -88,7 +87,7 @@ class TrainState:
     step: number of optimizer steps taken (asynchronous schedules: batches fed).
     view: how to read the buffers as the module's trees (static).
     in_flight: the microbatches still in flight after a carrying step of an
-        asynchronous schedule (lowering/async_carry.py), None when none are:
+        asynchronous schedule (lowering/async_pipeline/async_carry.py), None when none are:
         `params` then lacks their updates until `TrainStep.flush`.
 
     `params` and `opt_state` give the module-layout view (see the module doc).

@@ -16,7 +16,7 @@ from pjit_pipe.frontend.state import StateView, TrainState
 
 if TYPE_CHECKING:
     from pjit_pipe.frontend.pipelined import LossFn, Pipelined
-    from pjit_pipe.lowering.step import PipelineStep
+    from pjit_pipe.lowering import PipelineStep
 
 
 class TrainStep:
@@ -29,7 +29,7 @@ class TrainStep:
 
     With `carry` (async-1f1b only) a step does not drain the pipeline: the
     microbatches in flight at its end stay in `state.in_flight` and the next
-    step goes on from them (lowering/async_carry.py). Its loss is then the
+    step goes on from them (lowering/async_pipeline/async_carry.py). Its loss is then the
     previous step's batch's (NaN at the first step), and `flush(state)`
     finishes the microbatches in flight: call it before reading exact
     parameters, saving a checkpoint or switching programs.
@@ -42,7 +42,7 @@ class TrainStep:
         self.loss_fn = loss_fn
         self.donate = donate
         if carry:
-            from pjit_pipe.lowering.async_carry import check_carry  # the compiler: on first use
+            from pjit_pipe.lowering import check_carry  # the compiler: on first use
 
             check_carry(pipelined.schedule, rngs=False)
         self.carry = carry

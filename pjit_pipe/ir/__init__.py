@@ -7,7 +7,7 @@ from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import memory_trace, peak_memory
 from pjit_pipe.ir.ops import BW, OPT, RECV, SEND, B, F, Kind, Op, Payload, W, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError, interleaved_layout, v_layout
-from pjit_pipe.ir.text import from_json, from_text, to_json, to_text
+from pjit_pipe.ir.serialize import from_json, from_text, to_json, to_text
 from pjit_pipe.ir.validate import validate
 
 __all__ = [

@@ -36,7 +36,7 @@ class Costs:
     simulate.packed_events`), so with tick > 0 the packer prefers fewer, fuller
     ticks; event-driven schedules have no ticks and ignore it. 0 (the default)
     keeps every price as it was. The CLI takes it as `--tick-cost T`; the
-    frontend measures it with `costs="measure"` (frontend/measure.py).
+    frontend measures it with `costs="measure"` (frontend/planning/measure.py).
 
     `f_fused` and `bw` are the F and the fused backward of a stage that the
     schedule does not split (it runs no B or W of that stage), per stage; None

@@ -3,7 +3,7 @@
 Every worker advances at most one compute op per tick, and a tensor produced in
 tick t can be used from tick t+1 (it travels between ticks). This is the
 unpacked table (`ir.ticks.PackedTicks.one_op_per_tick`); the lowering compiles
-the packed one that passes/pack_ticks.py builds, when it is given one.
+the packed one that tick_packing/packer.py builds, when it is given one.
 SEND/RECV ops are dropped: communication happens between every pair of ticks.
 """
 

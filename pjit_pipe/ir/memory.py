@@ -63,7 +63,7 @@ def split_stages(schedule: Schedule) -> frozenset[int]:
 
 def pool_delta(op: Op, split: frozenset[int]) -> tuple[int, int]:
     """Change of a worker's (B-pool, W-pool) rows when it runs `op`: the lowering's two
-    residual pools (lowering/stages.py). A split stage's F takes a B-pool row that
+    residual pools (lowering/compute/stages.py). A split stage's F takes a B-pool row that
     its B frees; every F takes a W-pool row that the stage's W or BW frees."""
     if op.kind is Kind.F:
         return (1 if op.stage in split else 0), 1
@@ -127,7 +127,7 @@ class StoredBytes:
     """What one microbatch of one virtual stage really stores, and which op frees it.
 
     `MEMORY_DELTA` prices every stage alike: F stores one unit, B and W free
-    half each. A split backward (lowering/split_backward.py) stores more, and
+    half each. A split backward (lowering/compute/stage_backward.py) stores more, and
     not in halves: its vjp residuals live from F to B (`until_b`), W's data
     operands from F to W (`until_w`), and the cotangents B stores for W from B
     to W (`from_b`); in real models B stores more than it frees. Any unit will

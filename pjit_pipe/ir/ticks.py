@@ -4,7 +4,7 @@ The lowering compiles a loop of ticks. In one tick each worker runs a short
 ordered tuple of ops, then every message made in the tick travels, so a
 tensor produced in tick t is usable from tick t+1, on any worker (its own
 included). The simulator prices this same table (`mode="lockstep"`), and
-`passes/pack_ticks.py` builds it.
+`tick_packing/packer.py` builds it.
 
 The rule for one worker's ops in one tick (`fits`). An op occupies lanes:
 F the activation lane (it sends an activation down), B the gradient lane (it
@@ -143,7 +143,7 @@ def fused_loss_ops(entries: Sequence[Entry], loss_stage: int) -> frozenset[Entry
     whose forward and whole backward (BW, or B and W) on the loss stage (the last
     virtual stage, `loss_stage`) are all in the tick. Only F, B, W's lane order
     lets them share a tick. The lowering runs such a group as one
-    `value_and_grad`-shaped op in the W lane (lowering/plan.py), which stores no
+    `value_and_grad`-shaped op in the W lane (lowering/tick_plan.py), which stores no
     residual, and the lockstep price scales the group by `Costs.loss_fusion`."""
     backward: dict[tuple[int, int, int], set[Kind]] = {}
     for it, op in entries:

@@ -1,5 +1,32 @@
 """IR -> one jitted shard_map program per schedule (see program.py for the entry point)."""
 
-from pjit_pipe.lowering.program import PipelineStep, lower
+from pjit_pipe.lowering.async_pipeline.async_carry import check_carry
+from pjit_pipe.lowering.comms.topology import Topology
+from pjit_pipe.lowering.compute.forward import lower_forward
+from pjit_pipe.lowering.compute.loss import LossLayout
+from pjit_pipe.lowering.compute.rng import check_rngs, current_rngs, impls_of, microbatch_rngs
+from pjit_pipe.lowering.compute.stages import StageVjp
+from pjit_pipe.lowering.layout.device_state import DeviceLayout, device_bytes
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.param_layout import ChunkLayout
+from pjit_pipe.lowering.program import LoweringOptions, PipelineStep, lower
 
-__all__ = ["PipelineStep", "lower"]
+__all__ = [
+    "Buffers",
+    "ChunkLayout",
+    "DeviceLayout",
+    "FlatSpec",
+    "LossLayout",
+    "LoweringOptions",
+    "PipelineStep",
+    "StageVjp",
+    "Topology",
+    "check_carry",
+    "check_rngs",
+    "current_rngs",
+    "device_bytes",
+    "impls_of",
+    "lower",
+    "lower_forward",
+    "microbatch_rngs",
+]

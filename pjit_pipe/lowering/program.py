@@ -1,4 +1,4 @@
-"""Schedule -> one jitted shard_map program: the public entry point `lower`.
+"""Tick table -> one jitted shard_map program: the public entry point `lower`.
 
 The program is built in layers, one module each:
 - plan.py: the schedule's tick table as per-device rows (`TickRow`) and buffer slots;
@@ -14,6 +14,7 @@ A schedule with failed workers compiles the same way over the survivors only
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -28,18 +29,18 @@ from pjit_pipe.ir.memory import split_stages
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.lowering.async_weights import async_weights_for
-from pjit_pipe.lowering.global_norm import count_norm_calls
-from pjit_pipe.lowering.loss import LossLayout
-from pjit_pipe.lowering.optimizer import stage0_avals
-from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_rngs
-from pjit_pipe.lowering.shared import check_shared
-from pjit_pipe.lowering.stages import StageVjp
+from pjit_pipe.lowering.async_pipeline.async_weights import async_weights_for
+from pjit_pipe.lowering.comms.topology import AXES, Topology
+from pjit_pipe.lowering.compute.loss import LossLayout
+from pjit_pipe.lowering.compute.rng import check_rngs, impls_of, microbatch_rngs
+from pjit_pipe.lowering.compute.stages import StageVjp
+from pjit_pipe.lowering.compute.tick import TickProgram
+from pjit_pipe.lowering.layout.global_norm import count_norm_calls
+from pjit_pipe.lowering.layout.optimizer import stage0_avals
+from pjit_pipe.lowering.layout.shared import check_shared
 from pjit_pipe.lowering.step import PipelineStep
-from pjit_pipe.lowering.tick import TickProgram
-from pjit_pipe.lowering.topology import AXES, Topology
 
-__all__ = ["PipelineStep", "TickProgram", "lower"]
+__all__ = ["LoweringOptions", "PipelineStep", "TickProgram", "lower"]
 
 
 def _abstract(tree: Any) -> Any:
@@ -75,60 +76,85 @@ def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> Non
         raise BatchError(f"global batch {batch} is not divisible by replicas*microbatches = {n}")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoweringOptions:
+    """How `lower` compiles a tick table: everything beside the table and the model.
+
+    optimizer: the optax transformation of `train_step` (None: value_and_grad only).
+    remat: B and W recompute the stage forward instead of reading stored vjp residuals
+        (the split backward is then off: both recompute).
+    has_aux: loss_fn returns (loss, aux), aux a pytree of metrics averaged over
+        microbatches (see compute/loss.py).
+    rngs: an example {stream name: key} for stage functions that draw random numbers
+        (dropout); each step then takes its own rngs, and a stage function reads its
+        microbatch's keys with `current_rngs()` (see compute/rng.py).
+    shared: a key of the stage parameter dicts -> the virtual stages that each hold a
+        copy of it (tied weights): their gradients are summed, so the copies stay equal.
+    split_backward: False makes W re-run the whole stage pullback (for comparisons).
+    async_weights: for async-1f1b, "predict" (default), "stash" or "latest", and
+    staleness_offset: see async_pipeline/async_weights.py.
+    """
+
+    optimizer: optax.GradientTransformation | None = None
+    remat: bool = False
+    has_aux: bool = False
+    rngs: Any = None
+    shared: Mapping[str, Sequence[int]] | None = None
+    split_backward: bool = True
+    async_weights: str | None = None
+    staleness_offset: int = 0
+
+
 def lower(
-    schedule: Schedule,
+    table: PackedTicks | Schedule,
     stage_fns: Sequence[Callable],
     loss_fn: Callable,
     mesh: Mesh,
     stage_params: Sequence[Any],
     x: Any,
     y: Any,
-    optimizer: optax.GradientTransformation | None = None,
-    remat: bool = False,
-    iterations: int = 1,
-    has_aux: bool = False,
-    rngs: Any = None,
-    shared: Mapping[str, Sequence[int]] | None = None,
-    split_backward: bool = True,
-    ticks: PackedTicks | None = None,
-    async_weights: str | None = None,
-    staleness_offset: int = 0,
+    options: LoweringOptions | None = None,
 ) -> PipelineStep:
-    """Compile `schedule` for these stages into one SPMD program per entry point.
+    """Compile a tick table for these stages into one SPMD program per entry point.
 
-    `mesh` is the whole (data, stage) mesh; when the schedule has failed
-    workers the program runs on the survivors' devices only.
+    Args:
+        table: the tick table to run (`pjit_pipe.tick_packing.pack_ticks`), for its
+            `iterations` back-to-back iterations; a bare Schedule runs its unpacked
+            table (`PackedTicks.one_op_per_tick`: one op per device per tick).
+        stage_fns: stage_fns[s](params_s, act) -> act for each of the P*v virtual stages.
+        loss_fn: loss_fn(out, y_mb) -> the mean loss of one microbatch, or (loss_sum,
+            weight) (masked/weighted losses: the loss is sum(loss_sum) / sum(weight)
+            over the global batch); with options.has_aux, (either of those, aux).
+        mesh: the whole (data, stage) mesh; with failed workers the program runs on
+            the survivors' devices only (comms/topology.py).
+        stage_params, x, y: examples (shapes only) of the stage parameters and the
+            global batch of one iteration.
+        options: how to compile (`LoweringOptions`; default: value_and_grad only).
 
-    stage_fns[s](params_s, act) -> act for each of the P*v virtual stages;
-    loss_fn(out, y_mb) -> the mean loss of one microbatch, or (loss_sum, weight)
-    (masked/weighted losses: the loss is sum(loss_sum) / sum(weight) over the
-    global batch), or with has_aux=True (either of those, aux) where aux is a
-    pytree of metrics, averaged over microbatches (see loss.py). stage_params, x
-    and y are examples (shapes only). With remat=True, B and W recompute the
-    stage forward instead of reading stored vjp residuals. With iterations=N,
-    train_step runs N back-to-back training iterations per call (x and y are
-    then examples of one iteration's batch). `rngs` is an example {stream name:
-    key} for stage functions that draw random numbers (dropout): each step then
-    takes its own rngs, and a stage function reads its microbatch's keys with
-    `rng.current_rngs()` (see rng.py). `shared` maps a key of the stage
-    parameter dicts to the virtual stages that each hold a copy of it (tied
-    weights): their gradients are summed, so the copies stay equal. split_backward=False
-    makes W re-run the whole stage pullback (the old split, kept for comparisons);
-    the split backward is also off with remat (B and W recompute).
-    `ticks` is the tick table to run, for `iterations` iterations (build it with
-    `pjit_pipe.passes.pack_ticks.pack_ticks`); None runs one op per device per
-    tick (`PackedTicks.one_op_per_tick`).
-    An asynchronous schedule (async-1f1b) takes `async_weights` "predict"
-    (default), "stash" or "latest" and `staleness_offset` (see async_weights.py);
-    its train_step then runs iterations*m optimizer steps, one per microbatch.
+    Returns:
+        The compiled `PipelineStep`. An asynchronous table's train_step runs
+        iterations*m optimizer steps, one per microbatch.
+
+    Raises:
+        ScheduleError, MeshError, CutError, BatchError, OptionError, OptimizerError:
+            naming the argument that does not fit and the fix.
     """
+    o = LoweringOptions() if options is None else options
+    if isinstance(table, Schedule):
+        table = PackedTicks.one_op_per_tick(table)
+    if not isinstance(table, PackedTicks):
+        raise OptionError(
+            f"table must be a PackedTicks (pack_ticks) or a Schedule, got {type(table).__name__}"
+        )
+    schedule, iterations = table.schedule, table.iterations
+    optimizer, remat, has_aux, rngs, shared = o.optimizer, o.remat, o.has_aux, o.rngs, o.shared
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     # Stages run as separate B and W get the split backward (see the docstring).
     split = set(split_stages(schedule))
-    if remat or not split_backward:
+    if remat or not o.split_backward:
         split = set()
     loss = LossLayout(loss_fn, has_aux)
     impls, example_keys = None, {}
@@ -144,17 +170,10 @@ def lower(
             jax.tree.map(mb, y),
             split,
         )
-    if not isinstance(iterations, int) or iterations < 1:
-        raise OptionError(f"iterations must be a positive integer, got {iterations!r}")
     topology = Topology.of(mesh, schedule.failed)
-    if ticks is not None:
-        if not isinstance(ticks, PackedTicks):
-            raise OptionError(
-                f"ticks must be a PackedTicks (pack_ticks), got {type(ticks).__name__}"
-            )
-        ticks.check()
+    table.check()
     weights = async_weights_for(
-        schedule, async_weights, optimizer, stages.param_avals, remat, loss, staleness_offset
+        schedule, o.async_weights, optimizer, stages.param_avals, remat, loss, o.staleness_offset
     )
     program = TickProgram(
         schedule,
@@ -165,7 +184,7 @@ def lower(
         shared,
         loss=loss,
         rng_impls=impls,
-        ticks=ticks,
+        ticks=table,
         weights=weights,
     )
     stepping = optimizer is not None and program.stepping

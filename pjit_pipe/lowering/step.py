@@ -21,13 +21,13 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.lowering.async_carry import CarryingStep, InFlight
-from pjit_pipe.lowering.device_state import DeviceLayout
-from pjit_pipe.lowering.optimizer import StageOptimizer
-from pjit_pipe.lowering.packing import Buffers, FlatSpec
-from pjit_pipe.lowering.plan import TickPlan
-from pjit_pipe.lowering.rng import check_rngs, microbatch_key_data
-from pjit_pipe.lowering.tick import TickProgram
+from pjit_pipe.lowering.async_pipeline.async_carry import CarryingStep, InFlight
+from pjit_pipe.lowering.compute.rng import check_rngs, microbatch_key_data
+from pjit_pipe.lowering.compute.tick import TickProgram
+from pjit_pipe.lowering.layout.device_state import DeviceLayout
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.optimizer import StageOptimizer
+from pjit_pipe.lowering.tick_plan import TickPlan
 
 
 class PipelineStep:

@@ -8,18 +8,25 @@ from pjit_pipe.passes.chain import Pass, chain, renamed
 from pjit_pipe.passes.comm import insert_comm
 from pjit_pipe.passes.defer_w import defer_w
 from pjit_pipe.passes.fuse_backward import fuse_stage, fuse_where_free
+from pjit_pipe.passes.list_scheduler import ORDERS, list_schedule
 from pjit_pipe.passes.postpone_w import postpone_w
-from pjit_pipe.passes.reroute import reroute
+from pjit_pipe.passes.reroute import FailedWorkers, assign, canonically, default_limit, reroute
 from pjit_pipe.passes.split_backward import split_backward
 from pjit_pipe.passes.stagger import stagger
 
 __all__ = [
+    "ORDERS",
+    "FailedWorkers",
     "Pass",
+    "assign",
+    "canonically",
     "chain",
+    "default_limit",
     "defer_w",
     "fuse_stage",
     "fuse_where_free",
     "insert_comm",
+    "list_schedule",
     "postpone_w",
     "renamed",
     "reroute",

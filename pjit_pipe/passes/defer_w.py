@@ -25,7 +25,7 @@ from pjit_pipe.ir.engine import DeadlockError, Engine, Key
 from pjit_pipe.ir.memory import MEMORY_DELTA, limit_units, peak_memory
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.simulator.simulate import simulate
+from pjit_pipe.simulator import simulate
 
 FillRule = Literal["fit", "eager"]
 _EPS = 1e-9

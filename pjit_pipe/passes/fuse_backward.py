@@ -25,7 +25,7 @@ from __future__ import annotations
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ops import Kind, Op
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.simulator.simulate import STEADY_ITERATIONS, steady_period
+from pjit_pipe.simulator import STEADY_ITERATIONS, steady_period
 
 
 def fuse_stage(schedule: Schedule, stage: int) -> Schedule:

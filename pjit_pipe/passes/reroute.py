@@ -26,7 +26,7 @@ from pjit_pipe.ir.ops import Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.passes.list_scheduler import Placement, list_schedule
-from pjit_pipe.simulator.simulate import best_of
+from pjit_pipe.simulator import best_of
 
 FailedWorkers = FailurePattern | Iterable[tuple[int, int]]  # a pattern or its (replica, stage)s
 

@@ -68,10 +68,27 @@ __all__ = [
     "Searcher",
     "cluster",
     "devices_from_json",
+    "draw_plan",
     "load_devices",
     "load_profile",
     "parse_profile",
     "plan_model",
+    "probe_devices",
     "shipped_profile",
     "smallest_memory",
 ]
+
+# Drawing needs matplotlib and probing needs JAX: loaded on first use (PEP 562),
+# so that planning imports neither.
+_LAZY = {
+    "probe_devices": "pjit_pipe.planner.device_probe",
+    "draw_plan": "pjit_pipe.planner.plan_chart",
+}
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(_LAZY[name]), name)

@@ -37,14 +37,14 @@ from functools import lru_cache
 
 import numpy as np
 
+from pjit_pipe.compiler import ScheduleSpec, build_schedule
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.planner.devices import Devices
 from pjit_pipe.planner.profile import Profile
-from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator.simulate import SimResult, simulate
+from pjit_pipe.simulator import SimResult, simulate
 
 PLANNABLE_KINDS = ("1f1b", "zb-h1", "gpipe", "zb-h2")
 STATE_COPIES = 4  # weights + gradients + Adam's first and second moments
@@ -103,7 +103,7 @@ class Evaluation:
 @lru_cache(maxsize=256)
 def schedule_of(kind: str, stages: int, microbatches: int, replicas: int) -> Schedule:
     """The fault-free schedule a plan runs (cached: plans share few shapes)."""
-    return make_schedule(kind, stages, microbatches, replicas=replicas)
+    return build_schedule(ScheduleSpec(kind, stages, microbatches, replicas=replicas))
 
 
 @lru_cache(maxsize=256)

@@ -4,7 +4,7 @@ One generator, so that the test's seeds and the benchmark's instances are the
 same problems: 8 layers with random F, B, activation and parameter bytes, and
 4 devices with random speeds and asymmetric links (bandwidth[i][j] and
 bandwidth[j][i] drawn independently), each holding 4 GB. Small enough for the
-exhaustive engine (`pjit_pipe.planner.exact`) to prove the optimum in about a
+exhaustive engine (`pjit_pipe.planner.exhaustive`) to prove the optimum in about a
 second.
 """
 

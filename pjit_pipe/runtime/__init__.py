@@ -1,10 +1,12 @@
 """The runtime: failure detection, precompiled failure variants, a train loop through failures."""
 
+from pjit_pipe.runtime.checkpoint import Checkpoints
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, LiveDevices, WorkerFailure
 from pjit_pipe.runtime.trainer import ResilientTrainer, TrainerEvent
 from pjit_pipe.runtime.variants import Variant, Variants
 
 __all__ = [
+    "Checkpoints",
     "FailureDetector",
     "InjectedFailures",
     "LiveDevices",

@@ -24,8 +24,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from pjit_pipe.frontend.state import TrainState
-from pjit_pipe.frontend.train_step import TrainStep
+from pjit_pipe.frontend import TrainState, TrainStep
 
 STATE, META = "state", "meta"  # the two items of a checkpoint
 

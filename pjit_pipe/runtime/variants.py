@@ -21,9 +21,7 @@ from typing import Any
 
 import jax
 
-from pjit_pipe.frontend.pipelined import Pipelined
-from pjit_pipe.frontend.state import TrainState
-from pjit_pipe.frontend.train_step import TrainStep
+from pjit_pipe.frontend import Pipelined, TrainState, TrainStep
 from pjit_pipe.ir.failures import FailurePattern, enumerate_patterns
 from pjit_pipe.ir.ops import Worker
 

@@ -26,7 +26,7 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
-from pjit_pipe.passes.fuse_backward import fuse_where_free
+from pjit_pipe.passes import fuse_where_free
 from pjit_pipe.schedules.asynchronous import async_one_f_one_b
 from pjit_pipe.schedules.auto import OBJECTIVES, Objective, auto
 from pjit_pipe.schedules.classic import gpipe, one_f_one_b

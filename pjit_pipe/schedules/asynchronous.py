@@ -6,7 +6,7 @@ iteration's forwards fill the cool-down: in steady state every worker runs
 F, BW, OPT back to back and the iteration period is m(F+B+W). The price is
 weight staleness: between a microbatch's forward and its backward on position
 p, s = P-p-1 updates land (the paper's s; PipeOptim's code uses P-p; the
-lowering reads s from the program: `pjit_pipe.lowering.async_weights.staleness`).
+lowering reads s from the program: `pjit_pipe.lowering.async_pipeline.async_weights.staleness`).
 """
 
 from __future__ import annotations

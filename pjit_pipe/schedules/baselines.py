@@ -16,10 +16,9 @@ from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.passes.list_scheduler import ORDERS, list_schedule
-from pjit_pipe.passes.reroute import FailedWorkers, assign
+from pjit_pipe.passes import ORDERS, FailedWorkers, assign, list_schedule
 from pjit_pipe.schedules import make_schedule
-from pjit_pipe.simulator.simulate import best_of
+from pjit_pipe.simulator import best_of
 
 
 def drop_replica(

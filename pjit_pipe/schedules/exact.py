@@ -53,7 +53,7 @@ from pjit_pipe.schedules.auto import ExactSolver, auto
 from pjit_pipe.schedules.common import check_positive, replicated
 from pjit_pipe.schedules.milp import GAP, KINDS, PAIRS, Model, Problem, Program, build
 from pjit_pipe.schedules.timing import Shape, Step, to_ops
-from pjit_pipe.simulator.simulate import simulate
+from pjit_pipe.simulator import simulate
 
 MAX_ORDER_BINARIES = 12_000
 """Largest model accepted: 3*P*m*(m-1)/2 ordering binaries (P=8, m=32 is 11904)."""

@@ -17,10 +17,8 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.passes.list_scheduler import ORDERS, list_schedule
-from pjit_pipe.passes.reroute import assign, canonically, default_limit
-from pjit_pipe.simulator.bounds import lower_bound
-from pjit_pipe.simulator.simulate import best_of
+from pjit_pipe.passes import ORDERS, assign, canonically, default_limit, list_schedule
+from pjit_pipe.simulator import best_of, lower_bound
 
 
 def search_reroutes(

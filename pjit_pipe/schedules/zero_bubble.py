@@ -24,9 +24,7 @@ from collections.abc import Callable
 
 from pjit_pipe.ir.ops import Kind
 from pjit_pipe.ir.schedule import Schedule
-from pjit_pipe.passes.chain import chain, renamed
-from pjit_pipe.passes.postpone_w import postpone_w
-from pjit_pipe.passes.split_backward import split_backward
+from pjit_pipe.passes import chain, postpone_w, renamed, split_backward
 from pjit_pipe.schedules.classic import one_f_one_b
 from pjit_pipe.schedules.common import check_positive, replicated
 from pjit_pipe.schedules.timing import Step, to_ops

@@ -3,7 +3,7 @@
 `lower_bound` (work-conserving, under a failure pattern) is what re-routed
 schedules are measured against (tests, benchmarks) and where the
 failure-aware search stops early. `lockstep_lower_bound` is what no tick
-table of a schedule can beat (passes/pack_ticks.py stops at it).
+table of a schedule can beat (tick_packing/packer.py stops at it).
 """
 
 from __future__ import annotations

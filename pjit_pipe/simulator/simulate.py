@@ -157,7 +157,7 @@ def simulate(
     mode="event": every op starts as soon as its worker is free and its inputs
     have arrived (asynchronous execution, what a runtime with streams achieves).
     mode="lockstep": the tick table the lowering compiles, as its SPMD program runs
-    it (`packed_events`): `ticks` (built by passes/pack_ticks.py for `iterations`
+    it (`packed_events`): `ticks` (built by tick_packing/packer.py for `iterations`
     iterations), else one op per worker per tick (ir/ticks.py).
     Makespan, span and busy time are of the first iteration; steady_period is
     (end of the last iteration - end of the first) / (iterations - 1).

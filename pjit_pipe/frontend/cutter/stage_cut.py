@@ -1,0 +1,183 @@
+"""`StageCut`: a model cut into stages, and the split/merge of its parameters.
+
+What `cut.py` finds (where the stages begin, which units each holds, what
+crosses each cut), kept as one frozen value: it splits a module-layout
+parameter tree into per-stage dicts and merges them back exactly, builds each
+stage's function, and describes itself. See cut.py for how the cut is chosen.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from pjit_pipe.errors import CutError
+from pjit_pipe.frontend.cutter.adapters import Model, Path
+from pjit_pipe.frontend.cutter.stacks import Rows, rows_of, stack
+from pjit_pipe.frontend.cutter.trace import Event, Run
+
+
+def _zeros(avals: Any) -> Any:
+    return jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype), avals)
+
+
+def get_path(tree: Any, path: Path) -> Any:
+    for k in path:
+        tree = tree[k]
+    return tree
+
+
+def _assemble(parts: Mapping[Path, Any]) -> dict:
+    """Nested dicts from (path -> subtree) parts."""
+    out: dict = {}
+    for path, sub in parts.items():
+        node = out
+        for k in path[:-1]:
+            node = node.setdefault(k, {})
+        node[path[-1]] = sub
+    return out
+
+
+@dataclass(frozen=True)
+class StageCut:
+    """A module cut into `len(bounds)` stages.
+
+    bounds[s]: event index where stage s begins (None for stage 0).
+    keys[s]: names of the parameter units stage s owns (units: name -> path).
+    flops[s]: estimated FLOPs of one microbatch's forward through stage s.
+    A unit may be owned by several stages (see `shared`).
+    rows[k]: for a unit that holds some iterations of an nn.scan stack, the rows
+    [first, stop) of its stacked parameters (its path is the whole stack's).
+    """
+
+    model: Model
+    events: tuple[Event, ...]
+    bounds: tuple[int | None, ...]
+    keys: tuple[tuple[str, ...], ...]
+    flops: tuple[float, ...]
+    x_aval: Any
+    param_avals: dict
+    units: dict[str, Path]
+    rows: Mapping[str, Rows] = dataclasses.field(default_factory=dict)
+
+    def _unit(self, tree: Any, k: str, is_leaf: Callable[[Any], bool] | None = None) -> Any:
+        """Unit k's subtree of a whole-model tree (its rows, for part of a scan stack)."""
+        return rows_of(get_path(tree, self.units[k]), self.rows.get(k), is_leaf)
+
+    @property
+    def stages(self) -> int:
+        return len(self.bounds)
+
+    def stage_names(self, s: int) -> list[str]:
+        """Names of the events stage s runs (for reports and errors)."""
+        stop = self.bounds[s + 1] if s + 1 < self.stages else len(self.events)
+        events = self.events[self.bounds[s] or 0 : stop]
+        return [f"{e.name}[0]" if e.iterations else e.name for e in events]
+
+    def stage_fn(self, s: int) -> Callable[[Any, Any], Any]:
+        """stage_fn(params_s, act) -> act: the model's code from cut s to cut s+1."""
+        start = self.bounds[s]
+        stop = self.bounds[s + 1] if s + 1 < self.stages else None
+        held = {self.units[k] for k in self.keys[s]}
+        others = {
+            path: get_path(self.param_avals, path)
+            for path in set(self.units.values()) - held  # whole stacks, even if split
+        }
+        calls_before = [i for i in range(start or 0) if self.events[i].kind == "call"]
+
+        def stage(params_s: Any, act: Any) -> Any:
+            # Other stages' parameters and skipped calls are zero stand-ins that
+            # only dead code reads (checked when the cut was made).
+            own = {self.units[k]: v for k, v in params_s.items()}
+            params = _assemble({**_zeros(others), **own})
+            if start is None:
+                return self.model.run(params, act, Run(stop=stop, expected=self.events))
+            skips = {i: _zeros(self.events[i].out) for i in calls_before}
+            run = Run(start, stop, act, skips, expected=self.events)
+            return self.model.run(params, _zeros(self.x_aval), run)
+
+        stage.__name__ = f"stage_{s}"
+        return stage
+
+    @property
+    def shared(self) -> dict[str, tuple[int, ...]]:
+        """Units held by more than one stage (tied weights) -> the stages holding them."""
+        holders: dict[str, list[int]] = {}
+        for s, keys in enumerate(self.keys):
+            for k in keys:
+                holders.setdefault(k, []).append(s)
+        return {k: tuple(v) for k, v in sorted(holders.items()) if len(v) > 1}
+
+    def param_bytes(self, s: int) -> int:
+        """Bytes of the parameters stage s holds."""
+        return sum(
+            math.prod(a.shape) * a.dtype.itemsize
+            for k in self.keys[s]
+            for a in jax.tree.leaves(self._unit(self.param_avals, k))
+        )
+
+    def describe(self) -> str:
+        """The cut as a table: per stage its calls, parameter bytes, estimated
+        forward FLOPs per microbatch and the shapes of the input it receives."""
+        lines = [f"{self.model.name} cut into {self.stages} stages"]
+        for s in range(self.stages):
+            start = self.bounds[s]
+            given = "model input" if start is None else _shapes(self.events[start].act)
+            lines.append(
+                f"  stage {s}: {', '.join(self.stage_names(s)) or '(glue only)'}\n"
+                f"    params {self.param_bytes(s):,} B, {self.flops[s]:.3g} FLOPs, in: {given}"
+            )
+        for k, holders in self.shared.items():
+            lines.append(f"  shared {k}: held by stages {', '.join(map(str, holders))}")
+        lines.append(f"  imbalance (largest / mean cost): {imbalance(self.flops):.2f}x")
+        return "\n".join(lines)
+
+    def stage_fns(self) -> list[Callable[[Any, Any], Any]]:
+        return [self.stage_fn(s) for s in range(self.stages)]
+
+    def split(self, variables: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[dict]:
+        """The model's parameters (as its users hold them), or a tree shaped like them
+        with `is_leaf` nodes for leaves, -> one dict of units per stage."""
+        params = self.model.params(variables)
+        if jax.tree.structure(params, is_leaf) != jax.tree.structure(self.param_avals):
+            raise CutError(
+                f"params: their tree {jax.tree.structure(params)} differs from the one the "
+                f"model was cut with {jax.tree.structure(self.param_avals)}"
+            )
+        return [{k: self._unit(params, k, is_leaf) for k in keys} for keys in self.keys]
+
+    def merge(self, stage_trees: Sequence[Any]) -> Any:
+        """Inverse of `split`: per-stage dicts (parameters or gradients) -> the model's form.
+
+        A shared unit is taken from its first holder (the lowering keeps the
+        holders' copies equal, and gives each the summed gradient); the row
+        blocks of a split scan stack are concatenated."""
+        if len(stage_trees) != self.stages:
+            raise CutError(f"merge: expected {self.stages} stage trees, got {len(stage_trees)}")
+        parts: dict[Path, Any] = {}
+        blocks: dict[Path, list[tuple[int, Any]]] = {}
+        for tree in stage_trees:
+            for k, v in tree.items():
+                if k in self.rows:
+                    blocks.setdefault(self.units[k], []).append((self.rows[k][0], v))
+                else:
+                    parts.setdefault(self.units[k], v)
+        for path, row_blocks in blocks.items():
+            parts[path] = stack([v for _, v in sorted(row_blocks, key=lambda b: b[0])])
+        return self.model.variables(_assemble(parts))
+
+
+def _shapes(avals: Any) -> str:
+    return ", ".join(f"{a.dtype.name}{list(a.shape)}" for a in avals)
+
+
+def imbalance(costs: Sequence[float]) -> float:
+    """Largest stage cost over the mean: the slowdown against a perfect split."""
+    mean = sum(costs) / len(costs)
+    return max(costs) / mean if mean > 0 else 1.0

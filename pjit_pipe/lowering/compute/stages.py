@@ -1,0 +1,284 @@
+"""One virtual stage as the lowering sees it: a forward whose vjp residuals can be stored.
+
+The last stage folds the loss in, so its output is the microbatch loss; the
+first stage reads the raw microbatch and takes no input gradient. F keeps the
+vjp residuals that B and W need (matmul outputs; see SAVE_DOTS); residuals that are the stage's own parameter
+arrays are not stored but re-read from the parameter buffer (parameters do not
+change within an iteration), so weights are never copied per microbatch.
+
+Stages listed in `split` (those the schedule runs as separate B and W, except
+the first, whose B is empty) use the split backward of `split_backward.py`.
+Stored values live in two pools with their own slots, so each is freed by
+the last op that reads it:
+
+- the B-pool row (split stages only): the vjp residuals w.r.t. (input, site
+  perturbations), written by F and read by B (or BW), which frees it;
+- the W-pool row: a split stage's data operands W reads (written by F) and
+  site cotangents (written by B); any other stage's vjp residuals. The
+  stage's last backward op (W or BW) frees it.
+
+A stage that is not split (a fused BW, or the first stage, whose W does the
+whole backward) thus uses one pool, the one freed last, whatever the pool
+its neighbours use: one SPMD program sizes each pool by its busiest device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pjit_pipe.errors import LossFnError
+from pjit_pipe.ir.memory import StoredBytes
+from pjit_pipe.lowering.compute.stage_backward import SplitBackward
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+
+# Residuals kept from F: matmul outputs (and the stage input); B and W recompute
+# only the cheap elementwise ops from them, which is what XLA's fusion does in an
+# unpipelined step anyway, at a fraction of the memory traffic of every residual.
+SAVE_DOTS = jax.checkpoint_policies.dots_saveable
+
+
+class Residuals(NamedTuple):
+    """One microbatch's stored rows (or a store of them, with a leading slot axis)."""
+
+    b: Buffers  # B-pool: a split stage's vjp residuals, F -> B
+    w: Buffers  # W-pool: a split stage's W operands (F) and cotangents (B), any other
+    #             stage's vjp residuals; freed by the stage's W or BW
+
+
+class StageVjp:
+    """Forward/backward of every virtual stage, with residual packing.
+
+    After `__init__` (an abstract pass over the stage chain), `act_avals[s]` is
+    the input of stage s, and `b_spec` / `w_spec` the flat B-pool / W-pool rows
+    shared by all stages (a stage's tree number s in each).
+    """
+
+    def __init__(
+        self,
+        stage_fns: Sequence[Callable],
+        loss_fn: Callable,
+        stage_params: Sequence[Any],
+        x_mb: Any,
+        y_mb: Any,
+        split: Collection[int] = (),
+    ):
+        self.fns = list(stage_fns)
+        self.loss_fn = loss_fn
+        self.S = len(self.fns)
+        self.param_avals = [jax.eval_shape(lambda p: p, p) for p in stage_params]
+        self.act_avals: list[Any] = [x_mb]
+        for s in range(self.S - 1):
+            self.act_avals.append(
+                jax.eval_shape(self.fns[s], self.param_avals[s], self.act_avals[s])
+            )
+        self.split = frozenset(s for s in split if 0 < s < self.S)
+        self.splitters = {
+            s: SplitBackward(
+                lambda p, a, y, s=s: self.forward(s, p, a, y),
+                self.param_avals[s],
+                self.act_avals[s],
+                y_mb if s == self.S - 1 else None,
+            )
+            for s in sorted(self.split)
+        }
+        # Per dtype, the widest stage's cotangents: every split stage's row ends its
+        # cotangents with zero padding up to this width, so B writes one
+        # fixed-size slice (at a per-stage offset) into the residual store.
+        widths = {s: self._cotangent_sizes(s) for s in self.split}
+        self.cot_width = {
+            k: max(w.get(k, 0) for w in widths.values()) for w in widths.values() for k in w
+        }
+        pads = {
+            s: [jax.ShapeDtypeStruct((self.cot_width[k] - w.get(k, 0),), k) for k in self.cot_width]
+            for s, w in widths.items()
+        }
+        self.res_treedef: list[Any] = []
+        self.res_where: list[list[tuple[str, int]]] = []
+        stored, kept = [], []
+        for s in range(self.S):
+            box: dict[str, Any] = {}
+
+            def probe(p, a, y, s=s, box=box):
+                out, pull, where, leaves = self._vjp_parts(s, p, a, y)
+                box["where"], box["treedef"] = where, jax.tree.structure(pull)
+                return out, leaves
+
+            out, leaves = jax.eval_shape(probe, self.param_avals[s], self.act_avals[s], y_mb)
+            loss = out[0] if s in self.split else out
+            if s == self.S - 1 and (loss.ndim != 1 or loss.dtype != jnp.float32):
+                raise LossFnError(
+                    f"loss_fn must return a float32 vector (see loss.LossLayout), got {loss}"
+                )
+            self.res_where.append(box["where"])
+            self.res_treedef.append(box["treedef"])
+            # A split stage also keeps W's data operands and the site cotangents B
+            # writes (padded to `cot_width`).
+            sb = self.splitters.get(s)
+            stored.append(leaves if sb else [])
+            kept.append([sb.stored, sb.perturbations, pads[s]] if sb else leaves)
+        self.loss_aval = loss
+        self.b_spec = FlatSpec(stored)
+        self.w_spec = FlatSpec(kept)
+        # Per dtype, how much of a W-pool row F writes: a split stage's W operands
+        # (its cotangents, after them, are B's to write), any other stage's whole row.
+        # F writes only this head, so it never writes the zeros of the cotangent slice.
+        self.w_head_width: dict[str, int] = {k: 0 for k in self.w_spec.sizes}
+        for s in range(self.S):
+            slots = self.w_spec.slots[s]
+            if s in self.split:
+                slots = slots[: len(self.splitters[s].stored)]
+            for key, start, n in slots:
+                self.w_head_width[key] = max(self.w_head_width[key], start + n)
+
+    def zero_residuals(self, *lead: int) -> Residuals:
+        """Empty B-pool and W-pool stores with leading dimensions `lead`."""
+        return Residuals(self.b_spec.zeros(*lead), self.w_spec.zeros(*lead))
+
+    def forward(self, s: int, p: Any, a: Any, y: Any) -> Any:
+        out = self.fns[s](p, a)
+        return self.loss_fn(out, y) if s == self.S - 1 else out
+
+    def _vjp_parts(self, s: int, p: Any, a: Any, y: Any):
+        """(output, pullback, residual origin list, stored residual leaves); a split
+        stage's pullback is w.r.t. (input, perturbations) and its output is
+        (stage output, W's data operands)."""
+        if s in self.split:
+            sb = self.splitters[s]
+            y = y if s == self.S - 1 else None
+            fwd = jax.checkpoint(lambda p, a, eps: sb.forward(p, a, y, eps), policy=SAVE_DOTS)
+            out, pull, operands = jax.vjp(
+                lambda a, eps: fwd(p, a, eps), a, sb.zero_perturbations(), has_aux=True
+            )
+            out = (out, operands)
+        else:
+            out, pull = self._plain_vjp(s, p, a, y)
+        leaves = jax.tree.leaves(pull)
+        param_leaves = jax.tree.leaves(p)
+        where, stored, seen = [], [], {}
+        for leaf in leaves:
+            k = next((i for i, q in enumerate(param_leaves) if leaf is q), None)
+            if k is not None:
+                where.append(("param", k))
+            else:
+                if id(leaf) not in seen:
+                    seen[id(leaf)] = len(stored)
+                    stored.append(leaf)
+                where.append(("stored", seen[id(leaf)]))
+        return out, pull, where, stored
+
+    def _plain_vjp(self, s: int, p: Any, a: Any, y: Any):
+        fwd = jax.checkpoint(lambda p, a: self.forward(s, p, a, y), policy=SAVE_DOTS)
+        if s == 0:
+            out, pull = jax.vjp(lambda p: fwd(p, a), p)
+        else:
+            out, pull = jax.vjp(fwd, p, a)
+        return out, pull
+
+    def forward_with_residuals(self, s: int, p: Any, a: Any, y: Any) -> tuple[Any, Residuals]:
+        """F: the stage output, its packed B-pool row and the head of its W-pool row
+        (the first `w_head_width` elements per dtype: what F writes; `full_row`
+        pads a head to a whole row)."""
+        out, _, where, stored = self._vjp_parts(s, p, a, y)
+        if where != self.res_where[s]:
+            raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
+        if s not in self.split:
+            b_row, head = self.b_spec.pack(s, []), stored
+        else:
+            (out, operands) = out
+            b_row, head = self.b_spec.pack(s, stored), jax.tree.leaves(operands)
+        return out, Residuals(b_row, self.w_spec.pack_leading(s, head, self.w_head_width))
+
+    def full_row(self, res: Residuals) -> Residuals:
+        """F's residuals with the W-pool head padded (with zeros) to a whole row."""
+        pad = lambda k, v: jnp.pad(v, (0, self.w_spec.sizes[k] - v.shape[0]))  # noqa: E731
+        return res._replace(w={k: pad(k, v) for k, v in res.w.items()})
+
+    def pullback(self, s: int, p: Any, res: Residuals) -> Callable:
+        """The stage's vjp function rebuilt from its stored residuals and current
+        parameters (a split stage's: w.r.t. its input and site perturbations)."""
+        spec, row = (self.b_spec, res.b) if s in self.split else (self.w_spec, res.w)
+        stored = jax.tree.leaves(spec.unpack(s, row))
+        param_leaves = jax.tree.leaves(p)
+        leaves = [param_leaves[i] if src == "param" else stored[i] for src, i in self.res_where[s]]
+        return jax.tree.unflatten(self.res_treedef[s], leaves)
+
+    def value_and_grad(self, s: int, p: Any, a: Any, y: Any, seed: Any) -> tuple[Any, Any, Any]:
+        """The loss stage's F and backward as one program: (loss vector, parameter
+        gradient, input gradient or None on stage 0) for the loss vector's
+        cotangent `seed`. Nothing is stored: with forward and backward in one
+        computation XLA keeps or recomputes intermediates as it likes, as in a
+        plain `jax.value_and_grad` (no checkpoint policy, no packed rows)."""
+        if s == 0:  # the raw batch may be integers: no input gradient
+            out, pull = jax.vjp(lambda p: self.forward(s, p, a, y), p)
+            return out, pull(seed)[0], None
+        out, pull = jax.vjp(lambda p, a: self.forward(s, p, a, y), p, a)
+        dparams, dinput = pull(seed)
+        return out, dparams, dinput
+
+    def recompute_pullback(self, s: int, p: Any, a: Any, y: Any) -> Callable:
+        """The stage's vjp function by re-running its forward (remat)."""
+        return self._vjp_parts(s, p, a, y)[1]
+
+    # ---- the split backward (stages in `split`) ----
+
+    def input_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Buffers]:
+        """B: (input gradient, per dtype the site cotangents as one flat slice of
+        width `cot_width`, to be written at `cot_offset(s)` of the W-pool row)."""
+        dinput, cots = self.pullback(s, p, res)(g)
+        flat = {}
+        for key, width in self.cot_width.items():
+            mine = [jnp.ravel(c) for c in cots if np.dtype(c.dtype).name == key]
+            part = jnp.concatenate(mine) if mine else jnp.zeros((0,), key)
+            flat[key] = jnp.pad(part, (0, width - part.shape[0]))
+        return dinput, flat
+
+    def cot_offset(self, s: int) -> dict[str, int]:
+        """Where stage s's cotangent slice starts in its W-pool row, per dtype."""
+        n = len(self.splitters[s].stored)
+        first: dict[str, int] = {}
+        for key, start, _ in self.w_spec.slots[s][n:]:
+            first.setdefault(key, start)
+        return first
+
+    def weight_grad(self, s: int, p: Any, res: Residuals) -> Any:
+        """W: the parameter gradient from the W-pool row's data operands and cotangents."""
+        operands, cots, _ = self.w_spec.unpack(s, res.w)
+        return self.splitters[s].weight_grads(p, operands, cots)
+
+    def fused_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
+        """BW of a split stage: B then W without storing the cotangents."""
+        dinput, cots = self.pullback(s, p, res)(g)
+        operands, _, _ = self.w_spec.unpack(s, res.w)
+        return self.splitters[s].weight_grads(p, operands, cots), dinput
+
+    def _cotangent_sizes(self, s: int) -> dict[str, int]:
+        sizes: dict[str, int] = {}
+        for a in self.splitters[s].perturbations:
+            key = np.dtype(a.dtype).name
+            sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
+        return sizes
+
+    def residual_bytes(self, s: int) -> dict[str, int]:
+        """Bytes of one microbatch's stored buffers of stage s, by role: `b` (vjp
+        residuals), `w_operands` (stored at F for W) and `cotangents` (written by
+        B for W, with their padding); a stage that is not split stores only `b`."""
+        nbytes = lambda avals: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(avals))  # noqa: E731
+        if s not in self.split:
+            return {"b": nbytes(self.w_spec.avals[s]), "w_operands": 0, "cotangents": 0}
+        b = nbytes(self.b_spec.avals[s])
+        operands, cots, pads = jax.tree.unflatten(self.w_spec.treedefs[s], self.w_spec.avals[s])
+        return {"b": b, "w_operands": nbytes(operands), "cotangents": nbytes([cots, pads])}
+
+    def stored_bytes(self, s: int) -> StoredBytes:
+        """Stage s's bytes per microbatch by the op that frees them (ir/memory.py):
+        a split stage's B-pool row until B, W operands until W, cotangents from B
+        to W; any other stage's row until its last backward op."""
+        got = self.residual_bytes(s)
+        if s not in self.split:
+            return StoredBytes(until_b=0, until_w=got["b"])
+        return StoredBytes(got["b"], got["w_operands"], got["cotangents"])

@@ -1,0 +1,1 @@
+"""The training state's device layout: parameters, gradients and optimizer state of the stages a device holds."""

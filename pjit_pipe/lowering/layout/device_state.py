@@ -1,0 +1,305 @@
+"""Training state in the device layout: each device holds only the stages it runs.
+
+A compiled pipeline keeps its parameters and optax state between steps as
+per-dtype buffers of shape (devices, v, L), sharded over the program's mesh
+by their leading dimension: row i is device i's own `v` chunks, each chunk one
+virtual stage's tree flattened by a `FlatSpec` and zero-padded to the longest
+stage (L). A device therefore holds its stages and the padding up to the
+largest stage, and nothing else; data-parallel peers of a stage hold equal
+rows. The train step takes and returns these buffers, so no step gathers or
+re-splits the model.
+
+`DeviceLayout` converts between this layout and per-stage trees outside the
+step, one pipeline position at a time on that position's devices only (a
+small program over the position's holders), so the whole model never sits
+on one device. `relayout` moves a state to another program's layout (a
+failure variant, or back to the full mesh): a device that runs the same
+position in both keeps its buffers, a device new to a position copies the row
+from a live peer, and devices named unavailable are never read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as PS
+
+from pjit_pipe.errors import StateError
+from pjit_pipe.lowering.comms.topology import Topology
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+
+HOLDER = "holder"  # the one axis of a position's sub-mesh
+
+
+def _nbytes(spec: FlatSpec, s: int) -> int:
+    return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in spec.avals[s])
+
+
+class DeviceLayout:
+    """Where one program keeps each stage's parameter and optimizer-state rows.
+
+    topology: the program's live workers and mesh; held[p]: the virtual stages
+    position p runs (its chunks, in order); param_spec / opt_spec: how one
+    stage's parameter tree / optax state flattens into a row.
+    """
+
+    def __init__(
+        self,
+        topology: Topology,
+        held: Sequence[Sequence[int]],
+        param_spec: FlatSpec,
+        opt_spec: FlatSpec,
+        optimizer: optax.GradientTransformation,
+    ):
+        self.topology = topology
+        self.held = [list(h) for h in held]
+        self.specs = {"params": param_spec, "opt": opt_spec}
+        self.optimizer = optimizer
+        self.devices = list(topology.mesh.devices.flat)  # device of each linear index
+        self.positions = [int(p) for p in topology.positions]
+        self.sharding = NamedSharding(topology.mesh, topology.spec)
+        self._packers: dict[tuple[int, bool], Any] = {}
+        self._unpackers: dict[tuple[int, tuple], Any] = {}
+
+    # ---- shapes ----
+
+    def shapes(self, part: str) -> dict[str, tuple[int, ...]]:
+        """Global shape of each buffer of `part` ('params' or 'opt')."""
+        v = len(self.held[0])
+        return {k: (len(self.devices), v, n) for k, n in self.specs[part].sizes.items()}
+
+    def avals(self) -> tuple[dict, dict]:
+        """(params, opt) buffers as placed ShapeDtypeStructs, for AOT compilation."""
+        return tuple(
+            {
+                k: jax.ShapeDtypeStruct(shape, k, sharding=self.sharding)
+                for k, shape in self.shapes(part).items()
+            }
+            for part in ("params", "opt")
+        )
+
+    def compatible(self, other: DeviceLayout, position: int) -> bool:
+        """Whether a row of `other` at `position` is a row of this layout there."""
+        return other.held[position] == self.held[position] and all(
+            (other.specs[k].sizes, other.specs[k].slots, other.specs[k].treedefs)
+            == (self.specs[k].sizes, self.specs[k].slots, self.specs[k].treedefs)
+            for k in self.specs
+        )
+
+    def ideal_bytes(self, position: int) -> int:
+        """Bytes of the parameters and optimizer state of the stages `position` runs."""
+        return sum(_nbytes(spec, s) for spec in self.specs.values() for s in self.held[position])
+
+    def holders(self, position: int, skip: Collection[Any] = ()) -> list[Any]:
+        """Devices of one position, in linear order, leaving out `skip`."""
+        return [
+            d
+            for d, p in zip(self.devices, self.positions, strict=True)
+            if p == position and d not in skip
+        ]
+
+    def stage_sharding(self, position: int) -> NamedSharding:
+        """A stage tree's leaves on `position`'s devices, replicated there."""
+        return NamedSharding(Mesh(np.array(self.holders(position)), (HOLDER,)), PS())
+
+    # ---- per-stage trees -> device layout ----
+
+    def from_stages(
+        self, stage_params: Sequence[Any], stage_opt: Sequence[Any] | None = None
+    ) -> tuple[Buffers, Buffers]:
+        """Per-virtual-stage parameter trees (and optax states; None: optimizer.init
+        of each stage) -> (params, opt) buffers. Each position's rows are built on
+        that position's devices from its own stages' leaves only."""
+        rows: dict[str, dict[str, dict[Any, jax.Array]]] = {"params": {}, "opt": {}}
+        for p in range(len(self.held)):
+            devices = self.holders(p)
+            if not any(d.process_index == jax.process_index() for d in devices):
+                continue  # another process builds these rows
+            mesh = Mesh(np.array(devices), (HOLDER,))
+            here = NamedSharding(mesh, PS())
+            trees = [stage_params[s] for s in self.held[p]]
+            opts = None if stage_opt is None else [stage_opt[s] for s in self.held[p]]
+            args = jax.tree.map(lambda a, h=here: _onto(a, h), (trees, opts))
+            packed = self._packer(p, opts is None, mesh)(*args)
+            for part, bufs in zip(("params", "opt"), packed, strict=True):
+                for k, b in bufs.items():
+                    for shard in b.addressable_shards:
+                        rows[part].setdefault(k, {})[shard.device] = shard.data
+        return tuple(self._assemble(part, rows[part]) for part in ("params", "opt"))
+
+    def _packer(self, p: int, init_opt: bool, mesh: Mesh):
+        key = (p, init_opt)
+        if key not in self._packers:
+            held, specs, opt = self.held[p], self.specs, self.optimizer
+
+            def pack(trees, opts):
+                if init_opt:
+                    opts = [opt.init(t) for t in trees]
+                out = []
+                for spec, parts in ((specs["params"], trees), (specs["opt"], opts)):
+                    r = [spec.pack(s, t) for s, t in zip(held, parts, strict=True)]
+                    out.append({k: jnp.stack([x[k] for x in r])[None] for k in spec.sizes})
+                return tuple(out)
+
+            self._packers[key] = jax.jit(
+                jax.shard_map(pack, mesh=mesh, in_specs=PS(), out_specs=PS(HOLDER), check_vma=False)
+            )
+        return self._packers[key]
+
+    def _assemble(self, part: str, rows: dict[str, dict[Any, jax.Array]]) -> Buffers:
+        """Global buffers from each addressable device's own (1, v, L) row."""
+        out = {}
+        for k, shape in self.shapes(part).items():
+            local = [rows[k][d] for d in self.devices if d.process_index == jax.process_index()]
+            out[k] = jax.make_array_from_single_device_arrays(shape, self.sharding, local)
+        return out
+
+    # ---- device layout -> per-stage trees ----
+
+    def to_stages(
+        self, params: Buffers, opt: Buffers, skip: Collection[Any] = ()
+    ) -> tuple[list[Any], list[Any]]:
+        """(params, opt) buffers -> per-virtual-stage (parameter trees, optax states),
+        each leaf replicated on the live devices of the position that runs it (read
+        from those devices' own rows; devices in `skip` are never read)."""
+        n = sum(len(h) for h in self.held)
+        out_p: list[Any] = [None] * n
+        out_o: list[Any] = [None] * n
+        for p in range(len(self.held)):
+            devices = self.holders(p, skip)
+            if not devices:
+                raise StateError(f"position {p} has no live device to read its stages from")
+            mesh = Mesh(np.array(devices), (HOLDER,))
+            if not any(d.process_index == jax.process_index() for d in devices):
+                # Another process holds these stages: arrays with no local shards.
+                for s in self.held[p]:
+                    out_p[s], out_o[s] = (
+                        self._remote(spec, s, mesh) for spec in self.specs.values()
+                    )
+                continue
+            bufs = [self._rows(b, devices, mesh) for b in (params, opt)]
+            trees, opts = self._unpacker(p, mesh)(*bufs)
+            for s, t, o in zip(self.held[p], trees, opts, strict=True):
+                out_p[s], out_o[s] = t, o
+        return out_p, out_o
+
+    @staticmethod
+    def _remote(spec: FlatSpec, s: int, mesh: Mesh) -> Any:
+        """Stage `s`'s tree as global arrays on `mesh`, none of whose devices is ours."""
+        sharding = NamedSharding(mesh, PS())
+        leaves = [
+            jax.make_array_from_single_device_arrays(a.shape, sharding, [], dtype=a.dtype)
+            for a in spec.avals[s]
+        ]
+        return jax.tree.unflatten(spec.treedefs[s], leaves)
+
+    def _rows(self, bufs: Buffers, devices: list[Any], mesh: Mesh) -> Buffers:
+        """The rows of `devices` as buffers over their own sub-mesh (no copy)."""
+        out = {}
+        for k, b in bufs.items():
+            shards = {s.device: s for s in b.addressable_shards}
+            local = [shards[d].data for d in devices if d in shards]
+            shape = (len(devices), *b.shape[1:])
+            out[k] = jax.make_array_from_single_device_arrays(
+                shape, NamedSharding(mesh, PS(HOLDER)), local
+            )
+        return out
+
+    def _unpacker(self, p: int, mesh: Mesh):
+        key = (p, tuple(mesh.devices.flat))
+        if key not in self._unpackers:
+            held, specs = self.held[p], self.specs
+
+            def unpack(params, opt):
+                trees = [
+                    specs["params"].unpack(s, {k: b[0, c] for k, b in params.items()})
+                    for c, s in enumerate(held)
+                ]
+                opts = [
+                    specs["opt"].unpack(s, {k: b[0, c] for k, b in opt.items()})
+                    for c, s in enumerate(held)
+                ]
+                return trees, opts
+
+            self._unpackers[key] = jax.jit(
+                jax.shard_map(
+                    unpack, mesh=mesh, in_specs=PS(HOLDER), out_specs=PS(), check_vma=False
+                )
+            )
+        return self._unpackers[key]
+
+    # ---- another program's layout -> this one ----
+
+    def relayout(
+        self,
+        source: DeviceLayout,
+        params: Buffers,
+        opt: Buffers,
+        unavailable: Collection[Any] = (),
+    ) -> tuple[Buffers, Buffers, int]:
+        """A state in `source`'s layout -> this layout, and the bytes copied.
+
+        A device that runs the same position in both layouts keeps its own row
+        (no copy); a device new to its position (a rejoining one) copies the row
+        from the first live source device of that position. Rows of devices in
+        `unavailable` (failed ones) are never read.
+        """
+        if [len(h) for h in source.held] != [len(h) for h in self.held]:
+            raise StateError("relayout: the two programs hold different numbers of chunks")
+        for p in range(len(self.held)):
+            if not self.compatible(source, p):
+                raise StateError(
+                    f"relayout: position {p} holds different stages or row formats in the "
+                    "two programs; go through the module layout (state.params) instead"
+                )
+        where = dict(zip(source.devices, source.positions, strict=True))
+        moved = 0
+        out = []
+        for part, bufs in (("params", params), ("opt", opt)):
+            rows: dict[str, dict[Any, jax.Array]] = {}
+            for k, b in bufs.items():
+                shards = {s.device: s for s in b.addressable_shards}
+                rows[k] = {}
+                for d, p in zip(self.devices, self.positions, strict=True):
+                    if d.process_index != jax.process_index():
+                        continue
+                    if where.get(d) == p and d not in unavailable:
+                        rows[k][d] = shards[d].data
+                        continue
+                    peers = [e for e in source.holders(p, unavailable) if e in shards]
+                    if not peers:
+                        raise StateError(
+                            f"relayout: no live device of position {p} holds its rows here"
+                        )
+                    rows[k][d] = jax.device_put(shards[peers[0]].data, d)
+                    moved += rows[k][d].nbytes
+            out.append(self._assemble(part, rows))
+        return out[0], out[1], moved
+
+
+def _onto(leaf: Any, sharding: NamedSharding) -> jax.Array:
+    """`leaf` placed by `sharding`. Multi-controller JAX cannot move an array between
+    two device sets across processes, so a replicated leaf held elsewhere (a step
+    count shared by all stages) goes through this process's own copy."""
+    if (
+        isinstance(leaf, jax.Array)
+        and jax.process_count() > 1
+        and leaf.sharding.device_set != sharding.device_set
+    ):
+        leaf = np.asarray(leaf.addressable_data(0))
+    return jax.device_put(leaf, sharding)
+
+
+def device_bytes(*trees: Any) -> dict[Any, int]:
+    """Bytes each device holds of the arrays in `trees` (its shards only)."""
+    held: dict[Any, int] = {}
+    for a in jax.tree.leaves(trees):
+        for shard in a.addressable_shards:
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return held

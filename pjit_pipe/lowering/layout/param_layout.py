@@ -1,0 +1,128 @@
+"""How one chunk's parameters and gradient sit inside the tick loop.
+
+Between steps a device keeps each held stage's parameters as flat rows, one
+per dtype, zero padded to the largest stage (device_state.py): SPMD needs one
+shape on every device, and the stages of a chunk differ. An op of stage s
+needs its parameter tree. Cutting that tree out of the flat row inside the op
+copies every weight on every op: XLA copies any slice that feeds a matmul
+(measured on CPU by python -m benchmarks.bench_param_layout: F 7.3-7.9 -> 8.5-9.7 ms, W 6.6 -> 9.0 ms,
+BW 15.1 -> 18.4 ms on a 4-block MLP stage, flat against a tree).
+
+So the loop holds a chunk's parameters in *size classes*: one whole 1-D
+buffer per leaf, keyed by (dtype, number of elements, index). Leaf i of
+stage s is a fixed buffer of its class, reshaped, and a reshape of a whole
+buffer is free (a bitcast in XLA). The positions of a chunk hold different
+stages, so a class has as many buffers as the position with the most leaves
+of that size, and a stage that has fewer leaves of a size leaves the rest at
+zero. The device's row enters the classes once per step (a switch on the
+pipeline position when positions lay out differently) and the gradient
+leaves them once, after the loop.
+
+A chunk stays flat when its classes would hold more than
+`MAX_CLASS_OVERHEAD` times the bytes of its flat row (stages whose leaves
+share no sizes: the classes would then hold every stage's weights on every
+device), and where a weight policy picks each tick's weights anew
+(asynchronous weights: entering the classes on every tick would cost more
+than it saves). An optimizer step inside the loop (staggered,
+multi-iteration and re-routed programs) re-enters its new parameters once,
+after the step. A chunk whose positions all hold stages of one layout
+(uniform chunks: the same blocks everywhere) has no overhead and needs no
+switch.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+
+# Classes may hold at most this many times the bytes of the chunk's flat row.
+MAX_CLASS_OVERHEAD = 1.25
+
+
+class ChunkLayout:
+    """The in-loop layout of one chunk's parameters and gradient (module docstring).
+
+    `stages[p]` is the virtual stage that pipeline position p holds in this
+    chunk; `spec` flattens every virtual stage's parameter tree (tree s is
+    stage s). `classes=False` keeps the chunk flat whatever its overhead.
+    """
+
+    def __init__(self, spec: FlatSpec, stages: Sequence[int], classes: bool = True):
+        self.spec, self.stages = spec, list(stages)
+        self.same = spec.same_shapes(self.stages)  # one layout on every position
+        # Per stage, the class buffer of each leaf; per class buffer, (elements, dtype).
+        self.keys: dict[int, list[str]] = {}
+        self.sizes: dict[str, tuple[int, str]] = {}
+        for s in dict.fromkeys(self.stages):
+            seen: dict[tuple[str, int], int] = {}
+            keys = []
+            for key, _, n in spec.slots[s]:
+                j = seen.get((key, n), 0)
+                seen[(key, n)] = j + 1
+                keys.append(f"{key}.{n}.{j}")
+                self.sizes[keys[-1]] = (n, key)
+            self.keys[s] = keys
+        self.sizes = dict(sorted(self.sizes.items()))
+        itemsize = lambda key: np.dtype(key).itemsize  # noqa: E731
+        class_bytes = sum(n * itemsize(key) for n, key in self.sizes.values())
+        flat_bytes = sum(n * itemsize(key) for key, n in spec.sizes.items())
+        self.flat = not classes or (not self.same and class_bytes > MAX_CLASS_OVERHEAD * flat_bytes)
+
+    def enter(self, row: Buffers, pos: jax.Array) -> Any:
+        """The device's flat parameter row -> what the loop carries (`pos`: its
+        pipeline position; the row holds the stage `stages[pos]`)."""
+        if self.flat:
+            return row
+        if self.same:
+            return self._to_classes(self.stages[0], row)
+        branches = [functools.partial(self._to_classes, s) for s in self.stages]
+        return lax.switch(pos, branches, row)
+
+    def leave(self, carried: Any, pos: jax.Array) -> Buffers:
+        """A carried gradient -> the device's flat row (the inverse of `enter`)."""
+        if self.flat:
+            return carried
+        if self.same:
+            return self._to_row(self.stages[0], carried)
+        branches = [functools.partial(self._to_row, s) for s in self.stages]
+        return lax.switch(pos, branches, carried)
+
+    def unpack(self, s: int, carried: Any) -> Any:
+        """Stage s's parameter tree (inside its op): reshapes, or flat slices."""
+        if self.flat:
+            return self.spec.unpack(s, carried)
+        leaves = [
+            carried[k].reshape(a.shape)
+            for k, a in zip(self.keys[s], self.spec.avals[s], strict=True)
+        ]
+        return jax.tree.unflatten(self.spec.treedefs[s], leaves)
+
+    def pack(self, s: int, tree: Any) -> Any:
+        """Stage s's gradient tree in the carried layout (zeros in the classes
+        stage s does not use)."""
+        if self.flat:
+            return self.spec.pack(s, tree)
+        got = dict(zip(self.keys[s], map(jnp.ravel, jax.tree.leaves(tree)), strict=True))
+        return {
+            k: got[k] if k in got else jnp.zeros((n,), key) for k, (n, key) in self.sizes.items()
+        }
+
+    def zeros(self) -> Any:
+        """An empty gradient accumulator in the carried layout."""
+        if self.flat:
+            return self.spec.zeros()
+        return {k: jnp.zeros((n,), key) for k, (n, key) in self.sizes.items()}
+
+    def _to_classes(self, s: int, row: Buffers) -> Any:
+        return self.pack(s, self.spec.unpack(s, row))
+
+    def _to_row(self, s: int, carried: Any) -> Buffers:
+        return self.spec.pack(s, self.unpack(s, carried))

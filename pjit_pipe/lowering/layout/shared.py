@@ -1,0 +1,123 @@
+"""Gradients of parameters that several virtual stages hold (tied weights).
+
+An embedding that the first stage uses for lookup and the last stage reuses
+as its LM head is held by both stages (Megatron's approach): each computes
+its own gradient contribution, and both must apply the sum, so that their
+copies stay equal. Inside the program each device copies the slices of its
+local (not yet replica-reduced) gradient rows that belong to shared
+parameters into one small buffer laid out by parameter, a psum over every
+worker adds all contributions (every microbatch's W runs on exactly one
+worker, also after re-routing), and each holder writes the total back over
+its replica-reduced rows. One unconditional collective, whatever holds what.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pjit_pipe.errors import CutError
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+
+
+def _unit_range(spec: FlatSpec, s: int, unit: str, key: str) -> tuple[int, int] | None:
+    """(start, length) of `unit`'s leaves of dtype `key` in stage s's flat row, or None."""
+    treedef = spec.treedefs[s]
+    paths = [
+        p for p, _ in jax.tree_util.tree_flatten_with_path(treedef.unflatten(spec.avals[s]))[0]
+    ]
+    slots = [
+        (start, n)
+        for path, (k, start, n) in zip(paths, spec.slots[s], strict=True)
+        if k == key and getattr(path[0], "key", None) == unit
+    ]
+    if not slots:
+        return None
+    begin = slots[0][0]
+    length = sum(n for _, n in slots)
+    if [st for st, _ in slots] != list(np.cumsum([begin] + [n for _, n in slots[:-1]])):
+        raise RuntimeError(f"shared parameter {unit}: its {key} leaves are not contiguous")
+    return begin, length
+
+
+class SharedGrads:
+    """Sums the gradients of shared units over the stages holding them.
+
+    shared: unit name (a key of the stage parameter dicts) -> virtual stages
+    holding it. held[p][c]: the virtual stage at position p, chunk c.
+    """
+
+    def __init__(
+        self,
+        shared: Mapping[str, Sequence[int]],
+        spec: FlatSpec,
+        held: Sequence[Sequence[int]],
+        positions: np.ndarray,
+        axes: tuple[str, ...],
+    ):
+        self.units = sorted(shared)
+        self.holders = {unit: tuple(sorted(stages)) for unit, stages in shared.items()}
+        self.axes = axes
+        self.positions = positions
+        self.sizes: dict[str, int] = {}
+        # (dtype key, offset in the shared buffer, length, start table (P, v), holds (P, v))
+        self.entries: list[tuple[str, int, int, np.ndarray, np.ndarray]] = []
+        P, v = len(held), len(held[0])
+        for unit, stages in sorted(shared.items()):
+            for key in spec.sizes:
+                starts = np.zeros((P, v), np.int32)
+                holds = np.zeros((P, v), bool)
+                length = None
+                for p in range(P):
+                    for c in range(v):
+                        s = held[p][c]
+                        r = _unit_range(spec, s, unit, key) if s in stages else None
+                        if r is not None:
+                            starts[p, c], length = r
+                            holds[p, c] = True
+                if length:
+                    offset = self.sizes.get(key, 0)
+                    self.entries.append((key, offset, length, starts, holds))
+                    self.sizes[key] = offset + length
+
+    def __call__(self, local: Buffers, reduced: Buffers) -> Buffers:
+        """local, reduced: this device's (v, L) gradient rows before and after the
+        replica reduction -> `reduced` with every shared slice replaced by its total."""
+        pos = jnp.asarray(self.positions)[lax.axis_index(self.axes)]
+        total = {k: jnp.zeros((n,), k) for k, n in self.sizes.items()}
+        for key, offset, n, starts, holds in self.entries:
+            for c in range(starts.shape[1]):
+                start, mine = jnp.asarray(starts[:, c])[pos], jnp.asarray(holds[:, c])[pos]
+                piece = lax.dynamic_slice(local[key][c], (start,), (n,))
+                total[key] = total[key].at[offset : offset + n].add(jnp.where(mine, piece, 0))
+        total = lax.psum(total, self.axes)
+        out = dict(reduced)
+        for key, offset, n, starts, holds in self.entries:
+            for c in range(starts.shape[1]):
+                start, mine = jnp.asarray(starts[:, c])[pos], jnp.asarray(holds[:, c])[pos]
+                row = out[key][c]
+                old = lax.dynamic_slice(row, (start,), (n,))
+                new = jnp.where(mine, total[key][offset : offset + n], old)
+                out[key] = out[key].at[c].set(lax.dynamic_update_slice(row, new, (start,)))
+        return out
+
+
+def check_shared(shared: Mapping[str, Sequence[int]], stage_params: Sequence[Any]) -> None:
+    """Raise unless every shared unit is a key of each holder's parameters, same shapes."""
+    for unit, stages in shared.items():
+        trees = []
+        for s in stages:
+            if not isinstance(stage_params[s], Mapping) or unit not in stage_params[s]:
+                raise CutError(f"shared: stage {s} holds no parameter unit {unit!r}")
+            trees.append(
+                jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params[s][unit])
+            )
+        if any(t != trees[0] for t in trees):
+            raise CutError(
+                f"shared: the copies of {unit!r} differ in shape between stages {stages}"
+            )
