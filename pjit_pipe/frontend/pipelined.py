@@ -108,6 +108,8 @@ class Pipelined:
         self.costs: Costs | None = None if self.measure else costs
         self.stage_times = None  # measure.StageTimes, once measured
         self._schedule: Schedule | None = None
+        if not self.measure:
+            self.schedule  # noqa: B018  (built now: a request no schedule meets fails here)
         # The mesh the compiled program runs on: `mesh`, or the survivors' devices.
         self.device_mesh: Mesh = Topology.of(self.mesh, self.failed.failed).mesh
         self.optimizer = options.optimizer
