@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pjit_pipe.errors import RngError, StateError
+from pjit_pipe.errors import OptionError, RngError, StateError
 from pjit_pipe.frontend.rngs import step_rngs
 from pjit_pipe.frontend.state import StateView, TrainState
 
@@ -25,7 +26,14 @@ class TrainStep:
     The state stays in this pipeline's device layout between steps (see
     frontend/state.py): the compiled step takes and returns each device's own
     rows, donated unless `donate` is False. A state from another pipeline
-    (another mesh, a failure variant) is moved into this layout first.
+    (another mesh, a failure variant) is moved into this layout first. A state
+    a donating step consumed raises StateError; keep the returned one.
+
+    A step whose loss or global gradient norm is not finite is skipped inside
+    the compiled program (PipelineOptions.skip_nonfinite): the returned state
+    holds the parameters and optimizer state it was given, its `skipped` count
+    goes up and a RuntimeWarning names the step. Reading that flag waits for
+    the step to finish.
 
     With `carry` (async-1f1b only) a step does not drain the pipeline: the
     microbatches in flight at its end stay in `state.in_flight` and the next
@@ -69,16 +77,18 @@ class TrainStep:
         opt_state: Any = None,
         step: int = 0,
         rngs: Any = None,
+        skipped: int = 0,
     ) -> TrainState:
         """A TrainState from module-layout `params` (and `opt_state`, default a fresh
         `optimizer.init`; `step`, e.g. from a checkpoint); `batch` is an example
         (x, y) that fixes the stage cut, and `rngs` an example key for a model that
-        draws random numbers. Each stage's rows are built on its devices."""
+        draws random numbers; `skipped`, the non-finite steps skipped so far. Each
+        stage's rows are built on its devices."""
         model = self.pipelined.model
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
         _, view = self._program(params, batch, step_rngs(rngs))  # checks the optimizer too
         device_params, device_opt = view.to_device(params, opt_state)
-        return TrainState(device_params, device_opt, step, view)
+        return TrainState(device_params, device_opt, step, view, skipped=skipped)
 
     def adopt(
         self, state: TrainState, batch: tuple[Any, Any], unavailable: Collection[Any] = ()
@@ -94,6 +104,7 @@ class TrainStep:
     def _into(
         view: StateView, state: TrainState, unavailable: Collection[Any] = ()
     ) -> tuple[TrainState, int]:
+        state.check_alive("state")
         if state.view is view:
             return state, 0
         if state.in_flight is not None:
@@ -109,7 +120,7 @@ class TrainStep:
             params, opt = state.view.to_module(state, unavailable)
             params, opt = view.to_device(params, opt)
             moved = sum(b.nbytes for b in jax.tree.leaves((params, opt)))  # at most this
-        return TrainState(params, opt, state.step, view), moved
+        return TrainState(params, opt, state.step, view, skipped=state.skipped), moved
 
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
@@ -130,16 +141,36 @@ class TrainStep:
                 state.device_params, state.device_opt, state.in_flight, x, y, donate=self.donate
             )
             self._carried_by[view] = step
-            return TrainState(params, opt, state.step + 1, view, in_flight), loss
+            return TrainState(params, opt, state.step + 1, view, in_flight, state.skipped), loss
         if state.in_flight is not None:
             raise StateError(
                 "state: it has microbatches in flight (from a carrying step, "
                 "train_step(..., carry=True)); call that step's flush(state) first"
             )
-        params, opt, loss = step.device_train_step(
-            state.device_params, state.device_opt, x, y, self.donate, rngs
+        skip = self._skips(step)
+        params, opt, loss, skipped = step.device_train_step(
+            state.device_params, state.device_opt, x, y, self.donate, rngs, skip
         )
-        return TrainState(params, opt, state.step + 1, view), loss
+        count = state.skipped
+        if skip and bool(skipped):
+            count += 1
+            warnings.warn(
+                f"step {state.step}: the loss ({float(loss)}) or the global gradient norm is "
+                "not finite; the update was skipped (parameters and optimizer state unchanged)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return TrainState(params, opt, state.step + 1, view, skipped=count), loss
+
+    def _skips(self, step: PipelineStep) -> bool:
+        """Whether `step` runs with the non-finite check (PipelineOptions.skip_nonfinite)."""
+        wanted = self.pipelined.options.skip_nonfinite
+        if wanted and step.steps_in_loop:
+            raise OptionError(
+                "skip_nonfinite=True: this schedule steps each stage's optimizer inside the "
+                "tick loop, before the loss is known; leave skip_nonfinite None or False"
+            )
+        return wanted is not False and not step.steps_in_loop
 
     def flush(self, state: TrainState) -> tuple[TrainState, jax.Array | None]:
         """Finish the microbatches in flight (a carrying step's drain): (the state
@@ -147,6 +178,7 @@ class TrainStep:
         step's batch); (state, None) when nothing is in flight."""
         if state.in_flight is None:
             return state, None
+        state.check_alive("flush")
         step = self._carried_by.get(state.view)
         if step is None:
             raise StateError(
@@ -156,7 +188,7 @@ class TrainStep:
         params, opt, _, loss = step.carry_train_step(
             state.device_params, state.device_opt, state.in_flight, drain=True, donate=self.donate
         )
-        return TrainState(params, opt, state.step, state.view), loss
+        return TrainState(params, opt, state.step, state.view, skipped=state.skipped), loss
 
     def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
         """Compile ahead of time for states like this one and batches shaped like
@@ -172,4 +204,4 @@ class TrainStep:
             lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=sharding),
             batch,
         )
-        return step.compile_device_train_step(x, y, self.donate)
+        return step.compile_device_train_step(x, y, self.donate, self._skips(step))

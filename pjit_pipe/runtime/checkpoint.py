@@ -24,14 +24,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
+from pjit_pipe.errors import CheckpointError
 from pjit_pipe.frontend.state import TrainState
 from pjit_pipe.frontend.train_step import TrainStep
 
 STATE, META = "state", "meta"  # the two items of a checkpoint
-
-
-class CheckpointError(ValueError):
-    """A checkpoint directory or checkpoint that cannot be used (nothing was written)."""
 
 
 def check_directory(directory: str | os.PathLike) -> Path:
