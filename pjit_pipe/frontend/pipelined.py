@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from pjit_pipe.errors import BatchError, OptimizerError, RngError
+from pjit_pipe.errors import BatchError, OptimizerError, OptionError, RngError
 from pjit_pipe.frontend.adapters import as_model
 from pjit_pipe.frontend.cut import StageCut, cut_module
 from pjit_pipe.frontend.mesh import make_mesh
@@ -37,6 +37,7 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering.loss import check_loss_fn
 from pjit_pipe.lowering.topology import Topology
 from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.schedules import make_schedule
@@ -48,7 +49,15 @@ LossFn = Callable[[Any, Any], jax.Array]
 
 
 def _leading(name: str, tree: Any) -> int:
-    dims = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(tree)}
+    leaves = jax.tree.leaves(tree)
+    if not all(hasattr(a, "shape") for a in leaves):
+        kinds = sorted({type(a).__name__ for a in leaves if not hasattr(a, "shape")})
+        raise BatchError(
+            f"{name}: expected arrays (NumPy or JAX) with a leading batch dimension, got a "
+            f"{type(tree).__name__} holding {', '.join(kinds)} values; convert it with "
+            f"np.asarray({name})"
+        )
+    dims = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
     if len(dims) != 1 or None in dims:
         raise BatchError(
             f"{name}: every leaf needs the same leading (global batch) dimension, got {dims}"
@@ -148,6 +157,13 @@ class Pipelined:
     def with_options(self, **changes: Any) -> Pipelined:
         """A copy with some options changed (e.g. another mesh or optimizer), as
         `dataclasses.replace` on `options`: the changes are checked the same way."""
+        known = {f.name for f in dataclasses.fields(PipelineOptions)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise OptionError(
+                f"with_options: unknown option {unknown[0]!r}; the options are "
+                f"{', '.join(sorted(known))} (see PipelineOptions)"
+            )
         return Pipelined(self.module, dataclasses.replace(self.options, **changes))
 
     def with_failures(self, failed: Sequence[tuple[int, int]]) -> Pipelined:
@@ -310,6 +326,8 @@ class Pipelined:
         (dropout): microbatch i of the global batch uses fold_in(key, i) (see rngs.py).
         """
 
+        check_loss_fn(loss_fn)
+
         def value_and_grad(params: Any, x: Any, y: Any, rngs: Any = None) -> tuple[Any, Any]:
             rngs = step_rngs(rngs)
             cut, step = self.program(params, x, y, loss_fn, has_aux, rngs)
@@ -354,6 +372,7 @@ class Pipelined:
                 "train_step needs an optax optimizer: pass pipeline(..., "
                 "optimizer=optax.adam(1e-3)) (any optax transformation)"
             )
+        check_loss_fn(loss_fn)
         return TrainStep(self, loss_fn, donate, carry)
 
 

@@ -6,12 +6,13 @@ import warnings
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pjit_pipe.errors import OptionError, RngError, StateError
+from pjit_pipe.errors import BatchError, OptionError, RngError, StateError
 from pjit_pipe.frontend.rngs import step_rngs
 from pjit_pipe.frontend.state import StateView, TrainState
 
@@ -97,8 +98,33 @@ class TrainStep:
         there. Devices that run the same stages keep their rows; a device new to
         its stages copies them from a live peer; `unavailable` devices (failed
         ones) are never read."""
-        _, view = self._program(state.view.variables, batch)
+        _, view = self._state_program(state, batch)
         return self._into(view, state, unavailable)
+
+    def _state_program(
+        self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
+    ) -> tuple[Any, StateView]:
+        """`_program` for a state's parameters, after checking the call's arguments:
+        StateError for anything but a live TrainState of this model, BatchError for
+        a batch that is not the pair (x, y)."""
+        if not isinstance(state, TrainState):
+            raise StateError(
+                f"state: expected a TrainState, got {type(state).__name__}; build one with "
+                "state = step.init(params, (x, y))"
+            )
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            got = f"shape {np.shape(batch)}" if hasattr(batch, "shape") else type(batch).__name__
+            raise BatchError(
+                f"batch: expected the pair (x, y), got {got}; call step(state, (x, y))"
+            )
+        state.check_alive("state")
+        try:
+            return self._program(state.view.variables, batch, rngs)
+        except flax.errors.ScopeParamShapeError as e:
+            raise StateError(
+                f"state: its parameters do not fit this model ({str(e).splitlines()[0]}); "
+                "it belongs to another model: build a state with step.init(params, (x, y))"
+            ) from None
 
     @staticmethod
     def _into(
@@ -107,6 +133,13 @@ class TrainStep:
         state.check_alive("state")
         if state.view is view:
             return state, 0
+        theirs, ours = (jax.tree.structure(v.opt_template) for v in (state.view, view))
+        if theirs != ours:
+            raise StateError(
+                f"state: its optimizer state is another optimizer's ({theirs.num_leaves} "
+                f"leaves; this step's optimizer has {ours.num_leaves}); start a fresh one "
+                "with step.init(state.params, (x, y)), or step with the optimizer it was made by"
+            )
         if state.in_flight is not None:
             raise StateError(
                 "state: it has microbatches in flight in another program's layout (a "
@@ -128,7 +161,7 @@ class TrainStep:
         """One step; `rngs` (a key or {stream: key}) for a model that draws random
         numbers, as in `Pipelined.value_and_grad`."""
         rngs = step_rngs(rngs)
-        step, view = self._program(state.view.variables, batch, rngs)
+        step, view = self._state_program(state, batch, rngs)
         state, _ = self._into(view, state)
         x, y = self.pipelined.place(batch)
         if self.carry:
@@ -198,7 +231,7 @@ class TrainStep:
                 "compile: a carrying step (carry=True) compiles on its first call; "
                 "call it instead, or compile a step without carry"
             )
-        step, _ = self._program(state.view.variables, batch)
+        step, _ = self._state_program(state, batch)
         sharding = NamedSharding(self.pipelined.device_mesh, PartitionSpec())
         x, y = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=sharding),

@@ -16,6 +16,7 @@ are then multiplied by `D*m / sum(weight)` once the total weight is known
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -32,6 +33,28 @@ def _floating_scalar(a: Any) -> bool:
     """A JAX or NumPy floating scalar (a Python float or None cannot carry a gradient)."""
     dtype = getattr(a, "dtype", None)
     return dtype is not None and np.shape(a) == () and jnp.issubdtype(dtype, jnp.floating)
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Raise LossFnError, before anything is traced, when `loss_fn` cannot be called
+    as loss_fn(outputs, y)."""
+    if not callable(loss_fn):
+        raise LossFnError(
+            f"loss_fn: expected a function loss_fn(outputs, y), got {type(loss_fn).__name__}"
+        )
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin or C function: its call will tell
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as e:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise LossFnError(
+            f"loss_fn: {name}{signature} cannot be called as loss_fn(outputs, y) ({e}); "
+            "give it exactly the two arguments outputs and y (bind others with "
+            "functools.partial)"
+        ) from None
 
 
 def _describe(got: Any) -> str:
