@@ -32,6 +32,11 @@ from pjit_pipe.frontend.train_step import TrainStep
 STATE, META = "state", "meta"  # the two items of a checkpoint
 
 
+class _Unreadable(CheckpointError):
+    """A step whose files are damaged or missing: restore() falls back past it. A
+    checkpoint of another model or optimizer is not damaged, and stops it."""
+
+
 def check_directory(directory: str | os.PathLike) -> Path:
     """The checkpoint directory, created if missing; raises CheckpointError when it
     is a file or cannot be written."""
@@ -145,7 +150,7 @@ class Checkpoints:
         for candidate in [step] if step is not None else steps:
             try:
                 tree, meta = self._read(candidate, target)
-            except CheckpointError as e:
+            except _Unreadable as e:
                 unreadable.append((candidate, str(e)))
                 continue
             self._set_aside(unreadable)
@@ -170,10 +175,10 @@ class Checkpoints:
         try:
             saved = self.manager.item_metadata(step)[STATE]
         except Exception as e:  # orbax and TensorStore raise many kinds
-            raise CheckpointError(f"its metadata cannot be read ({_first_line(e)})") from e
+            raise _Unreadable(f"its metadata cannot be read ({_first_line(e)})") from e
         if saved is None:
-            raise CheckpointError("it holds no saved state (an empty or partial step directory)")
-        _check_same_model(saved, target)
+            raise _Unreadable("it holds no saved state (an empty or partial step directory)")
+        _check_same_model(saved, target, self.directory / str(step))
         args = ocp.args.Composite(
             **{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()}
         )
@@ -183,7 +188,7 @@ class Checkpoints:
             if not isinstance(meta, dict) or "step" not in meta:
                 raise ValueError(f"its record is {meta!r}, not {{'step': ..., 'data': ...}}")
         except Exception as e:  # orbax and TensorStore raise many kinds
-            raise CheckpointError(f"its data cannot be read ({_first_line(e)})") from e
+            raise _Unreadable(f"its data cannot be read ({_first_line(e)})") from e
         return restored[STATE], meta
 
     def _set_aside(self, unreadable: list[tuple[int, str]]) -> None:
@@ -228,7 +233,7 @@ def _path_name(path: Any) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
-def _check_same_model(saved: Any, target: Any) -> None:
+def _check_same_model(saved: Any, target: Any, where: Path) -> None:
     """Raise CheckpointError at the first leaf whose path or shape differs: the
     parameters first (another model), then the optimizer state (another optimizer)."""
     saved_shapes = _shapes(saved)
@@ -244,18 +249,18 @@ def _check_same_model(saved: Any, target: Any) -> None:
         for name, shape in want.items():
             if name not in got:
                 raise CheckpointError(
-                    f"it is of another {other}: it has no leaf {part}/{name} (this "
+                    f"checkpoint {where} is of another {other}: it has no leaf {part}/{name} (this "
                     f"{other}'s is {shape}); {fix}"
                 )
             if got[name] != shape:
                 raise CheckpointError(
-                    f"it is of another {other}: leaf {part}/{name} has shape {got[name]} "
+                    f"checkpoint {where} is of another {other}: leaf {part}/{name} has shape {got[name]} "
                     f"in the checkpoint and {shape} here; {fix}"
                 )
         extra = sorted(set(got) - set(want))
         if extra:
             raise CheckpointError(
-                f"it is of another {other}: it has leaf {part}/{extra[0]} (shape "
+                f"checkpoint {where} is of another {other}: it has leaf {part}/{extra[0]} (shape "
                 f"{got[extra[0]]}), which this {other} does not; {fix}"
             )
 
