@@ -12,6 +12,7 @@ import os
 import re
 import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -365,8 +366,16 @@ def run(args: argparse.Namespace) -> int:
         bar.update()
 
     try:
-        train(args, on_step)
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line_warning
+            train(args, on_step)
     finally:
         for bar in bars:
             bar.close()
     return 0
+
+
+def one_line_warning(message: Warning | str, *_: Any, **__: Any) -> None:
+    """Print a warning (a skipped step, a damaged checkpoint passed over) as one
+    line on stderr, without the source line Python adds."""
+    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)
