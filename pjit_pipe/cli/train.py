@@ -179,10 +179,11 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         # The plan's events before the resumed step already happened.
         fail = {k: v for k, v in fail.items() if k >= start_from.step}
         rejoin = {k: v for k, v in rejoin.items() if k >= start_from.step}
-        check_failure_plan(fail, rejoin, data, stages, args.steps, down, start_from.step)
     else:
         # One compiled init instead of one small compile per initializer (seconds).
         start_from = jax.jit(pm.init)(key, x)
+    start = start_from.step if isinstance(start_from, pp.TrainState) else 0
+    check_failure_plan(fail, rejoin, data, stages, args.steps, down, start)
     events: list[str] = []
     trainer = ResilientTrainer(
         pm,
@@ -338,7 +339,11 @@ def run(args: argparse.Namespace) -> int:
             f"--async-weights {args.async_weights} applies to --schedule async-1f1b only, "
             f"not {args.schedule}; drop it or use --schedule async-1f1b"
         )
-    check_failure_plan(args.fail, args.rejoin, *args.mesh, args.steps)
+    directory = args.checkpoint_dir
+    if not (directory and os.path.isdir(directory) and os.listdir(directory)):
+        # Nothing to resume: refuse a bad plan before JAX loads (train() checks a
+        # resumed run's plan against the workers its checkpoint has down).
+        check_failure_plan(args.fail, args.rejoin, *args.mesh, args.steps)
     bars: list[Any] = []  # the progress bar, made at the first step (errors come first)
 
     def on_step(rec: StepRecord) -> None:
