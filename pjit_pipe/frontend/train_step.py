@@ -130,7 +130,6 @@ class TrainStep:
     def _into(
         view: StateView, state: TrainState, unavailable: Collection[Any] = ()
     ) -> tuple[TrainState, int]:
-        state.check_alive("state")
         if state.view is view:
             return state, 0
         theirs, ours = (jax.tree.structure(v.opt_template) for v in (state.view, view))
