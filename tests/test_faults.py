@@ -7,7 +7,9 @@ one of the 8 devices) for the steps, a 1x2 mesh for the checkpoints.
 
 from __future__ import annotations
 
+import contextlib
 import glob
+import io
 import json
 import os
 import shutil
@@ -388,17 +390,35 @@ def run_cli(capsys, *args: str) -> tuple[int, list[dict], str]:
     return code, [json.loads(line) for line in out.splitlines()], err
 
 
-def test_the_cli_resumes_past_a_damaged_checkpoint_and_continues_the_curve(tmp_path, capsys):
-    code, reference, _ = run_cli(capsys, "--steps", "6")
-    assert code == 0 and all(r["skipped"] == 0 for r in reference)
+@pytest.fixture(scope="module")
+def cli_reference() -> list[dict]:
+    """The records of a 6-step CLI run without checkpoints."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main([*CLI, "--steps", "6"]) == 0
+    return [json.loads(line) for line in out.getvalue().splitlines()]
+
+
+@pytest.mark.parametrize(
+    "damage",
+    [
+        truncate,
+        pytest.param(drop_metadata, marks=pytest.mark.slow),
+        pytest.param(empty, marks=pytest.mark.slow),
+    ],
+)
+def test_the_cli_resumes_past_a_damaged_checkpoint_and_continues_the_curve(
+    tmp_path, capsys, cli_reference, damage
+):
+    assert all(r["skipped"] == 0 for r in cli_reference)
     directory = str(tmp_path / "ck")
     every = ["--checkpoint-dir", directory, "--checkpoint-every", "2"]
     assert run_cli(capsys, "--steps", "4", *every)[0] == 0
-    truncate(tmp_path / "ck" / "4")
+    damage(tmp_path / "ck" / "4")
     code, resumed, err = run_cli(capsys, "--steps", "6", *every)
     assert code == 0 and [r["step"] for r in resumed] == [2, 3, 4, 5]
     assert err.count("warning: checkpoint step 4:") == 1 and err.count("\n") == 1
-    assert [r["loss"] for r in resumed] == [r["loss"] for r in reference[2:]]
+    assert [r["loss"] for r in resumed] == [r["loss"] for r in cli_reference[2:]]
     code, records, err = run_cli(capsys, "--steps", "5", *every)  # at step 6 now
     assert code == 0 and records == []
     assert "already at step 6, at or past --steps 5" in err
