@@ -135,6 +135,7 @@ def test_a_non_finite_step_is_skipped_and_reported(step, params, clean_run, bad)
     assert_close(state.params, clean_run)  # as if the bad batch never came
 
 
+@pytest.mark.filterwarnings("ignore:pipeline. compiling again")
 def test_a_total_weight_of_zero_or_below_is_a_skipped_step(pm, params):
     """(loss_sum, weight) losses: the weight is y's last column."""
 
@@ -200,6 +201,7 @@ def test_a_loss_fn_of_the_wrong_arity_is_refused_before_tracing(pm):
         pm.train_step("mse")
 
 
+@pytest.mark.filterwarnings("ignore:pipeline. compiling again")
 @pytest.mark.parametrize("returned", [None, 1.5])
 def test_a_loss_fn_returning_no_array_is_a_loss_fn_error(pm, params, returned):
     x, y = batch(1)
@@ -369,9 +371,11 @@ def test_checkpoint_errors_are_one_line_and_name_the_fix(tmp_path, ckpt):
     checkpoints.close()
     for s in (1, 2):
         empty(tmp_path / "c" / str(s))
+    damaged = pp.Checkpoints(tmp_path / "c")
     with pytest.raises(pp.CheckpointError, match=r"no readable checkpoint .* step 2: ") as e:
-        pp.Checkpoints(tmp_path / "c").restore(step, batch(0), params)
+        damaged.restore(step, batch(0), params)
     one_line(e)
+    damaged.close()
     kept = pp.Checkpoints(tmp_path / "all", every=1, keep=None)
     for s in (1, 2, 3):
         kept.save(states[s])
