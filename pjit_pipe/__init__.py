@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pjit_pipe.errors import (
     BatchError,
+    CheckpointError,
     CutError,
     FailurePlanError,
     LossFnError,
@@ -66,6 +67,7 @@ _LAZY: dict[str, str] = {
 
 __all__ = [
     "BatchError",
+    "CheckpointError",
     "Checkpoints",
     "Costs",
     "CutError",

@@ -77,12 +77,20 @@ class StateError(PjitPipeError):
     device holds some stage's rows, or the state belongs to another model."""
 
 
+class CheckpointError(PjitPipeError):
+    """A checkpoint directory or checkpoint that cannot be used: a directory that is
+    a file or not writable, a step that does not exist, data that is not JSON, or
+    no readable checkpoint at all. The message names the directory or step and
+    what to change; nothing is written."""
+
+
 class PlotError(PjitPipeError):
     """A chart was asked for in a format it is not written in: use .png or .svg."""
 
 
 __all__ = [
     "BatchError",
+    "CheckpointError",
     "CutError",
     "FailurePlanError",
     "LossFnError",

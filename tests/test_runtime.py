@@ -133,9 +133,22 @@ def test_loss_unbroken_through_failure_and_rejoin(reference, kind, D, P, fail, r
     assert devices == set(tr.pipelined.mesh.devices.flat)
 
 
+class UncheckedPlan:
+    """A detector whose failures the trainer cannot know ahead (as LiveDevices')."""
+
+    def __init__(self, plan: InjectedFailures):
+        self.plan = plan
+
+    def attempt(self, step: int):
+        return self.plan.attempt(step)
+
+
 def test_unrecoverable_failure_names_the_stage_and_keeps_the_state(reference):
     params, _ = reference
-    tr = trainer(2, 4, "1f1b", InjectedFailures({1: [(0, 3), (1, 3)]}))
+    plan = InjectedFailures({1: [(0, 3), (1, 3)]})
+    with pytest.raises(pp.FailurePlanError, match="every replica of stage 3 is down"):
+        trainer(2, 4, "1f1b", plan)  # an injected plan is checked when the trainer is built
+    tr = trainer(2, 4, "1f1b", UncheckedPlan(plan))
     data = batches(2)
     state = tr.init(params, data[0], precompile=False)
     state, _ = tr.step(state, data[0])

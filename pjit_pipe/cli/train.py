@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,12 +102,15 @@ class StepRecord:
     seconds: float
     tokens: int
     failed: list[str]  # workers down during the committed attempt, as R:S
-    events: list[str]  # failures and program switches on the way
+    events: list[str]  # failures, program switches and skipped updates on the way
+    skipped: int = 0  # steps skipped so far because their loss or gradient was not finite
 
 
 def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tuple[Any, Any, Task]:
     """Build the pipeline and run args.steps steps through the injected failures;
     on_step(StepRecord) after each (tokens: input positions in the global batch).
+    A checkpoint holds the data stream's position and the workers down, and a
+    resume restores both; one already at or past args.steps runs nothing.
     With on_compiled(variant), failure variants are compiled before training
     starts, calling it after each; otherwise in the background. With
     args.checkpoint_dir, resume from its latest checkpoint (if any) and save
@@ -138,30 +144,45 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     precompile = getattr(args, "precompile", None)
     if precompile is None:
         precompile = 1 if fail else 0
+    x, y = task.next_batch()  # the batch of step 0, or an example to resume with
+    key = jax.random.key(args.seed)
+    down: list[tuple[int, int]] = []  # workers down when the run starts (a resumed run's)
+    if checkpoints is not None and checkpoints.latest_step() is not None:
+        step_fn = pm.train_step(task.loss_fn, donate=False)
+        start_from, saved = checkpoints.restore(step_fn, (x, y), jax.eval_shape(pm.init, key, x))
+        position, down = resume_point(saved)
+        if start_from.step >= args.steps:
+            print(
+                f"checkpoint {directory} is already at step {start_from.step}, at or past "
+                f"--steps {args.steps}: nothing to run; raise --steps to train further",
+                file=sys.stderr,
+            )
+            checkpoints.close()
+            return pm, start_from, task
+        task.seek(position)
+        x, y = task.next_batch()
+        # The plan's events before the resumed step already happened.
+        fail = {k: v for k, v in fail.items() if k >= start_from.step}
+        rejoin = {k: v for k, v in rejoin.items() if k >= start_from.step}
+    else:
+        # One compiled init instead of one small compile per initializer (seconds).
+        start_from = jax.jit(pm.init)(key, x)
+    start = start_from.step if isinstance(start_from, pp.TrainState) else 0
+    check_failure_plan(fail, rejoin, data, stages, args.steps, down, start)
     events: list[str] = []
     trainer = ResilientTrainer(
         pm,
         task.loss_fn,
-        InjectedFailures(fail, rejoin),
+        InjectedFailures(fail, rejoin, down),
         max_failures=precompile,
         cache_dir=getattr(args, "cache_dir", None),
         on_event=lambda e: events.append(e.describe()),
     )
-    x, y = task.next_batch()  # the batch of step 0, or an example to resume with
-    key = jax.random.key(args.seed)
-    if checkpoints is not None and checkpoints.latest_step() is not None:
-        step_fn = pm.train_step(task.loss_fn, donate=False)
-        start_from, position = checkpoints.restore(step_fn, (x, y), jax.eval_shape(pm.init, key, x))
-        task.seek(position)
-        x, y = task.next_batch()
-    else:
-        # One compiled init instead of one small compile per initializer (seconds).
-        start_from = jax.jit(pm.init)(key, x)
     if getattr(args, "show_costs", False):
         params = start_from.params if isinstance(start_from, pp.TrainState) else start_from
         pm.measure_schedule(params, x, y, task.loss_fn)
         show_costs(pm, args.json)
-    if args.schedule == "async-1f1b" and not fail and not rejoin:
+    if args.schedule == "async-1f1b" and not fail and not rejoin and not down:
         state = train_carrying(args, pm, task, start_from, (x, y), checkpoints, on_step, batch)
         return pm, state, task
     state = trainer.init(
@@ -183,18 +204,25 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
                 batch * task.tokens_per_example,
                 [f"{w.replica}:{w.stage}" for w in down],
                 events[:],
+                state.skipped,
             )
             events.clear()
             on_step(record)
-            position = task.position()  # before the batch of the next step
-            x, y = task.next_batch()
+            saved = {"position": task.position(), "failed": [list(w) for w in down]}
+            x, y = task.next_batch()  # the position saved is before this batch
             if checkpoints is not None:
-                checkpoints.save(state, position, force=state.step == args.steps)
+                checkpoints.save(state, saved, force=state.step == args.steps)
     finally:
         trainer.close()
         if checkpoints is not None:
             checkpoints.close()  # waits for the last save
     return pm, state, task
+
+
+def resume_point(saved: dict) -> tuple[dict, list[tuple[int, int]]]:
+    """(data stream position, workers down) from a checkpoint's data record."""
+    failed = [(int(r), int(s)) for r, s in saved.get("failed", [])]
+    return saved["position"], failed
 
 
 def train_carrying(
@@ -230,15 +258,15 @@ def train_carrying(
             state, loss = step_fn(state, batch)
             if not filling:  # the previous step's batch finished in this call
                 finished(step - 1, loss, start)
-            position = task.position()  # before the batch of the next step
-            batch = task.next_batch()
+            saved = {"position": task.position(), "failed": []}
+            batch = task.next_batch()  # the position saved is before this batch
             last = state.step == args.steps
             if last or (checkpoints is not None and state.step % checkpoints.every == 0):
                 start = time.perf_counter()
                 state, loss = step_fn.flush(state)
                 finished(step, loss, start)
                 if checkpoints is not None:
-                    checkpoints.save(state, position, force=last)
+                    checkpoints.save(state, saved, force=last)
     finally:
         if checkpoints is not None:
             checkpoints.close()
@@ -295,7 +323,11 @@ def run(args: argparse.Namespace) -> int:
             f"--async-weights {args.async_weights} applies to --schedule async-1f1b only, "
             f"not {args.schedule}; drop it or use --schedule async-1f1b"
         )
-    check_failure_plan(args.fail, args.rejoin, *args.mesh, args.steps)
+    directory = args.checkpoint_dir
+    if not (directory and os.path.isdir(directory) and os.listdir(directory)):
+        # Nothing to resume: refuse a bad plan before JAX loads (train() checks a
+        # resumed run's plan against the workers its checkpoint has down).
+        check_failure_plan(args.fail, args.rejoin, *args.mesh, args.steps)
     bars: list[Any] = []  # the progress bar, made at the first step (errors come first)
 
     def on_step(rec: StepRecord) -> None:
@@ -307,6 +339,7 @@ def run(args: argparse.Namespace) -> int:
                 "seconds": rec.seconds,
                 "tokens_per_s": tokens_per_s,
                 "failed": rec.failed,
+                "skipped": rec.skipped,
                 "events": rec.events,
             }
             print(json.dumps(record), flush=True)
@@ -322,8 +355,16 @@ def run(args: argparse.Namespace) -> int:
         bar.update()
 
     try:
-        train(args, on_step)
+        with warnings.catch_warnings():
+            warnings.showwarning = one_line_warning
+            train(args, on_step)
     finally:
         for bar in bars:
             bar.close()
     return 0
+
+
+def one_line_warning(message: Warning | str, *_: Any, **__: Any) -> None:
+    """Print a warning (a skipped step, a damaged checkpoint passed over) as one
+    line on stderr, without the source line Python adds."""
+    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)

@@ -41,45 +41,20 @@ def check_failure_plan(
     data: int,
     stages: int,
     steps: int,
+    down: list[tuple[int, int]] | tuple = (),
+    start: int = 0,
 ) -> None:
     """Refuse, before anything compiles, a plan of failures and rejoins that cannot
-    run: a worker outside the DxP mesh, a failure after the last step, a rejoin
-    of a worker that is not down then, or every replica of a stage down at once.
-
-    Plays the plan step by step as `InjectedFailures` does: the rejoins of step
-    k happen before it starts, its failures during it.
-    """
+    run (`pjit_pipe.ir.failures.check_failure_plan`, played from step `start`
+    with the workers `down` down: a resumed run), as a UsageError naming the flag."""
     from pjit_pipe.cli import UsageError
+    from pjit_pipe.errors import FailurePlanError
+    from pjit_pipe.ir.failures import check_failure_plan as check_plan
 
-    for option, events in (("--fail", fail), ("--rejoin", rejoin)):
-        for step, workers in sorted(events.items()):
-            for r, s in workers:
-                if r >= data or s >= stages:
-                    raise UsageError(
-                        f"{option}: worker {r}:{s} at step {step} is outside the mesh "
-                        f"{data}x{stages} (R < {data}, S < {stages})"
-                    )
-            if step >= steps:
-                raise UsageError(
-                    f"{option}: step {step} is past the last step ({steps} steps run steps "
-                    f"0-{steps - 1}); use a step below {steps} or raise --steps"
-                )
-    down: set[tuple[int, int]] = set()
-    for step in sorted({*fail, *rejoin}):
-        for r, s in rejoin.get(step, []):
-            if (r, s) not in down:
-                raise UsageError(
-                    f"--rejoin: worker {r}:{s} is not down before step {step} (it never failed, "
-                    "or already rejoined); rejoin only a worker that --fail took down earlier"
-                )
-            down.discard((r, s))
-        down |= set(fail.get(step, []))
-        for s in range(stages):
-            if all((r, s) in down for r in range(data)):
-                raise UsageError(
-                    f"--fail: at step {step} every replica of stage {s} is down, so its "
-                    f"parameters are lost; keep one of the {data} workers R:{s} alive"
-                )
+    try:
+        check_plan(fail, rejoin, data, stages, steps, down, start, ("--fail", "--rejoin"))
+    except FailurePlanError as e:
+        raise UsageError(str(e)) from e
 
 
 def add_training_args(parser: argparse.ArgumentParser) -> None:

@@ -26,6 +26,7 @@ from pjit_pipe.schedules import KINDS
 Balance = Literal["flops", "params", "time"]
 AsyncWeightsMode = Literal["predict", "stash", "latest"]
 ASYNC_WEIGHTS = ("predict", "stash", "latest")  # lowering/async_pipeline/async_weights.py MODES
+IN_LOOP_OPTIMIZER = ("async-1f1b",)  # kinds whose stages step inside the tick loop
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,12 @@ class PipelineOptions:
         `ir.memory.MemoryBound`). HiGHS stops at its time limit, so the
         polished table can differ between machines: leave it off on a
         multi-host mesh, where every process must compile the same program.
+    skip_nonfinite: whether a training step whose loss or global gradient norm
+        is not finite (a NaN or inf batch, an overflow) leaves the parameters and
+        optimizer state as they were (see docs/faults.md). None, the default:
+        yes, except on async-1f1b, whose stages step inside the tick loop
+        before the step's loss is known (there the update is applied); True
+        there is refused. False: apply every update.
     async_weights: schedule="async-1f1b" only: the weights its stale forwards
         read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
         weight stashing) or "latest"; None: "predict" for async-1f1b.
@@ -85,6 +92,7 @@ class PipelineOptions:
     layers: tuple[tuple[int, int], ...] | None = None
     async_weights: AsyncWeightsMode | None = None
     pack_polish: float = 0.0
+    skip_nonfinite: bool | None = None
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -128,6 +136,7 @@ class PipelineOptions:
                 f"optimizer: expected an optax GradientTransformation (e.g. optax.adam(1e-3)), "
                 f"got {type(self.optimizer).__name__}"
             )
+        self._check_skip_nonfinite()
         self._check_async_weights()
         self._check_mesh()
         if self.layers is not None:
@@ -139,6 +148,19 @@ class PipelineOptions:
                 )
             object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "failed", failed_workers(self.failed, self.replicas, self.stages))
+
+    def _check_skip_nonfinite(self) -> None:
+        if self.skip_nonfinite not in (None, True, False):
+            raise OptionError(
+                f"skip_nonfinite: expected True, False or None, got {self.skip_nonfinite!r}"
+            )
+        if self.skip_nonfinite and self.schedule in IN_LOOP_OPTIMIZER:
+            raise OptionError(
+                f"skip_nonfinite=True: schedule={self.schedule!r} steps each stage's "
+                "optimizer inside the tick loop, before the step's loss and gradient norm "
+                "are known, so a non-finite step's update is applied; leave skip_nonfinite "
+                "None (or False) there, or use a synchronous schedule such as '1f1b'"
+            )
 
     def _check_async_weights(self) -> None:
         if self.async_weights is None:

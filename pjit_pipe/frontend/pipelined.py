@@ -45,7 +45,7 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import PackedTicks
-from pjit_pipe.lowering import LoweringOptions, Topology
+from pjit_pipe.lowering import LoweringOptions, Topology, check_loss_fn
 
 if TYPE_CHECKING:
     from pjit_pipe.lowering import PipelineStep
@@ -54,7 +54,15 @@ LossFn = Callable[[Any, Any], jax.Array]
 
 
 def _leading(name: str, tree: Any) -> int:
-    dims = {np.shape(a)[0] if np.ndim(a) else None for a in jax.tree.leaves(tree)}
+    leaves = jax.tree.leaves(tree)
+    if not all(hasattr(a, "shape") for a in leaves):
+        kinds = sorted({type(a).__name__ for a in leaves if not hasattr(a, "shape")})
+        raise BatchError(
+            f"{name}: expected arrays (NumPy or JAX) with a leading batch dimension, got a "
+            f"{type(tree).__name__} holding {', '.join(kinds)} values; convert it with "
+            f"np.asarray({name})"
+        )
+    dims = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
     if len(dims) != 1 or None in dims:
         raise BatchError(
             f"{name}: every leaf needs the same leading (global batch) dimension, got {dims}"
@@ -167,6 +175,13 @@ class Pipelined:
     def with_options(self, **changes: Any) -> Pipelined:
         """A copy with some options changed (e.g. another mesh or optimizer), as
         `dataclasses.replace` on `options`: the changes are checked the same way."""
+        known = {f.name for f in dataclasses.fields(PipelineOptions)}
+        unknown = sorted(set(changes) - known)
+        if unknown:
+            raise OptionError(
+                f"with_options: unknown option {unknown[0]!r}; the options are "
+                f"{', '.join(sorted(known))} (see PipelineOptions)"
+            )
         return Pipelined(self.module, dataclasses.replace(self.options, **changes))
 
     def with_failures(self, failed: Sequence[tuple[int, int]]) -> Pipelined:
@@ -317,6 +332,8 @@ class Pipelined:
         (dropout): microbatch i of the global batch uses fold_in(key, i) (see rngs.py).
         """
 
+        check_loss_fn(loss_fn)
+
         def value_and_grad(params: Any, x: Any, y: Any, rngs: Any = None) -> tuple[Any, Any]:
             rngs = step_rngs(rngs)
             cut, step = self.program(params, x, y, loss_fn, has_aux, rngs)
@@ -361,6 +378,7 @@ class Pipelined:
                 "train_step needs an optax optimizer: pass pipeline(..., "
                 "optimizer=optax.adam(1e-3)) (any optax transformation)"
             )
+        check_loss_fn(loss_fn)
         return TrainStep(self, loss_fn, donate, carry)
 
 

@@ -18,6 +18,7 @@ import flax.struct
 import jax
 import optax
 
+from pjit_pipe.errors import StateError
 from pjit_pipe.frontend.cutter.cut import StageCut
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
 from pjit_pipe.lowering import Buffers, DeviceLayout, device_bytes
@@ -72,6 +73,7 @@ class StateView:
     def to_module(self, state: TrainState, skip: Collection[Any] = ()) -> tuple[Any, Any]:
         """(params, opt_state) in the module layout, each leaf on the devices of the
         stage that owns it; the devices in `skip` are not read."""
+        state.check_alive("state")
         stage_params, stage_opt = self.layout.to_stages(state.device_params, state.device_opt, skip)
         params = self.cut.merge(stage_params)
         return params, merge_opt_state(self.cut, stage_opt, self.opt_template, params)
@@ -84,11 +86,14 @@ class TrainState:
     device_params: per dtype, a (devices, v, L) buffer sharded by its leading
         axis: row i holds device i's chunks' parameters, flattened and padded.
     device_opt: the same for each chunk's optax state.
-    step: number of optimizer steps taken (asynchronous schedules: batches fed).
+    step: number of optimizer steps taken (asynchronous schedules: batches fed);
+        a skipped non-finite step counts as taken (it used its batch).
     view: how to read the buffers as the module's trees (static).
     in_flight: the microbatches still in flight after a carrying step of an
         asynchronous schedule (lowering/async_pipeline/async_carry.py), None when none are:
         `params` then lacks their updates until `TrainStep.flush`.
+    skipped: how many of those steps were skipped because their loss or global
+        gradient norm was not finite (see docs/faults.md).
 
     `params` and `opt_state` give the module-layout view (see the module doc).
     """
@@ -98,6 +103,18 @@ class TrainState:
     step: int = flax.struct.field(pytree_node=False, default=0)
     view: StateView | None = flax.struct.field(pytree_node=False, default=None)
     in_flight: Any = None
+    skipped: int = flax.struct.field(pytree_node=False, default=0)
+
+    def check_alive(self, where: str) -> None:
+        """Raise StateError when a step consumed (donated) this state's buffers:
+        reading them would crash the process on some backends."""
+        leaves = jax.tree.leaves((self.device_params, self.device_opt, self.in_flight))
+        if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
+            raise StateError(
+                f"{where}: this TrainState was consumed by an earlier step (its buffers "
+                "were donated to it); use the state that step returned, or keep copies "
+                "with pipelined.train_step(loss_fn, donate=False)"
+            )
 
     @property
     def params(self) -> Any:

@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
+import flax.errors
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from pjit_pipe.errors import RngError, StateError
+from pjit_pipe.errors import BatchError, OptionError, RngError, StateError
 from pjit_pipe.frontend.rngs import step_rngs
 from pjit_pipe.frontend.state import StateView, TrainState
 
@@ -25,7 +27,14 @@ class TrainStep:
     The state stays in this pipeline's device layout between steps (see
     frontend/state.py): the compiled step takes and returns each device's own
     rows, donated unless `donate` is False. A state from another pipeline
-    (another mesh, a failure variant) is moved into this layout first.
+    (another mesh, a failure variant) is moved into this layout first. A state
+    a donating step consumed raises StateError; keep the returned one.
+
+    A step whose loss or global gradient norm is not finite is skipped inside
+    the compiled program (PipelineOptions.skip_nonfinite): the returned state
+    holds the parameters and optimizer state it was given, its `skipped` count
+    goes up and a RuntimeWarning names the step. Reading that flag waits for
+    the step to finish.
 
     With `carry` (async-1f1b only) a step does not drain the pipeline: the
     microbatches in flight at its end stay in `state.in_flight` and the next
@@ -69,16 +78,18 @@ class TrainStep:
         opt_state: Any = None,
         step: int = 0,
         rngs: Any = None,
+        skipped: int = 0,
     ) -> TrainState:
         """A TrainState from module-layout `params` (and `opt_state`, default a fresh
         `optimizer.init`; `step`, e.g. from a checkpoint); `batch` is an example
         (x, y) that fixes the stage cut, and `rngs` an example key for a model that
-        draws random numbers. Each stage's rows are built on its devices."""
+        draws random numbers; `skipped`, the non-finite steps skipped so far. Each
+        stage's rows are built on its devices."""
         model = self.pipelined.model
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
         _, view = self._program(params, batch, step_rngs(rngs))  # checks the optimizer too
         device_params, device_opt = view.to_device(params, opt_state)
-        return TrainState(device_params, device_opt, step, view)
+        return TrainState(device_params, device_opt, step, view, skipped=skipped)
 
     def adopt(
         self, state: TrainState, batch: tuple[Any, Any], unavailable: Collection[Any] = ()
@@ -87,8 +98,33 @@ class TrainStep:
         there. Devices that run the same stages keep their rows; a device new to
         its stages copies them from a live peer; `unavailable` devices (failed
         ones) are never read."""
-        _, view = self._program(state.view.variables, batch)
+        _, view = self._state_program(state, batch)
         return self._into(view, state, unavailable)
+
+    def _state_program(
+        self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
+    ) -> tuple[Any, StateView]:
+        """`_program` for a state's parameters, after checking the call's arguments:
+        StateError for anything but a live TrainState of this model, BatchError for
+        a batch that is not the pair (x, y)."""
+        if not isinstance(state, TrainState):
+            raise StateError(
+                f"state: expected a TrainState, got {type(state).__name__}; build one with "
+                "state = step.init(params, (x, y))"
+            )
+        if not (isinstance(batch, tuple | list) and len(batch) == 2):
+            got = f"shape {np.shape(batch)}" if hasattr(batch, "shape") else type(batch).__name__
+            raise BatchError(
+                f"batch: expected the pair (x, y), got {got}; call step(state, (x, y))"
+            )
+        state.check_alive("state")
+        try:
+            return self._program(state.view.variables, batch, rngs)
+        except flax.errors.ScopeParamShapeError as e:
+            raise StateError(
+                f"state: its parameters do not fit this model ({str(e).splitlines()[0]}); "
+                "it belongs to another model: build a state with step.init(params, (x, y))"
+            ) from None
 
     @staticmethod
     def _into(
@@ -96,6 +132,13 @@ class TrainStep:
     ) -> tuple[TrainState, int]:
         if state.view is view:
             return state, 0
+        theirs, ours = (jax.tree.structure(v.opt_template) for v in (state.view, view))
+        if theirs != ours:
+            raise StateError(
+                f"state: its optimizer state is another optimizer's ({theirs.num_leaves} "
+                f"leaves; this step's optimizer has {ours.num_leaves}); start a fresh one "
+                "with step.init(state.params, (x, y)), or step with the optimizer it was made by"
+            )
         if state.in_flight is not None:
             raise StateError(
                 "state: it has microbatches in flight in another program's layout (a "
@@ -109,7 +152,7 @@ class TrainStep:
             params, opt = state.view.to_module(state, unavailable)
             params, opt = view.to_device(params, opt)
             moved = sum(b.nbytes for b in jax.tree.leaves((params, opt)))  # at most this
-        return TrainState(params, opt, state.step, view), moved
+        return TrainState(params, opt, state.step, view, skipped=state.skipped), moved
 
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
@@ -117,7 +160,7 @@ class TrainStep:
         """One step; `rngs` (a key or {stream: key}) for a model that draws random
         numbers, as in `Pipelined.value_and_grad`."""
         rngs = step_rngs(rngs)
-        step, view = self._program(state.view.variables, batch, rngs)
+        step, view = self._state_program(state, batch, rngs)
         state, _ = self._into(view, state)
         x, y = self.pipelined.place(batch)
         if self.carry:
@@ -130,16 +173,36 @@ class TrainStep:
                 state.device_params, state.device_opt, state.in_flight, x, y, donate=self.donate
             )
             self._carried_by[view] = step
-            return TrainState(params, opt, state.step + 1, view, in_flight), loss
+            return TrainState(params, opt, state.step + 1, view, in_flight, state.skipped), loss
         if state.in_flight is not None:
             raise StateError(
                 "state: it has microbatches in flight (from a carrying step, "
                 "train_step(..., carry=True)); call that step's flush(state) first"
             )
-        params, opt, loss = step.device_train_step(
-            state.device_params, state.device_opt, x, y, self.donate, rngs
+        skip = self._skips(step)
+        params, opt, loss, skipped = step.device_train_step(
+            state.device_params, state.device_opt, x, y, self.donate, rngs, skip
         )
-        return TrainState(params, opt, state.step + 1, view), loss
+        count = state.skipped
+        if skip and bool(skipped):
+            count += 1
+            warnings.warn(
+                f"step {state.step}: the loss ({float(loss)}) or the global gradient norm is "
+                "not finite; the update was skipped (parameters and optimizer state unchanged)",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        return TrainState(params, opt, state.step + 1, view, skipped=count), loss
+
+    def _skips(self, step: PipelineStep) -> bool:
+        """Whether `step` runs with the non-finite check (PipelineOptions.skip_nonfinite)."""
+        wanted = self.pipelined.options.skip_nonfinite
+        if wanted and step.steps_in_loop:
+            raise OptionError(
+                "skip_nonfinite=True: this schedule steps each stage's optimizer inside the "
+                "tick loop, before the loss is known; leave skip_nonfinite None or False"
+            )
+        return wanted is not False and not step.steps_in_loop
 
     def flush(self, state: TrainState) -> tuple[TrainState, jax.Array | None]:
         """Finish the microbatches in flight (a carrying step's drain): (the state
@@ -147,6 +210,7 @@ class TrainStep:
         step's batch); (state, None) when nothing is in flight."""
         if state.in_flight is None:
             return state, None
+        state.check_alive("flush")
         step = self._carried_by.get(state.view)
         if step is None:
             raise StateError(
@@ -156,7 +220,7 @@ class TrainStep:
         params, opt, _, loss = step.carry_train_step(
             state.device_params, state.device_opt, state.in_flight, drain=True, donate=self.donate
         )
-        return TrainState(params, opt, state.step, state.view), loss
+        return TrainState(params, opt, state.step, state.view, skipped=state.skipped), loss
 
     def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
         """Compile ahead of time for states like this one and batches shaped like
@@ -166,10 +230,10 @@ class TrainStep:
                 "compile: a carrying step (carry=True) compiles on its first call; "
                 "call it instead, or compile a step without carry"
             )
-        step, _ = self._program(state.view.variables, batch)
+        step, _ = self._state_program(state, batch)
         sharding = NamedSharding(self.pipelined.device_mesh, PartitionSpec())
         x, y = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=sharding),
             batch,
         )
-        return step.compile_device_train_step(x, y, self.donate)
+        return step.compile_device_train_step(x, y, self.donate, self._skips(step))

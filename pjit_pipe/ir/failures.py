@@ -8,7 +8,7 @@ search and the lowering build (and cache) one schedule per canonical pattern.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from itertools import combinations
 
@@ -166,3 +166,63 @@ def inverse(perm: tuple[int, ...]) -> tuple[int, ...]:
     for old, new in enumerate(perm):
         out[new] = old
     return tuple(out)
+
+
+def check_failure_plan(
+    fail: Mapping[int, Iterable[tuple[int, int]]],
+    rejoin: Mapping[int, Iterable[tuple[int, int]]],
+    replicas: int,
+    stages: int,
+    steps: int | None = None,
+    down: Iterable[tuple[int, int]] = (),
+    start: int = 0,
+    names: tuple[str, str] = ("fail", "rejoin"),
+) -> None:
+    """Refuse, before anything compiles, a plan of failures and rejoins that cannot
+    run: a worker outside the replicas x stages mesh, an event at or after `steps`,
+    a failure of a worker already down, a rejoin of a worker that is not down, or
+    every replica of a stage down at once. Raises FailurePlanError naming the
+    option (`names`: how the caller spells the fail and rejoin arguments).
+
+    Plays the plan from step `start` with the workers `down` down, as
+    `InjectedFailures` does: the rejoins of step k happen before it starts, its
+    failures during it; events before `start` (a resumed run) already happened.
+    """
+    fail_name, rejoin_name = names
+    plan = {fail_name: fail, rejoin_name: rejoin}
+    for option, events in plan.items():
+        for step, workers in sorted(events.items()):
+            for r, s in workers:
+                if not (0 <= r < replicas and 0 <= s < stages):
+                    raise FailurePlanError(
+                        f"{option}: worker {r}:{s} at step {step} is outside the mesh "
+                        f"{replicas}x{stages} (R < {replicas}, S < {stages})"
+                    )
+            if steps is not None and step >= steps:
+                raise FailurePlanError(
+                    f"{option}: step {step} is past the last step ({steps} steps run steps "
+                    f"0-{steps - 1}); use a step below {steps} or raise the step count"
+                )
+    now = {(int(r), int(s)) for r, s in down}
+    for step in sorted(k for k in {*fail, *rejoin} if k >= start):
+        for r, s in rejoin.get(step, []):
+            if (r, s) not in now:
+                raise FailurePlanError(
+                    f"{rejoin_name}: worker {r}:{s} is not down before step {step} (it never "
+                    f"failed, or already rejoined); rejoin only a worker that {fail_name} "
+                    "took down earlier"
+                )
+            now.discard((r, s))
+        for r, s in fail.get(step, []):
+            if (r, s) in now:
+                raise FailurePlanError(
+                    f"{fail_name}: worker {r}:{s} is already down at step {step}; drop it, "
+                    f"or {rejoin_name} it at an earlier step first"
+                )
+            now.add((r, s))
+        for s in range(stages):
+            if all((r, s) in now for r in range(replicas)):
+                raise FailurePlanError(
+                    f"{fail_name}: at step {step} every replica of stage {s} is down, so its "
+                    f"parameters are lost; keep one of the {replicas} workers R:{s} alive"
+                )

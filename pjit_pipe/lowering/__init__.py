@@ -3,7 +3,7 @@
 from pjit_pipe.lowering.async_pipeline.async_carry import check_carry
 from pjit_pipe.lowering.comms.topology import Topology
 from pjit_pipe.lowering.compute.forward import lower_forward
-from pjit_pipe.lowering.compute.loss import LossLayout
+from pjit_pipe.lowering.compute.loss import LossLayout, check_loss_fn
 from pjit_pipe.lowering.compute.rng import check_rngs, current_rngs, impls_of, microbatch_rngs
 from pjit_pipe.lowering.compute.stages import StageVjp
 from pjit_pipe.lowering.layout.device_state import DeviceLayout, device_bytes
@@ -22,6 +22,7 @@ __all__ = [
     "StageVjp",
     "Topology",
     "check_carry",
+    "check_loss_fn",
     "check_rngs",
     "current_rngs",
     "device_bytes",

@@ -9,6 +9,7 @@ each device gets its own batch rows, tick rows and pipeline position.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -63,12 +64,17 @@ class PipelineStep:
             self.layout = DeviceLayout(
                 topo, lowered.held, lowered.param_spec, self._opt_spec, optimizer
             )
-        # The device-layout step, consuming its state buffers (donate) or not.
+        # The device-layout step per (donate, skip_nonfinite): consuming its state
+        # buffers or not, keeping them where the step is not finite or not.
         self._device_steps = {
-            donate: jax.jit(self._train_buffers, donate_argnums=(0, 1) if donate else ())
+            (donate, skip): jax.jit(
+                functools.partial(self._train_buffers, skip_nonfinite=skip),
+                donate_argnums=(0, 1) if donate else (),
+            )
             for donate in (True, False)
+            for skip in (True, False)
         }
-        self._compiled_device: dict[bool, Any] = {}
+        self._compiled_device: dict[tuple[bool, bool], Any] = {}
         self._compiled_vg = None
         self._carrying: CarryingStep | None = None  # built by carry_train_step
 
@@ -155,38 +161,60 @@ class PipelineStep:
         )
         return loss, self._unpack(low.param_spec, grads)
 
-    def _train_buffers(self, params: Buffers, opt: Buffers, x, y):
+    def _train_buffers(self, params: Buffers, opt: Buffers, x, y, skip_nonfinite: bool = False):
         """The training step on the device layout: (params, opt) buffers of shape
-        (devices, v, L) in, the updated buffers and the loss out."""
+        (devices, v, L) in, the updated buffers, the loss and whether the update was
+        skipped out. With `skip_nonfinite` (not with the optimizer inside the loop)
+        a step whose loss or global gradient norm is not finite returns the buffers
+        it was given: the choice is made here, so donated buffers lose nothing."""
         low, spec = self._low, self._opt_spec
         plan = low.step_plan if low.stepping else low.plan
+        if skip_nonfinite and low.stepping:
+            raise ValueError(
+                "skip_nonfinite: this program steps each stage's optimizer inside the tick "
+                "loop, before the loss and the global gradient norm are known"
+            )
 
         def body(params, opt, x, y, rows, pos, *updates):
             params, opt, x, y, rows, pos = self._local(params, opt, x, y, rows, pos)
+            skipped = jnp.zeros((), bool)
             if low.stepping:
                 params, opt, loss = self._stepper.stepping_loop(
                     spec, params, opt, x, y, rows, *updates, pos
                 )
             else:
                 loss, grads = low.tick_loop(params, x, y, rows, pos)
-                params, opt = self._stepper.optimizer_step(spec, params, grads, opt, pos)
+                new = self._stepper.optimizer_step(spec, params, grads, opt, pos)
+                if skip_nonfinite:
+                    (params, opt), skipped = self._stepper.unless_nonfinite(
+                        loss, grads, new, (params, opt)
+                    )
+                else:
+                    params, opt = new
             return (
                 {k: b[None] for k, b in params.items()},
                 {k: b[None] for k, b in opt.items()},
                 loss,
+                skipped,
             )
 
         out = self.topology.spec
         updates = (jnp.asarray(plan.updates),) if low.stepping else ()
-        f = self._shard_map(body, 2, (out, out, PS()), n_replicated=len(updates))
-        params, opt, loss = f(params, opt, *self._device_args(x, y, plan), *updates)
+        f = self._shard_map(body, 2, (out, out, PS(), PS()), n_replicated=len(updates))
+        params, opt, loss, skipped = f(params, opt, *self._device_args(x, y, plan), *updates)
         if low.stepping and low.iterations == 1:
             loss = loss[0]
-        return params, opt, loss
+        return params, opt, loss, skipped
+
+    @property
+    def steps_in_loop(self) -> bool:
+        """Whether the optimizer steps stages inside the tick loop (a staggered
+        schedule, or iterations > 1), so no step can be skipped as a whole."""
+        return self._low.stepping
 
     def _train_step(self, stage_params, opt_state, x, y):
         low, spec = self._low, self._opt_spec
-        params, opt, loss = self._train_buffers(
+        params, opt, loss, _ = self._train_buffers(
             self._pack(low.param_spec, stage_params), self._pack(spec, opt_state), x, y
         )
         return self._unpack(low.param_spec, params), self._unpack(spec, opt), loss
@@ -270,18 +298,25 @@ class PipelineStep:
         y: Any,
         donate: bool = True,
         rngs: Any = None,
-    ) -> tuple[Buffers, Buffers, jax.Array]:
+        skip_nonfinite: bool = False,
+    ) -> tuple[Buffers, Buffers, jax.Array, jax.Array]:
         """train_step on the device layout (`self.layout`): (params, opt) buffers in
-        and out, no per-stage trees. With `donate` the buffers passed in are consumed
-        (their memory holds the new state). `rngs` as in `train_step`."""
+        and out, no per-stage trees, then the loss and whether the update was
+        skipped. With `donate` the buffers passed in are consumed (their memory
+        holds the new state). With `skip_nonfinite` a step whose loss or global
+        gradient norm is not finite leaves the state as it was (not where
+        `steps_in_loop`). `rngs` as in `train_step`."""
         if self.layout is None:
             raise ValueError(
                 "device_train_step needs lower(..., optimizer=an optax transformation)"
             )
-        run = self._compiled_device.get(donate) or self._device_steps[donate]
+        key = (donate, skip_nonfinite)
+        run = self._compiled_device.get(key) or self._device_steps[key]
         return run(params, opt, self._with_keys(x, rngs), y)
 
-    def compile_device_train_step(self, x: Any, y: Any, donate: bool = True) -> float:
+    def compile_device_train_step(
+        self, x: Any, y: Any, donate: bool = True, skip_nonfinite: bool = False
+    ) -> float:
         """AOT-compile device_train_step for batches shaped and placed like x and y
         (arrays or ShapeDtypeStructs with shardings); returns the seconds it took."""
         if self.layout is None:
@@ -295,8 +330,9 @@ class PipelineStep:
             )
         start = time.perf_counter()
         batch = jax.tree.map(_abstract_placed, (x, y))
-        lowered = self._device_steps[donate].lower(*self.layout.avals(), *batch)
-        self._compiled_device[donate] = lowered.compile()
+        key = (donate, skip_nonfinite)
+        lowered = self._device_steps[key].lower(*self.layout.avals(), *batch)
+        self._compiled_device[key] = lowered.compile()
         return time.perf_counter() - start
 
     def carry_train_step(

@@ -16,21 +16,24 @@ mid-save leaves the previous checkpoint as the latest one.
 
 from __future__ import annotations
 
+import json
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
-import numpy as np
 import orbax.checkpoint as ocp
 
+from pjit_pipe.errors import CheckpointError
 from pjit_pipe.frontend import TrainState, TrainStep
 
 STATE, META = "state", "meta"  # the two items of a checkpoint
 
 
-class CheckpointError(ValueError):
-    """A checkpoint directory or checkpoint that cannot be used (nothing was written)."""
+class _Unreadable(CheckpointError):
+    """A step whose files are damaged or missing: restore() falls back past it. A
+    checkpoint of another model or optimizer is not damaged, and stops it."""
 
 
 def check_directory(directory: str | os.PathLike) -> Path:
@@ -56,13 +59,24 @@ class Checkpoints:
     """Orbax checkpoints of a pipelined training run in `directory`.
 
     every: save when the step count is a multiple of it (and at `save(...,
-    force=True)`, e.g. the end of training); keep: how many to keep.
+    force=True)`, e.g. the end of training); keep: how many to keep (a positive
+    integer), or None for all.
+
+    `restore()` survives a damaged newest checkpoint (truncated or missing
+    files, an emptied step directory): it warns, naming the step and why it
+    cannot be read, moves that step aside to `<step>.unreadable` (so the run
+    can save that step again) and restores the newest readable one.
     """
 
-    def __init__(self, directory: str | os.PathLike, every: int = 100, keep: int = 3):
+    def __init__(self, directory: str | os.PathLike, every: int = 100, keep: int | None = 3):
         if not isinstance(every, int) or isinstance(every, bool) or every < 1:
             raise CheckpointError(
                 f"--checkpoint-every must be a positive number of steps, got {every!r}"
+            )
+        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+            raise CheckpointError(
+                f"keep: expected a positive number of checkpoints to keep, or None to keep "
+                f"all, got {keep!r}"
             )
         self.directory = check_directory(directory)
         self.every = every
@@ -82,9 +96,16 @@ class Checkpoints:
         """Start saving `state` (module layout) and `data` (JSON: where the data
         stream stands) as step `state.step`, if due; returns whether it saves.
         Returns once the arrays are copied off the devices; the write goes on in
-        the background."""
+        the background. Data that is not JSON raises CheckpointError at once."""
         if not force and state.step % self.every:
             return False
+        try:
+            json.dumps(data, allow_nan=False)
+        except (TypeError, ValueError) as e:
+            raise CheckpointError(
+                f"save: data must be JSON (dicts, lists, strings, finite numbers, None): {e}; "
+                "convert it first, e.g. arrays with .tolist()"
+            ) from e
         if state.in_flight is not None:
             raise CheckpointError(
                 "save: the state has microbatches in flight (a carrying async-1f1b step), "
@@ -94,11 +115,9 @@ class Checkpoints:
             return False  # already saved (e.g. the periodic save of the last step)
         module = state.module_state()
         tree = {"params": module["params"], "opt_state": module["opt_state"]}
+        meta = {"step": state.step, "data": data, "skipped": state.skipped}
         args = ocp.args.Composite(
-            **{
-                STATE: ocp.args.StandardSave(tree),
-                META: ocp.args.JsonSave({"step": state.step, "data": data}),
-            }
+            **{STATE: ocp.args.StandardSave(tree), META: ocp.args.JsonSave(meta)}
         )
         self.manager.save(state.step, args=args, force=True)
         return True
@@ -111,25 +130,86 @@ class Checkpoints:
         step: int | None = None,
     ) -> tuple[TrainState, Any]:
         """(TrainState in `train_step`'s device layout, saved data position) from the
-        checkpoint of `step` (default the latest). `params_like`: the model's
-        parameters or their shapes (jax.eval_shape of init). Raises CheckpointError
-        naming the first leaf whose shape differs when the checkpoint is of another
-        model."""
+        checkpoint of `step`, or the newest readable one (see the class docstring).
+        `params_like`: the model's parameters or their shapes (jax.eval_shape of
+        init). Raises CheckpointError for a step that does not exist, or when no
+        step can be read, naming the first leaf that differs when a checkpoint is
+        of another model."""
         self.manager.wait_until_finished()  # a save still in flight is the latest one
-        step = self.latest_step() if step is None else step
-        if step is None:
+        steps = sorted(self.manager.all_steps(), reverse=True)
+        if not steps:
             raise CheckpointError(f"no checkpoint in {self.directory}")
-        view = train_step.view(params_like, batch)
-        target = view.module_avals()
-        saved = self.manager.item_metadata(step)[STATE]
+        if step is not None and step not in steps:
+            raise CheckpointError(
+                f"step={step}: no checkpoint of that step in {self.directory}; it holds "
+                f"steps {sorted(steps)}"
+            )
+        target = train_step.view(params_like, batch).module_avals()
+        unreadable: list[tuple[int, str]] = []
+        for candidate in [step] if step is not None else steps:
+            try:
+                tree, meta = self._read(candidate, target)
+            except _Unreadable as e:
+                unreadable.append((candidate, str(e)))
+                continue
+            self._set_aside(unreadable)
+            state = train_step.init(
+                tree["params"],
+                batch,
+                tree["opt_state"],
+                int(meta["step"]),
+                skipped=int(meta.get("skipped", 0)),
+            )
+            return state, meta["data"]
+        first, reason = unreadable[0]
+        others = ", ".join(str(s) for s, _ in unreadable[1:])
+        raise CheckpointError(
+            f"no readable checkpoint in {self.directory}: step {first}: {reason}"
+            + (f" (steps {others} cannot be read either)" if others else "")
+        )
+
+    def _read(self, step: int, target: Any) -> tuple[Any, dict]:
+        """The state tree and the meta record of `step`; CheckpointError saying why
+        it cannot be read."""
+        try:
+            saved = self.manager.item_metadata(step)[STATE]
+        except Exception as e:  # orbax and TensorStore raise many kinds
+            raise _Unreadable(f"its metadata cannot be read ({_first_line(e)})") from e
+        if saved is None:
+            raise _Unreadable("it holds no saved state (an empty or partial step directory)")
         _check_same_model(saved, target, self.directory / str(step))
         args = ocp.args.Composite(
             **{STATE: ocp.args.StandardRestore(target), META: ocp.args.JsonRestore()}
         )
-        restored = self.manager.restore(step, args=args)
-        tree, meta = restored[STATE], restored[META]
-        state = train_step.init(tree["params"], batch, tree["opt_state"], int(meta["step"]))
-        return state, meta["data"]
+        try:
+            restored = self.manager.restore(step, args=args)
+            meta = restored[META]
+            if not isinstance(meta, dict) or "step" not in meta:
+                raise ValueError(f"its record is {meta!r}, not {{'step': ..., 'data': ...}}")
+        except Exception as e:  # orbax and TensorStore raise many kinds
+            raise _Unreadable(f"its data cannot be read ({_first_line(e)})") from e
+        return restored[STATE], meta
+
+    def _set_aside(self, unreadable: list[tuple[int, str]]) -> None:
+        """Warn once about the unreadable newer steps and rename each to
+        `<step>.unreadable`, so the resumed run can save those steps again."""
+        if not unreadable:
+            return
+        moved = []
+        for step, _ in unreadable:
+            path = self.directory / str(step)
+            aside = path.with_name(f"{step}.unreadable")
+            if jax.process_index() == 0 and path.exists() and not aside.exists():
+                path.rename(aside)
+                moved.append(aside.name)
+        self.manager.reload()
+        reasons = "; ".join(f"step {s}: {reason}" for s, reason in unreadable)
+        warnings.warn(
+            f"checkpoint {reasons}; restoring the newest readable step instead"
+            + (f" (moved aside to {', '.join(moved)})" if moved else ""),
+            RuntimeWarning,
+            stacklevel=3,
+        )
 
     def wait(self) -> None:
         """Block until every started save is on disk."""
@@ -140,35 +220,54 @@ class Checkpoints:
         self.manager.close()
 
 
+def _first_line(error: BaseException) -> str:
+    """An exception as one short line (TensorStore's run to a hundred)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    text = lines[0] if lines else ""
+    text = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
 def _path_name(path: Any) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
 def _check_same_model(saved: Any, target: Any, where: Path) -> None:
-    """Raise CheckpointError at the first leaf whose path or shape differs."""
-    got = dict(
-        (_path_name(p), tuple(leaf.shape))
-        for p, leaf in jax.tree_util.tree_flatten_with_path(saved)[0]
-        if hasattr(leaf, "shape")
-    )
-    for p, leaf in jax.tree_util.tree_flatten_with_path(target)[0]:
-        name = _path_name(p)
-        want = tuple(np.shape(leaf))
-        if name not in got:
-            raise CheckpointError(
-                f"checkpoint {where} is of another model: it has no leaf {name} "
-                f"(this model's is {want})"
-            )
-        if got[name] != want:
-            raise CheckpointError(
-                f"checkpoint {where} is of another model: leaf {name} has shape "
-                f"{got[name]} in the checkpoint and {want} in this model"
-            )
-    extra = sorted(
-        set(got) - {_path_name(p) for p, _ in jax.tree_util.tree_flatten_with_path(target)[0]}
-    )
-    if extra:
-        raise CheckpointError(
-            f"checkpoint {where} is of another model: it has leaf {extra[0]} "
-            f"(shape {got[extra[0]]}), which this model does not"
+    """Raise CheckpointError at the first leaf whose path or shape differs: the
+    parameters first (another model), then the optimizer state (another optimizer)."""
+    saved_shapes = _shapes(saved)
+    for part, other in (("params", "model"), ("opt_state", "optimizer")):
+        prefix = f"{part}/"
+        got = {k[len(prefix) :]: v for k, v in saved_shapes.items() if k.startswith(prefix)}
+        want = _shapes(target[part])
+        fix = (
+            "restore it into the model it was saved from"
+            if part == "params"
+            else "restore it with the optimizer it was saved with"
         )
+        for name, shape in want.items():
+            if name not in got:
+                raise CheckpointError(
+                    f"checkpoint {where} is of another {other}: it has no leaf {part}/{name} (this "
+                    f"{other}'s is {shape}); {fix}"
+                )
+            if got[name] != shape:
+                raise CheckpointError(
+                    f"checkpoint {where} is of another {other}: leaf {part}/{name} has shape {got[name]} "
+                    f"in the checkpoint and {shape} here; {fix}"
+                )
+        extra = sorted(set(got) - set(want))
+        if extra:
+            raise CheckpointError(
+                f"checkpoint {where} is of another {other}: it has leaf {part}/{extra[0]} (shape "
+                f"{got[extra[0]]}), which this {other} does not; {fix}"
+            )
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    """{leaf path: shape} of a tree of arrays or array metadata."""
+    return {
+        _path_name(p): tuple(leaf.shape)
+        for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
+        if hasattr(leaf, "shape")
+    }

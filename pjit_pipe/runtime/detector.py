@@ -20,6 +20,7 @@ from typing import Protocol
 
 from jax.sharding import Mesh
 
+from pjit_pipe.ir.failures import check_failure_plan
 from pjit_pipe.ir.ops import Worker
 
 
@@ -45,19 +46,29 @@ class InjectedFailures:
 
     fail[step]: workers that die *during* that step (its first attempt runs on
     the old program and is lost); rejoin[step]: workers that are back before
-    that step starts.
+    that step starts; down: workers already down at the start (a resumed run's,
+    from its checkpoint).
     """
 
     def __init__(
         self,
         fail: Mapping[int, Iterable[tuple[int, int]]] | None = None,
         rejoin: Mapping[int, Iterable[tuple[int, int]]] | None = None,
+        down: Iterable[tuple[int, int]] = (),
     ):
         self.fail = {s: frozenset(Worker(*w) for w in ws) for s, ws in (fail or {}).items()}
         self.rejoin = {s: frozenset(Worker(*w) for w in ws) for s, ws in (rejoin or {}).items()}
-        self.down: frozenset[Worker] = frozenset()
+        self.down: frozenset[Worker] = frozenset(Worker(*w) for w in down)
         self._failed_at: set[int] = set()
         self._rejoined_at: set[int] = set()
+
+    def check(self, replicas: int, stages: int, start: int = 0) -> None:
+        """Raise FailurePlanError when the plan cannot run on a replicas x stages
+        mesh from step `start` (see `ir.failures.check_failure_plan`)."""
+        as_pairs = lambda plan: {k: [tuple(w) for w in ws] for k, ws in plan.items()}  # noqa: E731
+        check_failure_plan(
+            as_pairs(self.fail), as_pairs(self.rejoin), replicas, stages, None, self.down, start
+        )
 
     @contextlib.contextmanager
     def attempt(self, step: int) -> Iterator[frozenset[Worker]]:

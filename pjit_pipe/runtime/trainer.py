@@ -25,12 +25,14 @@ from pjit_pipe.errors import StateError
 from pjit_pipe.frontend import Pipelined, TrainState
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
-from pjit_pipe.runtime.variants import Variant, Variants
+from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir
 
 
 @dataclass(frozen=True)
 class TrainerEvent:
-    """Something the runtime did: 'failure' (an attempt lost), 'switch' (another program)."""
+    """Something the runtime did: 'failure' (an attempt lost), 'switch' (another
+    program), 'skipped' (a step whose loss or gradient norm was not finite left
+    the state as it was)."""
 
     step: int
     kind: str
@@ -42,6 +44,11 @@ class TrainerEvent:
         down = ", ".join(map(str, sorted(self.failed))) or "none"
         if self.kind == "failure":
             return f"step {self.step}: worker(s) {down} failed; retrying the step"
+        if self.kind == "skipped":
+            return (
+                f"step {self.step}: the loss or the global gradient norm is not finite; "
+                "the update was skipped (parameters and optimizer state unchanged)"
+            )
         return (
             f"step {self.step}: switched to the program for failed = {down} in "
             f"{self.seconds * 1e3:.0f} ms, moving {self.bytes_moved} bytes of state"
@@ -53,7 +60,10 @@ class ResilientTrainer:
 
     pipelined: the fault-free pipeline (with an optimizer); detector: where
     failures come from (default: none); max_failures: patterns compiled ahead
-    in the background; cache_dir: on-disk cache of executables.
+    in the background; cache_dir: on-disk cache of executables (a directory).
+    An `InjectedFailures` plan is checked here, before anything compiles
+    (FailurePlanError). A step skipped as not finite (see TrainStep) is
+    recorded as a 'skipped' event.
     """
 
     def __init__(
@@ -65,9 +75,13 @@ class ResilientTrainer:
         cache_dir: str | None = None,
         on_event: Callable[[TrainerEvent], None] | None = None,
     ):
+        if cache_dir is not None:
+            check_cache_dir(cache_dir)
+        self.detector = detector or InjectedFailures()
+        if isinstance(self.detector, InjectedFailures):
+            self.detector.check(pipelined.replicas, pipelined.stages)
         self.pipelined = pipelined
         self.loss_fn = loss_fn
-        self.detector = detector or InjectedFailures()
         self.max_failures = max_failures
         self.cache_dir = cache_dir
         self.on_event = on_event
@@ -112,6 +126,8 @@ class ResilientTrainer:
             except WorkerFailure as failure:
                 self._record(TrainerEvent(failure.step, "failure", failure.workers))
                 continue
+            if new_state.skipped > state.skipped:
+                self._record(TrainerEvent(state.step, "skipped", self._current))
             return new_state, loss
 
     def _switch(

@@ -13,6 +13,7 @@ the executables on disk, so a restarted job loads instead of compiling.
 from __future__ import annotations
 
 import atexit
+import os
 import threading
 from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,7 @@ from typing import Any
 
 import jax
 
+from pjit_pipe.errors import OptionError
 from pjit_pipe.frontend import Pipelined, TrainState, TrainStep
 from pjit_pipe.ir.failures import FailurePattern, enumerate_patterns
 from pjit_pipe.ir.ops import Worker
@@ -42,8 +44,19 @@ class Variant:
         return self.step(state, batch)
 
 
+def check_cache_dir(cache_dir: str | os.PathLike) -> None:
+    """Raise OptionError when `cache_dir` names a file: JAX would only warn, and
+    cache nothing, on every compile."""
+    if os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
+        raise OptionError(
+            f"cache_dir (--cache-dir): {cache_dir} is a file, not a directory; give a "
+            "directory path (it is created if missing)"
+        )
+
+
 def use_disk_cache(cache_dir: str) -> None:
     """Keep every compiled executable in JAX's persistent cache under `cache_dir`."""
+    check_cache_dir(cache_dir)
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

@@ -16,6 +16,7 @@ are then multiplied by `D*m / sum(weight)` once the total weight is known
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -29,7 +30,40 @@ VALUE, WEIGHT = 0, 1  # positions in the loss vector; aux leaves follow
 
 
 def _floating_scalar(a: Any) -> bool:
-    return np.shape(a) == () and jnp.issubdtype(a.dtype, jnp.floating)
+    """A JAX or NumPy floating scalar (a Python float or None cannot carry a gradient)."""
+    dtype = getattr(a, "dtype", None)
+    return dtype is not None and np.shape(a) == () and jnp.issubdtype(dtype, jnp.floating)
+
+
+def check_loss_fn(loss_fn: Any) -> None:
+    """Raise LossFnError, before anything is traced, when `loss_fn` cannot be called
+    as loss_fn(outputs, y)."""
+    if not callable(loss_fn):
+        raise LossFnError(
+            f"loss_fn: expected a function loss_fn(outputs, y), got {type(loss_fn).__name__}"
+        )
+    try:
+        signature = inspect.signature(loss_fn)
+    except (TypeError, ValueError):  # a builtin or C function: its call will tell
+        return
+    try:
+        signature.bind(None, None)
+    except TypeError as e:
+        name = getattr(loss_fn, "__name__", type(loss_fn).__name__)
+        raise LossFnError(
+            f"loss_fn: {name}{signature} cannot be called as loss_fn(outputs, y) ({e}); "
+            "give it exactly the two arguments outputs and y (bind others with "
+            "functools.partial)"
+        ) from None
+
+
+def _describe(got: Any) -> str:
+    """What a loss function returned, in a few words (not a tracer's repr)."""
+    if isinstance(got, tuple | list):
+        return f"a {type(got).__name__} of ({', '.join(_describe(g) for g in got)})"
+    if hasattr(got, "dtype"):
+        return f"an array of shape {np.shape(got)} and dtype {got.dtype}"
+    return f"{type(got).__name__} {got!r}"
 
 
 class LossLayout:
@@ -56,8 +90,9 @@ class LossLayout:
         pair_ok = weighted and len(got) == 2 and all(map(_floating_scalar, got))
         if not (pair_ok or (not weighted and _floating_scalar(got))):
             raise LossFnError(
-                "loss_fn must return a floating scalar (the microbatch mean loss) or a pair "
-                f"(loss_sum, weight) of floating scalars, got {got}"
+                "loss_fn must return a floating scalar array computed from the outputs (the "
+                "microbatch mean loss) or a pair (loss_sum, weight) of them, got "
+                f"{_describe(got)}; return e.g. jnp.mean((outputs - y) ** 2)"
             )
         leaves, self.aux_treedef = jax.tree.flatten(aux)
         self.weighted = weighted
@@ -86,10 +121,13 @@ class LossLayout:
 
     def grad_factor(self, total: jax.Array, count: int) -> jax.Array | None:
         """What the accumulated gradients are multiplied by, from the summed vector
-        (or a stack of them, one per iteration): None for a mean loss."""
+        (or a stack of them, one per iteration): None for a mean loss. A total
+        weight of 0 or less gives NaN: the loss is then not finite (a train step
+        skips it), never an unnoticed inf or a sign-flipped update."""
         if not self.weighted:
             return None
-        return count / total[..., WEIGHT]
+        weight = total[..., WEIGHT]
+        return jnp.where(weight > 0, count / jnp.where(weight > 0, weight, 1.0), jnp.nan)
 
     def loss(self, total: jax.Array, count: int) -> jax.Array:
         """The pipelined loss from the summed (accumulate_scale'd) vector(s)."""

@@ -214,6 +214,16 @@ class StageOptimizer:
             {k: jnp.stack([o_c[k] for _, o_c in out]) for k in opt},
         )
 
+    def unless_nonfinite(self, loss: jax.Array, grads: Buffers, new: Any, old: Any):
+        """(`new` where the loss and the whole model's gradient norm are finite, else
+        `old`; whether it kept `old`). The norm counts each stage once (its first
+        live holder), and every device takes the same choice."""
+        local = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
+        squared_norm = self._across_stages([local], SUM)
+        finite = jnp.all(jnp.isfinite(loss)) & jnp.isfinite(squared_norm)
+        kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        return kept, ~finite
+
     def _uncounted(self, s: int) -> frozenset[str]:
         """Tied units stage s holds whose norm its first holder counts instead."""
         shared = self.prog.shared
