@@ -140,3 +140,17 @@ def test_llama_pipelined_1x4_1f1b_matches_jax():
 @pytest.mark.slow
 def test_llama_pipelined_2x4_zb_h1_tied_matches_jax():
     _pipelined_case(2, "zb-h1", tie=True)
+
+
+def test_llama_in_bf16_sends_bf16_activations():
+    """Flax mixed precision: float32 parameters, bf16 compute, so what crosses a
+    stage boundary (the lowering's message buffers) is bf16."""
+    model = Llama(LlamaConfig.tiny(tensor_parallel=False, dtype=jnp.bfloat16))
+    params = jax.eval_shape(model.init, jax.random.key(0), TOKENS)
+    assert {a.dtype for a in jax.tree.leaves(params)} == {jnp.dtype(jnp.float32)}
+    pm = pp.pipeline(
+        model, stages=4, microbatches=2, schedule="1f1b", mesh=pp.make_mesh(data=1, stage=4)
+    )
+    _, program = pm.program(params, TOKENS, jnp.roll(TOKENS, -1, axis=1), lm_loss)
+    c = model.config
+    assert program._low.msg_spec.sizes == {"bfloat16": 4 * c.seq_len * c.d_model}
