@@ -6,6 +6,7 @@ float32 run."""
 
 import dataclasses
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,6 +17,9 @@ import pytest
 import pjit_pipe as pp
 from models.gpt import GPT, GPTConfig, lm_loss
 from models.text import CharCorpus
+from tests.test_readme import python_blocks
+
+DOC = Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
 
 _HLO_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "s32": jnp.int32}
 _PERMUTE = re.compile(r"= (\w+)\[([\d,]*)\]\S* collective-permute\(")
@@ -135,3 +139,12 @@ def test_bf16_training_tracks_float32_over_200_steps():
     assert np.any(bf16 != f32)  # and the bf16 run did compute in bf16
     assert np.max(np.abs(bf16 - f32) / f32) < 1e-2
     assert abs(bf16[-20:].mean() - f32[-20:].mean()) < 5e-3 * f32[-20:].mean()
+
+
+@pytest.mark.slow
+def test_every_python_block_of_the_doc_runs(monkeypatch, tmp_path):
+    """docs/mixed_precision.md's blocks run in order as one script."""
+    monkeypatch.chdir(tmp_path)
+    namespace: dict = {"__name__": "mixed_precision_doc"}
+    for line, source in python_blocks(DOC.read_text()):
+        exec(compile(source, f"docs/mixed_precision.md, block at line {line}", "exec"), namespace)
