@@ -78,6 +78,14 @@ def _split(config: LlamaConfig, init: Init, names: tuple[str | None, ...]) -> In
     return nn.with_partitioning(init, names) if config.tensor_parallel else init
 
 
+def _dense(
+    config: LlamaConfig, features: int, names: tuple[str | None, ...], name: str
+) -> nn.Dense:
+    """A bias-free projection in the compute dtype, its kernel split as `names` say."""
+    init = _split(config, nn.initializers.lecun_normal(), names)
+    return nn.Dense(features, use_bias=False, dtype=config.dtype, kernel_init=init, name=name)
+
+
 COLUMN = (None, "tensor")  # [in, out] kernels split on the output dimension
 ROW = ("tensor", None)  # [in, out] kernels split on the input dimension
 
@@ -113,29 +121,23 @@ class Attention(nn.Module):
 
     config: LlamaConfig
 
-    def _dense(self, features: int, names: tuple[str | None, ...], name: str) -> nn.Dense:
-        c = self.config
-        init = _split(c, nn.initializers.lecun_normal(), names)
-        return nn.Dense(features, use_bias=False, dtype=c.dtype, kernel_init=init, name=name)
-
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
         *lead, t, _ = x.shape
         head, kv, group = c.head_dim, c.n_kv_heads, c.n_heads // c.n_kv_heads
-        q = self._dense(c.n_heads * head, COLUMN, "q")(x).reshape(*lead, t, kv, group, head)
-        k = self._dense(kv * head, COLUMN, "k")(x).reshape(*lead, t, kv, head)
-        v = self._dense(kv * head, COLUMN, "v")(x).reshape(*lead, t, kv, head)
-        q = rotate(q.reshape(*lead, t, kv * group, head), c.rope_theta)
+        q = _dense(c, c.n_heads * head, COLUMN, "q")(x).reshape(*lead, t, c.n_heads, head)
+        k = _dense(c, kv * head, COLUMN, "k")(x).reshape(*lead, t, kv, head)
+        v = _dense(c, kv * head, COLUMN, "v")(x).reshape(*lead, t, kv, head)
+        q = rotate(q, c.rope_theta).reshape(*lead, t, kv, group, head)  # head h: kv h // group
         k = rotate(k, c.rope_theta)
-        q = q.reshape(*lead, t, kv, group, head)
         scores = jnp.einsum("...qkgd,...skd->...kgqs", q, k).astype(jnp.float32)
         scores = scores / jnp.sqrt(jnp.float32(head))
         causal = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
         weights = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
         out = jnp.einsum("...kgqs,...skd->...qkgd", weights, v)
-        return self._dense(c.d_model, ROW, "o")(out.reshape(*lead, t, c.n_heads * head))
+        return _dense(c, c.d_model, ROW, "o")(out.reshape(*lead, t, c.n_heads * head))
 
 
 class SwiGLU(nn.Module):
@@ -146,13 +148,8 @@ class SwiGLU(nn.Module):
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         c = self.config
-
-        def dense(features: int, names: tuple[str | None, ...], name: str) -> nn.Dense:
-            init = _split(c, nn.initializers.lecun_normal(), names)
-            return nn.Dense(features, use_bias=False, dtype=c.dtype, kernel_init=init, name=name)
-
-        h = nn.silu(dense(c.d_ff, COLUMN, "gate")(x)) * dense(c.d_ff, COLUMN, "up")(x)
-        return dense(c.d_model, ROW, "down")(h)
+        h = nn.silu(_dense(c, c.d_ff, COLUMN, "gate")(x)) * _dense(c, c.d_ff, COLUMN, "up")(x)
+        return _dense(c, c.d_model, ROW, "down")(h)
 
 
 class LlamaBlock(nn.Module):
