@@ -59,7 +59,7 @@ def _model(name: str, dtype):
     return GPT(dataclasses.replace(GPTConfig.tiny(), dtype=dtype))
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("gpt", "llama"), default="gpt")
     parser.add_argument("--mesh", default="2x4", help="DxP")
@@ -67,7 +67,7 @@ def main() -> None:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=20)
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     data, stages = (int(n) for n in args.mesh.split("x"))
     x = jax.random.randint(jax.random.key(1), (args.batch, 32), 0, 96)
     y = jnp.roll(x, -1, axis=1)
