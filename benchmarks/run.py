@@ -23,6 +23,7 @@ BENCHMARKS = [
     "bench_lane_order",
     "bench_async",
     "bench_gpu",
+    "bench_bf16",
 ]
 
 

@@ -7,6 +7,7 @@ between any two of them; the model itself knows nothing about pipelining.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -16,7 +17,8 @@ import optax
 
 @dataclass(frozen=True)
 class GPTConfig:
-    """Sizes of the decoder. `tiny` is the test/demo size."""
+    """Sizes of the decoder. `tiny` is the test/demo size. `dtype` is the modules'
+    compute dtype; parameters stay float32 (Flax mixed precision, docs/mixed_precision.md)."""
 
     vocab: int = 96
     seq_len: int = 32
@@ -24,6 +26,7 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 4
     d_ff: int = 256
+    dtype: Any = jnp.float32
 
     @classmethod
     def tiny(cls, vocab: int = 96) -> GPTConfig:
@@ -33,18 +36,21 @@ class GPTConfig:
 class CausalSelfAttention(nn.Module):
     d_model: int
     n_heads: int
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         *lead, t, d = x.shape
         head = d // self.n_heads
-        qkv = nn.Dense(3 * d, name="qkv")(x).reshape(*lead, t, 3, self.n_heads, head)
+        qkv = nn.Dense(3 * d, dtype=self.dtype, name="qkv")(x).reshape(
+            *lead, t, 3, self.n_heads, head
+        )
         q, k, v = (qkv[..., i, :, :] for i in range(3))
         scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / jnp.sqrt(head).astype(x.dtype)
         mask = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
         out = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(scores, axis=-1), v)
-        return nn.Dense(d, name="proj")(out.reshape(*lead, t, d))
+        return nn.Dense(d, dtype=self.dtype, name="proj")(out.reshape(*lead, t, d))
 
 
 class Block(nn.Module):
@@ -53,12 +59,14 @@ class Block(nn.Module):
     d_model: int
     n_heads: int
     d_ff: int
+    dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + CausalSelfAttention(self.d_model, self.n_heads)(nn.LayerNorm()(x))
-        h = nn.gelu(nn.Dense(self.d_ff)(nn.LayerNorm()(x)))
-        return x + nn.Dense(self.d_model)(h)
+        dt = self.dtype
+        x = x + CausalSelfAttention(self.d_model, self.n_heads, dt)(nn.LayerNorm(dtype=dt)(x))
+        h = nn.gelu(nn.Dense(self.d_ff, dtype=dt)(nn.LayerNorm(dtype=dt)(x)))
+        return x + nn.Dense(self.d_model, dtype=dt)(h)
 
 
 class GPT(nn.Module):
@@ -70,11 +78,11 @@ class GPT(nn.Module):
         c = self.config
         if c.d_model % c.n_heads:
             raise ValueError(f"d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
-        self.wte = nn.Embed(c.vocab, c.d_model)
-        self.wpe = nn.Embed(c.seq_len, c.d_model)
-        self.blocks = [Block(c.d_model, c.n_heads, c.d_ff) for _ in range(c.n_layers)]
-        self.ln_f = nn.LayerNorm()
-        self.head = nn.Dense(c.vocab, use_bias=False)
+        self.wte = nn.Embed(c.vocab, c.d_model, dtype=c.dtype)
+        self.wpe = nn.Embed(c.seq_len, c.d_model, dtype=c.dtype)
+        self.blocks = [Block(c.d_model, c.n_heads, c.d_ff, c.dtype) for _ in range(c.n_layers)]
+        self.ln_f = nn.LayerNorm(dtype=c.dtype)
+        self.head = nn.Dense(c.vocab, use_bias=False, dtype=c.dtype)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         t = tokens.shape[-1]
@@ -87,5 +95,7 @@ class GPT(nn.Module):
 
 
 def lm_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy."""
-    return optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+    """Mean next-token cross-entropy, computed in float32 whatever the logits' dtype."""
+    return optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), targets
+    ).mean()
