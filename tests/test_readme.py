@@ -10,9 +10,10 @@ A fence's info string says what a block is and how it is checked:
   (which links `pjit_pipe/` so that paths such as the bundled profiles
   resolve). A `pjit-pipe ...` line runs the CLI in this process (on the
   suite's 8 virtual CPU devices; a leading `NAME=value` is dropped, since the
-  suite sets those flags itself) and must exit 0. A `python
-  benchmarks/NAME.py ...` line is checked, not run (benchmarks take minutes):
-  the script must exist and define every `--flag` the line gives it. A `make
+  suite sets those flags itself) and must exit 0. A benchmark line (`python
+  benchmarks/NAME.py ...` or `python -m benchmarks.NAME ...`) is checked, not
+  run (benchmarks take minutes): the script must exist and define every
+  `--flag` the line gives it. A `make
   TARGET` line must name a Makefile target. Any other command fails the test.
   A `\\` at the end of a line continues it; `#` starts a comment.
 - ```python no-run and ```sh no-run: shown, not run. Only for what cannot run
@@ -131,12 +132,20 @@ def test_every_python_block_runs(path, scratch):
         exec(code, namespace)  # a failure names the block's line in its traceback
 
 
-def _check_benchmark_line(where: str, argv: list[str]) -> None:
-    script = ROOT / argv[1]
-    assert argv[1].startswith("benchmarks/") and script.is_file(), f"{where}: no {argv[1]}"
+def _benchmark_script(argv: list[str]) -> tuple[Path, list[str]] | None:
+    """The script and arguments of `python benchmarks/NAME.py ...` or `python -m benchmarks.NAME`."""
+    if len(argv) > 1 and argv[1].startswith("benchmarks/") and argv[1].endswith(".py"):
+        return ROOT / argv[1], argv[2:]
+    if len(argv) > 2 and argv[1] == "-m" and argv[2].startswith("benchmarks."):
+        return ROOT / "benchmarks" / f"{argv[2].split('.', 1)[1]}.py", argv[3:]
+    return None
+
+
+def _check_benchmark_line(where: str, script: Path, args: list[str]) -> None:
+    assert script.is_file(), f"{where}: no {script.relative_to(ROOT)}"
     source = script.read_text()
-    for flag in (arg.split("=")[0] for arg in argv[2:] if arg.startswith("--")):
-        assert f'"{flag}"' in source, f"{where}: {argv[1]} defines no {flag}"
+    for flag in (arg.split("=")[0] for arg in args if arg.startswith("--")):
+        assert f'"{flag}"' in source, f"{where}: {script.name} defines no {flag}"
 
 
 def _check_make_line(where: str, argv: list[str]) -> None:
@@ -156,8 +165,8 @@ def test_every_shell_command_runs(path, scratch):
             with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
                 status = main(argv[1:])
             assert status == 0, f"{where}: exit {status}: {err.getvalue()[-500:]}"
-        elif argv[0] == "python" and len(argv) > 1 and argv[1].endswith(".py"):
-            _check_benchmark_line(where, argv)
+        elif argv[0] == "python" and _benchmark_script(argv):
+            _check_benchmark_line(where, *_benchmark_script(argv))
         elif argv[0] == "make":
             _check_make_line(where, argv)
         else:
