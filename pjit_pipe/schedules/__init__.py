@@ -117,7 +117,8 @@ def make_schedule(
         search_time: At most this many seconds for that search.
 
     Returns:
-        The schedule, valid for the IR's rules.
+        The schedule; its `kind` names the generator (and passes, e.g.
+        "+fused") that made it.
 
     Raises:
         ScheduleError: An unknown kind or objective; stages, microbatches,
