@@ -116,9 +116,9 @@ class Schedule:
     def ops(self) -> Iterator[tuple[Worker, int, Op]]:
         """Every op of every worker.
 
-        Returns:
-            An iterator of (worker, position in its program, op) triples, by
-            worker in (replica, stage) order.
+        Yields:
+            (worker, position in its program, op) triples, worker by worker in
+            (replica, stage) order.
         """
         for w in self.workers:
             for i, op in enumerate(self.program(w)):
