@@ -16,7 +16,8 @@ from __future__ import annotations
 class PjitPipeError(ValueError):
     """Raised for any mistake in pjit_pipe's input; the base class of every error here.
 
-    The message says what to change."""
+    The message says what to change.
+    """
 
 
 class ScheduleError(PjitPipeError):
@@ -25,20 +26,23 @@ class ScheduleError(PjitPipeError):
     For example a kind that does not exist, chunks or a memory limit that kind
     cannot meet, or an op out of order. The message names the parameter or the
     op; change that parameter, or use schedule="auto", which meets any memory
-    limit >= 1."""
+    limit >= 1.
+    """
 
 
 class OptionError(PjitPipeError):
     """Raised when an option of `pipeline()` / `PipelineOptions` (or its CLI flag) has a bad value.
 
-    The message names the option, the values it accepts and the fix."""
+    The message names the option, the values it accepts and the fix.
+    """
 
 
 class MeshError(OptionError):
     """Raised when the mesh does not fit the pipeline.
 
     Build it with `pjit_pipe.make_mesh(data=D, stage=P)` with P equal to
-    `stages`, on at most `len(jax.devices())` devices."""
+    `stages`, on at most `len(jax.devices())` devices.
+    """
 
 
 class FailurePlanError(ScheduleError):
@@ -47,14 +51,16 @@ class FailurePlanError(ScheduleError):
     For example a worker outside the mesh, every replica of a stage down (its
     parameters are lost; keep one replica of each stage alive), a rejoin of a
     worker that is not down, or a failure after the last step. Failed workers
-    are (replica, stage) pairs, e.g. `with_failures([(0, 1)])`."""
+    are (replica, stage) pairs, e.g. `with_failures([(0, 1)])`.
+    """
 
 
 class BatchError(PjitPipeError):
     """Raised when a batch does not fit the pipeline.
 
     Every leaf of x and y needs the same leading (global batch) dimension,
-    divisible by data replicas x microbatches."""
+    divisible by data replicas x microbatches.
+    """
 
 
 class RngError(PjitPipeError):
@@ -62,14 +68,16 @@ class RngError(PjitPipeError):
 
     Either no key was given or the keys are not `jax.random.key`s: pass
     `rngs=jax.random.key(...)` or a dict {stream: key} to the step, or make the
-    model deterministic."""
+    model deterministic.
+    """
 
 
 class LossFnError(PjitPipeError):
     """Raised when the loss function returns something other than a scalar mean loss or a pair.
 
     The pair is (loss_sum, weight); with has_aux=True the loss function returns
-    ((loss...), aux)."""
+    ((loss...), aux).
+    """
 
 
 class OptimizerError(PjitPipeError):
@@ -78,21 +86,24 @@ class OptimizerError(PjitPipeError):
     Missing: train_step needs `pipeline(..., optimizer=...)`. Not stage by
     stage: a mask or label *tree* for the whole model (give optax.masked /
     multi_transform a function of the parameters), or a state whose
-    per-parameter parts are not shaped like the parameters."""
+    per-parameter parts are not shaped like the parameters.
+    """
 
 
 class CutError(PjitPipeError):
     """Raised when the model cannot be cut into the requested stages.
 
     Either it has fewer cut points than stages (use fewer stages or add
-    `pjit_pipe.boundary()` markers), or the parameters do not match the cut."""
+    `pjit_pipe.boundary()` markers), or the parameters do not match the cut.
+    """
 
 
 class StateError(PjitPipeError):
     """Raised when a training state cannot be moved into a pipeline's device layout.
 
     No live device holds some stage's rows, or the state belongs to another
-    model."""
+    model.
+    """
 
 
 class CheckpointError(PjitPipeError):
@@ -100,7 +111,8 @@ class CheckpointError(PjitPipeError):
 
     A directory that is a file or not writable, a step that does not exist, data
     that is not JSON, or no readable checkpoint at all. The message names the
-    directory or step and what to change; nothing is written."""
+    directory or step and what to change; nothing is written.
+    """
 
 
 class PlotError(PjitPipeError):
