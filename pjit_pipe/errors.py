@@ -14,78 +14,109 @@ from __future__ import annotations
 
 
 class PjitPipeError(ValueError):
-    """Base class of pjit_pipe's input errors; the message says what to change."""
+    """Raised for any mistake in pjit_pipe's input; the base class of every error here.
+
+    The message says what to change.
+    """
 
 
 class ScheduleError(PjitPipeError):
-    """A schedule, or a request for one, is invalid: a kind that does not exist,
-    chunks or a memory limit that kind cannot meet, an op out of order. The
-    message names the parameter or the op; change that parameter, or use
-    schedule="auto", which meets any memory limit >= 1."""
+    """Raised when a schedule, or a request for one, is invalid.
+
+    For example a kind that does not exist, chunks or a memory limit that kind
+    cannot meet, or an op out of order. The message names the parameter or the
+    op; change that parameter, or use schedule="auto", which meets any memory
+    limit >= 1.
+    """
 
 
 class OptionError(PjitPipeError):
-    """An option of `pipeline()` / `PipelineOptions` (or its CLI flag) has a value
-    it does not accept. The message names the option, the values it accepts and
-    the fix."""
+    """Raised when an option of `pipeline()` / `PipelineOptions` (or its CLI flag) has a bad value.
+
+    The message names the option, the values it accepts and the fix.
+    """
 
 
 class MeshError(OptionError):
-    """The mesh does not fit the pipeline: build it with `pjit_pipe.make_mesh(data=D,
-    stage=P)` with P equal to `stages`, on at most `len(jax.devices())` devices."""
+    """Raised when the mesh does not fit the pipeline.
+
+    Build it with `pjit_pipe.make_mesh(data=D, stage=P)` with P equal to
+    `stages`, on at most `len(jax.devices())` devices.
+    """
 
 
 class FailurePlanError(ScheduleError):
-    """A set or plan of failed workers cannot be run: a worker outside the mesh,
-    every replica of a stage down (its parameters are lost; keep one replica
-    of each stage alive), a rejoin of a worker that is not down, or a failure
-    after the last step. Failed workers are (replica, stage) pairs, e.g.
-    `with_failures([(0, 1)])`."""
+    """Raised when a set or plan of failed workers cannot be run.
+
+    For example a worker outside the mesh, every replica of a stage down (its
+    parameters are lost; keep one replica of each stage alive), a rejoin of a
+    worker that is not down, or a failure after the last step. Failed workers
+    are (replica, stage) pairs, e.g. `with_failures([(0, 1)])`.
+    """
 
 
 class BatchError(PjitPipeError):
-    """A batch does not fit the pipeline: every leaf of x and y needs the same
-    leading (global batch) dimension, divisible by data replicas x microbatches."""
+    """Raised when a batch does not fit the pipeline.
+
+    Every leaf of x and y needs the same leading (global batch) dimension,
+    divisible by data replicas x microbatches.
+    """
 
 
 class RngError(PjitPipeError):
-    """The model draws random numbers (dropout) but the step got no key, or the
-    keys are not `jax.random.key`s: pass `rngs=jax.random.key(...)` or a dict
-    {stream: key} to the step, or make the model deterministic."""
+    """Raised when the model draws random numbers (dropout) but the step got no usable key.
+
+    Either no key was given or the keys are not `jax.random.key`s: pass
+    `rngs=jax.random.key(...)` or a dict {stream: key} to the step, or make the
+    model deterministic.
+    """
 
 
 class LossFnError(PjitPipeError):
-    """The loss function returns something other than a scalar mean loss or a
-    pair (loss_sum, weight) (with has_aux=True: ((loss...), aux))."""
+    """Raised when the loss function returns something other than a scalar mean loss or a pair.
+
+    The pair is (loss_sum, weight); with has_aux=True the loss function returns
+    ((loss...), aux).
+    """
 
 
 class OptimizerError(PjitPipeError):
-    """The optimizer is missing (train_step needs `pipeline(..., optimizer=...)`)
-    or cannot run stage by stage: a mask or label *tree* for the whole model
-    (give optax.masked / multi_transform a function of the parameters), or a
-    state whose per-parameter parts are not shaped like the parameters."""
+    """Raised when the optimizer is missing or cannot run stage by stage.
+
+    Missing: train_step needs `pipeline(..., optimizer=...)`. Not stage by
+    stage: a mask or label *tree* for the whole model (give optax.masked /
+    multi_transform a function of the parameters), or a state whose
+    per-parameter parts are not shaped like the parameters.
+    """
 
 
 class CutError(PjitPipeError):
-    """The model cannot be cut into the requested stages: fewer cut points than
-    stages (use fewer stages or add `pjit_pipe.boundary()` markers), or
-    parameters that do not match the cut."""
+    """Raised when the model cannot be cut into the requested stages.
+
+    Either it has fewer cut points than stages (use fewer stages or add
+    `pjit_pipe.boundary()` markers), or the parameters do not match the cut.
+    """
 
 
 class StateError(PjitPipeError):
-    """A training state cannot be moved into a pipeline's device layout: no live
-    device holds some stage's rows, or the state belongs to another model."""
+    """Raised when a training state cannot be moved into a pipeline's device layout.
+
+    No live device holds some stage's rows, or the state belongs to another
+    model.
+    """
 
 
 class CheckpointError(PjitPipeError):
-    """A checkpoint directory or checkpoint that cannot be used: a directory that is
-    a file or not writable, a step that does not exist, data that is not JSON, or
-    no readable checkpoint at all. The message names the directory or step and
-    what to change; nothing is written."""
+    """Raised when a checkpoint directory or checkpoint cannot be used.
+
+    A directory that is a file or not writable, a step that does not exist, data
+    that is not JSON, or no readable checkpoint at all. The message names the
+    directory or step and what to change; nothing is written.
+    """
 
 
 class PlotError(PjitPipeError):
-    """A chart was asked for in a format it is not written in: use .png or .svg."""
+    """Raised when a chart is asked for in a format it is not written in: use .png or .svg."""
 
 
 __all__ = [

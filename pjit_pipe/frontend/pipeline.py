@@ -67,15 +67,63 @@ def pipeline(
 ) -> Pipelined | AutoPlanned | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
-    `module` is a linen or NNX Module instance, a Module class (or use
-    `@pipeline(stages=..., ...)` as a class decorator: instances are then
-    pipelined), or a list of layers (run as nn.Sequential, or nnx.Sequential
-    when they are NNX modules). The options are those of `PipelineOptions`,
-    which documents and checks them (an OptionError names a bad one).
-    `plan`: a planner's `Plan` (see `pjit_pipe.plan_pipeline`): its layer ranges
-    are the stage cut, its mapping the mesh and its kind the schedule.
-    `plan="auto"`: the planner chooses them at first use, from the live model
-    (see `frontend/planning/auto_plan.py`); stages, schedule and mesh, if given, bind it.
+    The options are those of `PipelineOptions`, which documents each in full
+    and checks them all here, before any model is traced or compiled.
+
+    Args:
+        module: A linen or NNX Module instance; a Module class (or use
+            `@pipeline(stages=..., ...)` as a class decorator: instances are
+            then pipelined); a list of layers (run as nn.Sequential, or
+            nnx.Sequential when they are NNX modules); or None, for a decorator
+            of a module given later.
+        stages: P, pipeline stages (the mesh's 'stage' axis); required unless
+            `plan` gives them.
+        microbatches: m, microbatches per data replica per step.
+        schedule: The schedule kind, one of `pjit_pipe.schedules.KINDS`;
+            None: "1f1b" (or the plan's).
+        mesh: A (data, stage) mesh from `make_mesh`; None: one replica on the
+            first P devices (or the plan's mapping).
+        chunks: v, virtual stages per device; None takes the kind's own.
+        mem_limit: Bound on each worker's in-flight activations, in units of
+            one microbatch's activations on one stage; None: the kind's own.
+        costs: Per-stage F/B/W times that steer zb-v and auto, or "measure"
+            (time each stage on the devices at first use).
+        optimizer: An optax transformation, for `train_step`.
+        remat: Recompute each stage's forward in its backward (less memory).
+        balance: What the stage cut evens out: "flops", "params" or "time".
+        failed: The (replica, stage) workers that are down.
+        search_time: Seconds for the search of a re-routed schedule when
+            workers are down.
+        max_programs: Compiled programs kept per pipeline.
+        plan: A planner's `Plan` (see `pjit_pipe.plan_pipeline`): its layer
+            ranges are the stage cut, its mapping the mesh and its kind the
+            schedule. "auto": the planner chooses them at first use, from the
+            live model (see `frontend/planning/auto_plan.py`); stages,
+            schedule and mesh, if given, bind it.
+        async_weights: schedule="async-1f1b" only: the weights its stale
+            forwards read, "predict", "stash" or "latest".
+        pack_polish: Seconds HiGHS may spend polishing each window of the
+            packed tick table; 0 compiles the greedy's table.
+        skip_nonfinite: Whether a step whose loss or gradient norm is not
+            finite leaves the state as it was; None: yes, except on async-1f1b.
+
+    Returns:
+        A `Pipelined` model for a module instance or list of layers; with
+        plan="auto", an `AutoPlanned` one that plans at first use; for a Module
+        class, a class-like whose instances are pipelined; for module=None, a
+        decorator that applies these options to what it is given.
+
+    Raises:
+        OptionError: An option has a value it does not accept, `stages` is
+            missing without a plan, `plan` is neither "auto" nor a Plan, an
+            option disagrees with the plan, or an option plan="auto" cannot
+            honour (a schedule it cannot plan, chunks other than 1, failed
+            workers).
+        MeshError: The mesh is not a (data, stage) mesh from `make_mesh`, its
+            stage axis differs from `stages`, or it differs from the plan's.
+        FailurePlanError: `failed` is not a list of (replica, stage) pairs,
+            names a worker outside the mesh, or takes down every replica of a
+            stage.
     """
     if isinstance(plan, str):
         if plan != "auto":

@@ -25,36 +25,44 @@ def _split_stages(schedule: Schedule) -> set[int]:
 
 @dataclass(frozen=True)
 class Costs:
-    """Per-stage op times (docs/design.md section 3): F, B, W of one microbatch on one
-    pipeline position (all the chunks it holds), C per activation transfer, and
-    OPT per chunk. Scalars apply to every stage; sequences give one per stage.
+    """Per-stage op times (docs/design.md section 3): what the schedulers and simulator price.
 
-    `tick` is the fixed time of one tick of the compiled loop, whatever it runs:
-    the loop step, its conditionals (on a GPU each executed `lax.cond` copies
-    its predicate to the host and waits) and the launch of its ppermutes. Only
-    the lockstep price of a tick table counts it (once per tick, `simulator.
-    simulate.packed_events`), so with tick > 0 the packer prefers fewer, fuller
-    ticks; event-driven schedules have no ticks and ignore it. 0 (the default)
-    keeps every price as it was. The CLI takes it as `--tick-cost T`; the
-    frontend measures it with `costs="measure"` (frontend/planning/measure.py).
+    Scalars apply to every stage; sequences give one value per pipeline
+    position. All times are in the same (arbitrary) unit.
 
-    `f_fused` and `bw` are the F and the fused backward of a stage that the
-    schedule does not split (it runs no B or W of that stage), per stage; None
-    (the default) means f and b + w. They differ on real models: the lowering
-    compiles a split stage's F to also store what its W reads (a dense layer's
-    input), which a fused backward recomputes from the stored matmul outputs,
-    and a fused backward is one program where B and W are two. Measured costs
-    give all of them, so 1F1B is priced at what it runs, not at the split's
-    costs.
-
-    `fbw` is one microbatch's forward and whole backward of the loss stage (the
-    last virtual stage) run as one program, per position (None: the split
-    ops' sum, so nothing changes). The lowering runs them so wherever a tick
-    of the table holds them all (`ir.ticks.fused_loss_ops`): one program keeps
-    its intermediates out of memory and XLA fuses across the forward and
-    backward, which two programs cannot (1.33-1.54x on a GPU, docs/
-    tick_packing.md). Only the lockstep price of a tick table counts it
-    (`loss_fusion`); the event-driven simulator runs the IR's ops one by one.
+    Attributes:
+        f: F of one microbatch on one pipeline position (all the chunks it holds).
+        b: B (the input gradient) of one microbatch on one position.
+        w: W (the weight gradient) of one microbatch on one position.
+        c: Time of one activation transfer.
+        opt: Time of OPT, per chunk.
+        tick: The fixed time of one tick of the compiled loop, whatever it runs:
+            the loop step, its conditionals (on a GPU each executed `lax.cond`
+            copies its predicate to the host and waits) and the launch of its
+            ppermutes. Only the lockstep price of a tick table counts it (once
+            per tick, `simulator.simulate.packed_events`), so with tick > 0 the
+            packer prefers fewer, fuller ticks; event-driven schedules have no
+            ticks and ignore it. 0 (the default) keeps every price as it was.
+            The CLI takes it as `--tick-cost T`; the frontend measures it with
+            `costs="measure"` (frontend/planning/measure.py).
+        f_fused: Per stage, the F of a stage that the schedule does not split
+            (it runs no B or W of that stage); None (the default) means `f`.
+            It differs on real models: the lowering compiles a split stage's F
+            to also store what its W reads (a dense layer's input), which a
+            fused backward recomputes from the stored matmul outputs.
+        bw: Per stage, the fused backward of a stage the schedule does not
+            split; None (the default) means b + w. A fused backward is one
+            program where B and W are two. Measured costs give `f_fused` and
+            `bw`, so 1F1B is priced at what it runs, not at the split's costs.
+        fbw: Per position, one microbatch's forward and whole backward of the
+            loss stage (the last virtual stage) run as one program; None means
+            the split ops' sum, so nothing changes. The lowering runs them so
+            wherever a tick of the table holds them all
+            (`ir.ticks.fused_loss_ops`): one program keeps its intermediates
+            out of memory and XLA fuses across the forward and backward, which
+            two programs cannot (1.33-1.54x on a GPU, docs/tick_packing.md).
+            Only the lockstep price of a tick table counts it (`loss_fusion`);
+            the event-driven simulator runs the IR's ops one by one.
     """
 
     f: float | Sequence[float] = 1.0
@@ -69,7 +77,17 @@ class Costs:
 
     @classmethod
     def parse(cls, text: str) -> Costs:
-        """Parse the CLI form ``F,B,W[,C]``."""
+        """Parse the CLI form ``F,B,W[,C]``.
+
+        Args:
+            text: Three or four comma-separated numbers >= 0.
+
+        Returns:
+            Costs with those f, b, w (and c); the other fields at their defaults.
+
+        Raises:
+            ScheduleError: `text` is not 3 or 4 numbers, or one is negative.
+        """
         try:
             parts = [float(x) for x in text.split(",")]
         except ValueError:
@@ -81,7 +99,19 @@ class Costs:
         return cls(*parts)
 
     def per_stage(self, stages: int) -> list[tuple[float, float, float]]:
-        """(F, B, W) of each pipeline position."""
+        """(F, B, W) of each pipeline position, after checking every field.
+
+        Args:
+            stages: P, the pipeline positions.
+
+        Returns:
+            One (F, B, W) triple per position.
+
+        Raises:
+            ScheduleError: A per-stage sequence (f, b, w, f_fused, bw, fbw) has
+                other than `stages` values, or a cost is negative (tick: not a
+                number >= 0).
+        """
         fs, bs, ws = (
             _per_position(n, v, stages) for n, v in (("F", self.f), ("B", self.b), ("W", self.w))
         )
@@ -97,7 +127,18 @@ class Costs:
         return list(zip(fs, bs, ws, strict=True))
 
     def fused_per_stage(self, stages: int) -> list[tuple[float, float]]:
-        """(F, BW) of each pipeline position when the schedule does not split it."""
+        """(F, BW) of each pipeline position when the schedule does not split it.
+
+        Args:
+            stages: P, the pipeline positions.
+
+        Returns:
+            One (F, BW) pair per position: `f_fused` and `bw`, or f and b + w
+            where those are None.
+
+        Raises:
+            ScheduleError: As `per_stage`.
+        """
         table = self.per_stage(stages)
         fs = (
             [f for f, _, _ in table]
@@ -112,8 +153,21 @@ class Costs:
         return list(zip(fs, bws, strict=True))
 
     def duration_fn(self, schedule: Schedule):
-        """A (worker, op) -> time function for `schedule`'s shape: a stage the
-        schedule runs as B and W takes (f, b, w), any other (f_fused, bw)."""
+        """A (worker, op) -> time function for `schedule`'s shape.
+
+        A stage the schedule runs as B and W takes (f, b, w), any other
+        (f_fused, bw); each is divided by the chunks, since a position's costs
+        cover all the chunks it holds. OPT takes `opt`, other ops 0.
+
+        Args:
+            schedule: The schedule whose ops are timed.
+
+        Returns:
+            duration(worker, op) -> time.
+
+        Raises:
+            ScheduleError: As `per_stage`, for `schedule.stages`.
+        """
         table = self.per_stage(schedule.stages)
         fused = self.fused_per_stage(schedule.stages)
         split = _split_stages(schedule)
@@ -141,10 +195,21 @@ class Costs:
         return duration
 
     def loss_fusion(self, schedule: Schedule) -> float:
-        """What the loss stage's F and backward of one microbatch cost, fused
-        (`fbw`), over their split price (F + BW, or F + B + W where the schedule
-        splits that stage): the lockstep price scales the ops of a fused group by
-        it. 1.0 without `fbw`."""
+        """The loss stage's fused price over its split price, for one microbatch.
+
+        The fused price is `fbw`; the split price is F + BW, or F + B + W where
+        the schedule splits that stage. The lockstep price scales the ops of a
+        fused group by it.
+
+        Args:
+            schedule: The schedule whose last virtual stage is the loss stage.
+
+        Returns:
+            The ratio; 1.0 without `fbw` (or when the split price is 0).
+
+        Raises:
+            ScheduleError: As `per_stage`, for `schedule.stages`.
+        """
         if self.fbw is None:
             return 1.0
         last = schedule.num_virtual_stages - 1
@@ -156,7 +221,19 @@ class Costs:
         return fused / apart if apart > 0 else 1.0
 
     def ideal(self, schedule: Schedule) -> float:
-        """One stage's work per iteration (the busiest stage's, if uneven)."""
+        """One stage's work per iteration (the busiest stage's, if uneven).
+
+        The bubble-free lower bound on an iteration's time.
+
+        Args:
+            schedule: Gives the stages, microbatches and chunks.
+
+        Returns:
+            max over positions of m (F + B + W), plus chunks x opt.
+
+        Raises:
+            ScheduleError: As `per_stage`, for `schedule.stages`.
+        """
         m = schedule.microbatches
         return max(m * (f + b + w) for f, b, w in self.per_stage(schedule.stages)) + (
             schedule.chunks * self.opt

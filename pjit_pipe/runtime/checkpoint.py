@@ -58,14 +58,27 @@ def check_directory(directory: str | os.PathLike) -> Path:
 class Checkpoints:
     """Orbax checkpoints of a pipelined training run in `directory`.
 
-    every: save when the step count is a multiple of it (and at `save(...,
-    force=True)`, e.g. the end of training); keep: how many to keep (a positive
-    integer), or None for all.
+    What is saved does not depend on the pipeline (see the module docstring), so
+    a run resumes on another mesh, schedule or stage count. `restore()` survives
+    a damaged newest checkpoint (truncated or missing files, an emptied step
+    directory): it warns, naming the step and why it cannot be read, moves that
+    step aside to `<step>.unreadable` (so the run can save that step again) and
+    restores the newest readable one.
 
-    `restore()` survives a damaged newest checkpoint (truncated or missing
-    files, an emptied step directory): it warns, naming the step and why it
-    cannot be read, moves that step aside to `<step>.unreadable` (so the run
-    can save that step again) and restores the newest readable one.
+    Args:
+        directory: Where the checkpoints live; created if missing.
+        every: Save when the step count is a multiple of it (and at
+            `save(..., force=True)`, e.g. the end of training).
+        keep: How many checkpoints to keep (a positive integer), or None for all.
+
+    Attributes:
+        directory: The resolved checkpoint directory.
+        every: The save period in steps.
+        manager: The orbax `CheckpointManager` that does the reads and writes.
+
+    Raises:
+        CheckpointError: `every` or `keep` is not a positive integer, or
+            `directory` is a file, cannot be created or is not writable.
     """
 
     def __init__(self, directory: str | os.PathLike, every: int = 100, keep: int | None = 3):
@@ -89,14 +102,34 @@ class Checkpoints:
         )
 
     def latest_step(self) -> int | None:
-        """The step of the newest complete checkpoint, or None."""
+        """The step of the newest complete checkpoint.
+
+        Returns:
+            That step, or None when the directory holds no checkpoint.
+        """
         return self.manager.latest_step()
 
     def save(self, state: TrainState, data: Any = None, force: bool = False) -> bool:
-        """Start saving `state` (module layout) and `data` (JSON: where the data
-        stream stands) as step `state.step`, if due; returns whether it saves.
+        """Start saving `state` (module layout) and `data` as step `state.step`, if due.
+
         Returns once the arrays are copied off the devices; the write goes on in
-        the background. Data that is not JSON raises CheckpointError at once."""
+        the background. A step already saved (e.g. the periodic save of the last
+        step) is not saved again.
+
+        Args:
+            state: The training state; saved in the module's own layout.
+            data: Where the data stream stands, as JSON (dicts, lists, strings,
+                finite numbers, None).
+            force: Save even when `state.step` is not a multiple of `every`.
+
+        Returns:
+            Whether a save was started.
+
+        Raises:
+            CheckpointError: `data` is not JSON (raised at once, nothing is
+                written), or `state` has microbatches in flight (a carrying
+                async-1f1b step; save `train_step.flush(state)[0]` instead).
+        """
         if not force and state.step % self.every:
             return False
         try:
@@ -129,12 +162,30 @@ class Checkpoints:
         params_like: Any,
         step: int | None = None,
     ) -> tuple[TrainState, Any]:
-        """(TrainState in `train_step`'s device layout, saved data position) from the
-        checkpoint of `step`, or the newest readable one (see the class docstring).
-        `params_like`: the model's parameters or their shapes (jax.eval_shape of
-        init). Raises CheckpointError for a step that does not exist, or when no
-        step can be read, naming the first leaf that differs when a checkpoint is
-        of another model."""
+        """Restore the checkpoint of `step`, or the newest readable one, into `train_step`.
+
+        Each leaf is read straight onto the devices of the stage that owns it in
+        `train_step`'s pipeline. Waits for a save still in flight first (it is
+        the latest one). Unreadable newer steps are handled as the class
+        docstring says.
+
+        Args:
+            train_step: The step whose device layout the state is restored into.
+            batch: A batch like the ones the run trains on (x, y); it fixes the
+                layout's shapes.
+            params_like: The model's parameters or their shapes
+                (`jax.eval_shape` of init).
+            step: The step to restore, or None for the newest readable one.
+
+        Returns:
+            (state, data): the TrainState in `train_step`'s device layout, and
+            the data position that was saved with it.
+
+        Raises:
+            CheckpointError: The directory holds no checkpoint, `step` does not
+                exist, a checkpoint is of another model or optimizer (naming the
+                first leaf that differs), or no step can be read.
+        """
         self.manager.wait_until_finished()  # a save still in flight is the latest one
         steps = sorted(self.manager.all_steps(), reverse=True)
         if not steps:

@@ -44,10 +44,21 @@ class FailureDetector(Protocol):
 class InjectedFailures:
     """Failures and rejoins at given steps, as if the hardware did it.
 
-    fail[step]: workers that die *during* that step (its first attempt runs on
-    the old program and is lost); rejoin[step]: workers that are back before
-    that step starts; down: workers already down at the start (a resumed run's,
-    from its checkpoint).
+    The failure detector of tests, the demo and the CLI: it plays a fixed plan
+    through the same `attempt` interface as `LiveDevices`. Workers are
+    (replica, stage) pairs.
+
+    Args:
+        fail: step -> workers that die *during* that step (its first attempt
+            runs on the old program and is lost).
+        rejoin: step -> workers that are back before that step starts.
+        down: Workers already down at the start (a resumed run's, from its
+            checkpoint).
+
+    Attributes:
+        fail: The `fail` plan, as step -> frozenset of Workers.
+        rejoin: The `rejoin` plan, as step -> frozenset of Workers.
+        down: The workers down now; updated as attempts run.
     """
 
     def __init__(
@@ -63,8 +74,22 @@ class InjectedFailures:
         self._rejoined_at: set[int] = set()
 
     def check(self, replicas: int, stages: int, start: int = 0) -> None:
-        """Raise FailurePlanError when the plan cannot run on a replicas x stages
-        mesh from step `start` (see `ir.failures.check_failure_plan`)."""
+        """Check that the plan can run on a replicas x stages mesh from step `start`.
+
+        Called before anything compiles, so a bad plan fails at once (see
+        `ir.failures.check_failure_plan` for the rules).
+
+        Args:
+            replicas: Data-parallel replicas D of the mesh.
+            stages: Pipeline stages P of the mesh.
+            start: The first step the run takes (a resumed run's is > 0).
+
+        Raises:
+            FailurePlanError: A worker lies outside the mesh, fails while
+                already down or rejoins while not down, or every replica of a
+                stage would be down at once. Events before `start` count as
+                already happened.
+        """
         as_pairs = lambda plan: {k: [tuple(w) for w in ws] for k, ws in plan.items()}  # noqa: E731
         check_failure_plan(
             as_pairs(self.fail), as_pairs(self.rejoin), replicas, stages, None, self.down, start
@@ -72,6 +97,22 @@ class InjectedFailures:
 
     @contextlib.contextmanager
     def attempt(self, step: int) -> Iterator[frozenset[Worker]]:
+        """Context for one attempt at `step`, with the plan's rejoins and failures applied.
+
+        Workers planned to rejoin at or before `step` are back as it starts;
+        workers planned to fail at `step` die during its first attempt only, so
+        the retry runs on the new variant.
+
+        Args:
+            step: The step being attempted.
+
+        Yields:
+            The workers down as the attempt starts.
+
+        Raises:
+            WorkerFailure: On exit, when workers were planned to die during
+                this first attempt at `step`.
+        """
         for s in sorted(self.rejoin):
             if s <= step and s not in self._rejoined_at:
                 self._rejoined_at.add(s)
@@ -93,6 +134,13 @@ class LiveDevices:
     rejoins at the next attempt. Needs `jax.distributed.initialize` and, on
     GPU, `jax_enable_recoverability`; on CPU a dead process hangs the others
     (docs/design.md section 5), so tests use InjectedFailures.
+
+    Args:
+        mesh: The pipeline's ("data", "stage") mesh; its device at [r, s] is
+            worker (r, s).
+
+    Attributes:
+        worker_of: Device -> the Worker it runs.
     """
 
     def __init__(self, mesh: Mesh):
@@ -104,6 +152,18 @@ class LiveDevices:
 
     @contextlib.contextmanager
     def attempt(self, step: int) -> Iterator[frozenset[Worker]]:
+        """Context for one attempt at `step`, inside `multihost_utils.live_devices`.
+
+        Args:
+            step: The step being attempted.
+
+        Yields:
+            The workers whose devices are not live as the attempt starts.
+
+        Raises:
+            WorkerFailure: On exit, when a process died during the attempt
+                (naming the workers of its devices).
+        """
         from jax.experimental import multihost_utils
 
         try:

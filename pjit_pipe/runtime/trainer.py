@@ -58,12 +58,28 @@ class TrainerEvent:
 class ResilientTrainer:
     """`state, loss = trainer.step(state, batch)`, through failures and rejoins.
 
-    pipelined: the fault-free pipeline (with an optimizer); detector: where
-    failures come from (default: none); max_failures: patterns compiled ahead
-    in the background; cache_dir: on-disk cache of executables (a directory).
-    An `InjectedFailures` plan is checked here, before anything compiles
-    (FailurePlanError). A step skipped as not finite (see TrainStep) is
-    recorded as a 'skipped' event.
+    Each step runs the program of the workers that are down (see the module
+    docstring) and is retried on the new one when a worker dies during it. An
+    `InjectedFailures` plan is checked here, before anything compiles. A step
+    skipped as not finite (see TrainStep) is recorded as a 'skipped' event.
+
+    Args:
+        pipelined: The fault-free pipeline; it needs an optimizer.
+        loss_fn: The loss function, as `Pipelined.train_step` takes it.
+        detector: Where failures come from (default: `InjectedFailures()`, none).
+        max_failures: Failure patterns of up to this many workers are compiled
+            ahead, in the background.
+        cache_dir: A directory for the on-disk cache of executables, or None.
+        on_event: Called with each TrainerEvent as it is recorded.
+
+    Attributes:
+        events: Every TrainerEvent so far ('failure', 'switch', 'skipped').
+        variants: The compiled programs per failure pattern; None until `init`.
+
+    Raises:
+        OptionError: `cache_dir` names a file.
+        FailurePlanError: An `InjectedFailures` plan cannot run on the
+            pipeline's mesh.
     """
 
     def __init__(
@@ -97,11 +113,31 @@ class ResilientTrainer:
         background: bool = True,
         on_compiled: Callable[[Variant], None] | None = None,
     ) -> TrainState:
-        """The initial state from module-layout `params` (or a TrainState, e.g. a
-        restored checkpoint, moved into the fault-free layout). Compiles the
-        fault-free step, then, with `precompile`, every pattern of up to
-        max_failures failed workers (in a background thread unless `background`
-        is False; `on_compiled(variant)` after each)."""
+        """The initial state, after compiling the fault-free step.
+
+        Then, with `precompile`, compiles every pattern of up to `max_failures`
+        failed workers, so a switch later costs a dictionary lookup.
+
+        Args:
+            params: Module-layout parameters, or a TrainState (e.g. a restored
+                checkpoint), which is moved into the fault-free layout.
+            batch: An example batch (x, y); it fixes the stage cut and shapes.
+            precompile: Compile the failure patterns ahead.
+            background: Compile them in a background thread (else before
+                returning).
+            on_compiled: Called with each variant once it is compiled.
+
+        Returns:
+            The TrainState in the fault-free pipeline's device layout.
+
+        Raises:
+            OptimizerError: The pipeline has no optimizer.
+            LossFnError: `loss_fn` cannot be called as loss_fn(outputs, y).
+            StateError: `params` is a TrainState of another model or optimizer,
+                or one a donating step consumed.
+            BatchError: `batch` is not the pair (x, y) or does not fit the
+                pipeline.
+        """
         step = self.pipelined.train_step(self.loss_fn, donate=False)
         if isinstance(params, TrainState):
             state, _ = step.adopt(params, batch)
@@ -114,7 +150,22 @@ class ResilientTrainer:
         return state
 
     def step(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
-        """One committed optimizer step: retried until an attempt finishes with no failure."""
+        """One committed optimizer step: retried until an attempt finishes with no failure.
+
+        A failed attempt's results are thrown away and the step runs again from
+        `state` on the program for the workers now down, so no microbatch is
+        lost and no update applied twice.
+
+        Args:
+            state: The last committed state.
+            batch: The step's batch (x, y).
+
+        Returns:
+            (new state, loss) of the committed attempt.
+
+        Raises:
+            StateError: `init` was not called first.
+        """
         if self.variants is None:
             raise StateError("ResilientTrainer.step: call init(params, batch) first")
         while True:
@@ -148,7 +199,11 @@ class ResilientTrainer:
 
     @property
     def down(self) -> frozenset[Worker]:
-        """The workers that were down during the last committed step."""
+        """The workers that were down during the last committed step.
+
+        Returns:
+            Those workers, as (replica, stage) Workers.
+        """
         return self._current
 
     def _record(self, event: TrainerEvent) -> None:

@@ -84,24 +84,53 @@ def make_schedule(
 ) -> Schedule:
     """Generate a schedule of `kind` (one of KINDS), re-routed around `failed` workers.
 
-    `failed` ((replica, stage) pairs or a FailurePattern): when some are given,
-    the fault-free schedule is the starting point of the failure-aware search
-    (`pjit_pipe.schedules.failure_aware`, at most `search_time` seconds), which
-    re-routes their microbatches to surviving peers; `mem_limit` then bounds
-    the re-routed schedule too (default: the fault-free one's peak).
+    The one entry point the CLI, the frontend and the benchmarks use. It never
+    returns a silently different schedule: a request no schedule of that kind
+    can meet raises, naming the parameter. Costs with fused prices
+    (`Costs.f_fused`, `Costs.bw`, as `costs="measure"` gives) also fuse back
+    the backward of each stage whose split makes the steady period longer
+    (`passes.fuse_backward`; the kind then ends in "+fused"); without them (the
+    CLI's F,B,W costs) the schedule is the kind's own.
 
-    chunks=None takes the kind's own (DEFAULT_CHUNKS). `costs` (negative ones
-    are rejected) steer zb-v and auto; `objective` ("makespan" or "span", see
-    `pjit_pipe.schedules.auto`) steers auto only. `exact_time_limit` (seconds)
-    lets auto hand its best schedule to the exact MILP engine
-    (`pjit_pipe.schedules.exact`) to improve or prove it. Raises ScheduleError, naming the parameter,
-    for requests no schedule of that kind can meet; never returns a silently
-    different schedule.
+    Args:
+        kind: One of KINDS (see the module docstring for what each needs).
+        stages: P, pipeline positions per replica.
+        microbatches: m per replica per iteration.
+        chunks: Virtual stages per position; None takes the kind's own
+            (DEFAULT_CHUNKS).
+        costs: Op costs that steer zb-v, auto and the failure-aware search
+            (default: `Costs()`, unit F, B, W).
+        mem_limit: Bound on each worker's in-flight activations, in units of
+            one microbatch's activations on one stage, or None for no limit.
+            With `failed`, it bounds the re-routed schedule too (default: the
+            fault-free one's peak).
+        replicas: D data-parallel copies of the pipeline.
+        objective: "makespan" or "span" (see `pjit_pipe.schedules.auto`);
+            steers auto only.
+        exact_time_limit: Seconds for which auto hands its best schedule to
+            the exact MILP engine (`pjit_pipe.schedules.exact`) to improve or
+            prove it; auto only.
+        failed: Failed workers, as (replica, stage) pairs or a FailurePattern.
+            When some are given, the fault-free schedule is the starting point
+            of the failure-aware search (`pjit_pipe.schedules.failure_aware`),
+            which re-routes their microbatches to surviving peers.
+        search_time: At most this many seconds for that search.
 
-    Costs with fused prices (`Costs.f_fused`, `Costs.bw`, as `costs="measure"`
-    gives) also fuse back the backward of each stage whose split makes the
-    steady period longer (`passes.fuse_backward`; the kind then ends in
-    "+fused"). Without them (the CLI's F,B,W costs) the schedule is the kind's own.
+    Returns:
+        The schedule; its `kind` names the generator (and passes, e.g.
+        "+fused") that made it.
+
+    Raises:
+        ScheduleError: An unknown kind or objective; stages, microbatches,
+            chunks or replicas not a positive integer; chunks the kind does not
+            take; negative costs or per-stage costs of the wrong length;
+            mem_limit not a number, or below a fixed kind's own peak memory
+            (that peak is the kind's exact minimum; raise it or use auto);
+            exact_time_limit with a kind other than auto; or a kind's own
+            requirement unmet (e.g. interleaved-1f1b's m a multiple of P).
+        FailurePlanError: A failed worker outside the replicas x stages mesh,
+            every replica of a stage failed, or a FailurePattern made for
+            another mesh.
     """
     if kind not in KINDS:
         raise ScheduleError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")

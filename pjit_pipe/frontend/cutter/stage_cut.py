@@ -48,12 +48,27 @@ def _assemble(parts: Mapping[Path, Any]) -> dict:
 class StageCut:
     """A module cut into `len(bounds)` stages.
 
-    bounds[s]: event index where stage s begins (None for stage 0).
-    keys[s]: names of the parameter units stage s owns (units: name -> path).
-    flops[s]: estimated FLOPs of one microbatch's forward through stage s.
-    A unit may be owned by several stages (see `shared`).
-    rows[k]: for a unit that holds some iterations of an nn.scan stack, the rows
-    [first, stop) of its stacked parameters (its path is the whole stack's).
+    What the stage cutter found, kept as one frozen value: it splits the
+    model's parameters into per-stage dicts and merges them back exactly,
+    builds each stage's function and describes itself (`Pipelined.cut` returns
+    it, `Pipelined.describe` shows it). A unit may be owned by several stages (tied weights,
+    see `shared`).
+
+    Attributes:
+        model: The model, behind the cutter's adapter (linen or NNX).
+        events: The top-level calls and boundary markers recorded from one
+            forward pass, in order.
+        bounds: bounds[s] is the event index where stage s begins (None for
+            stage 0).
+        keys: keys[s] names the parameter units stage s owns.
+        flops: flops[s] is the estimated FLOPs of one microbatch's forward
+            through stage s.
+        x_aval: Shapes of the model input the cut was made with.
+        param_avals: Shapes of the model's parameters.
+        units: Unit name -> its path in the parameter tree.
+        rows: rows[k], for a unit that holds some iterations of an nn.scan
+            stack: the rows [first, stop) of its stacked parameters (its path
+            is the whole stack's).
     """
 
     model: Model
@@ -72,16 +87,38 @@ class StageCut:
 
     @property
     def stages(self) -> int:
+        """How many stages the model is cut into.
+
+        Returns:
+            len(bounds).
+        """
         return len(self.bounds)
 
     def stage_names(self, s: int) -> list[str]:
-        """Names of the events stage s runs (for reports and errors)."""
+        """Names of the events stage s runs (for reports and errors).
+
+        Args:
+            s: A stage, 0 <= s < stages.
+
+        Returns:
+            The event names; a cut nn.scan stack's first iteration as "name[0]".
+        """
         stop = self.bounds[s + 1] if s + 1 < self.stages else len(self.events)
         events = self.events[self.bounds[s] or 0 : stop]
         return [f"{e.name}[0]" if e.iterations else e.name for e in events]
 
     def stage_fn(self, s: int) -> Callable[[Any, Any], Any]:
-        """stage_fn(params_s, act) -> act: the model's code from cut s to cut s+1."""
+        """The model's code from cut s to cut s+1, as a function of its own parameters.
+
+        Other stages' parameters and skipped calls are zero stand-ins that only
+        dead code reads (checked when the cut was made).
+
+        Args:
+            s: A stage, 0 <= s < stages.
+
+        Returns:
+            stage_fn(params_s, act) -> act, with params_s one dict of `split`.
+        """
         start = self.bounds[s]
         stop = self.bounds[s + 1] if s + 1 < self.stages else None
         held = {self.units[k] for k in self.keys[s]}
@@ -107,7 +144,11 @@ class StageCut:
 
     @property
     def shared(self) -> dict[str, tuple[int, ...]]:
-        """Units held by more than one stage (tied weights) -> the stages holding them."""
+        """Units held by more than one stage (tied weights).
+
+        Returns:
+            Unit name -> the stages holding it, for each such unit.
+        """
         holders: dict[str, list[int]] = {}
         for s, keys in enumerate(self.keys):
             for k in keys:
@@ -115,7 +156,14 @@ class StageCut:
         return {k: tuple(v) for k, v in sorted(holders.items()) if len(v) > 1}
 
     def param_bytes(self, s: int) -> int:
-        """Bytes of the parameters stage s holds."""
+        """Bytes of the parameters stage s holds.
+
+        Args:
+            s: A stage, 0 <= s < stages.
+
+        Returns:
+            The byte count (a shared unit counts in each holder).
+        """
         return sum(
             math.prod(a.shape) * a.dtype.itemsize
             for k in self.keys[s]
@@ -123,8 +171,13 @@ class StageCut:
         )
 
     def describe(self) -> str:
-        """The cut as a table: per stage its calls, parameter bytes, estimated
-        forward FLOPs per microbatch and the shapes of the input it receives."""
+        """The cut as a table, for people.
+
+        Returns:
+            Per stage its calls, parameter bytes, estimated forward FLOPs per
+            microbatch and the shapes of the input it receives; then the shared
+            units and the imbalance (largest / mean cost).
+        """
         lines = [f"{self.model.name} cut into {self.stages} stages"]
         for s in range(self.stages):
             start = self.bounds[s]
@@ -139,11 +192,28 @@ class StageCut:
         return "\n".join(lines)
 
     def stage_fns(self) -> list[Callable[[Any, Any], Any]]:
+        """Every stage's function.
+
+        Returns:
+            [stage_fn(s) for each stage s].
+        """
         return [self.stage_fn(s) for s in range(self.stages)]
 
     def split(self, variables: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[dict]:
-        """The model's parameters (as its users hold them), or a tree shaped like them
-        with `is_leaf` nodes for leaves, -> one dict of units per stage."""
+        """The model's parameters -> one dict of units per stage.
+
+        Args:
+            variables: The model's parameters as its users hold them, or a tree
+                shaped like them with `is_leaf` nodes for leaves.
+            is_leaf: Marks the leaves of such a tree (e.g. ShapeDtypeStructs).
+
+        Returns:
+            Per stage, unit name -> its subtree (its rows, for part of a scan
+            stack).
+
+        Raises:
+            CutError: The tree differs from the one the model was cut with.
+        """
         params = self.model.params(variables)
         if jax.tree.structure(params, is_leaf) != jax.tree.structure(self.param_avals):
             raise CutError(
@@ -157,7 +227,17 @@ class StageCut:
 
         A shared unit is taken from its first holder (the lowering keeps the
         holders' copies equal, and gives each the summed gradient); the row
-        blocks of a split scan stack are concatenated."""
+        blocks of a split scan stack are concatenated.
+
+        Args:
+            stage_trees: One dict of units per stage, as `split` gives.
+
+        Returns:
+            The tree in the model's own form (as its users hold parameters).
+
+        Raises:
+            CutError: There are not `stages` trees.
+        """
         if len(stage_trees) != self.stages:
             raise CutError(f"merge: expected {self.stages} stage trees, got {len(stage_trees)}")
         parts: dict[Path, Any] = {}

@@ -291,10 +291,20 @@ _ACTIVE: ContextVar[Run | None] = ContextVar("pjit_pipe_active_run", default=Non
 def boundary(x: Any) -> Any:
     """Mark a place in a module's `__call__` where the pipeline may cut.
 
-    Returns `x` unchanged. When a model contains markers, stages start only at
-    markers; `x` (any pytree of arrays: a hidden state, `(hidden, mask)`, ...)
-    is what the previous stage hands to the next one. Integer and boolean
-    arrays cross too; they carry no gradient.
+    When a model contains markers, stages start only at markers. Outside a
+    pipeline (plain `module.apply`) it does nothing.
+
+    Args:
+        x: What the previous stage hands to the next one: any pytree of arrays
+            (a hidden state, `(hidden, mask)`, ...). Integer and boolean arrays
+            cross too; they carry no gradient.
+
+    Returns:
+        `x` unchanged.
+
+    Raises:
+        CutError: It is called inside a submodule rather than in the top-level
+            module's `__call__` (raised when the model is cut).
     """
     run = _ACTIVE.get()
     return x if run is None else run.boundary(x)

@@ -105,11 +105,35 @@ def plan_pipeline(
     replicas: int | None = None,
     schedule: str | None = None,
 ) -> Plan:
-    """The planner's best plan for `module` at `microbatches` per replica, from its
-    profile on microbatches like `x_mb`. `devices`: the planner's device description
-    (default: the local devices, one node with 150 GB/s links and 32 GB each); the
-    plan's device ids index `jax.devices()`. stages, replicas, schedule: fixed, or
-    chosen by the planner when None."""
+    """The planner's best plan for `module` at `microbatches` per replica.
+
+    Profiles the model's layers (its clean cut segments) on microbatches like
+    `x_mb` (`profile_model`: one compile per distinct layer, on the default
+    device), then runs the planner on that profile. Give the plan to
+    `pipeline(..., plan=plan)`.
+
+    Args:
+        module: A linen or NNX Module instance.
+        variables: Its parameters.
+        x_mb: One microbatch of model input (arrays, or a pytree of them).
+        microbatches: m, microbatches per data replica per step.
+        devices: The planner's device description (default: the local
+            devices, one node with 150 GB/s links and 32 GB each).
+        stages: Fixed P, or None for the planner to choose.
+        replicas: Fixed D, or None for the planner to choose.
+        schedule: A fixed kind the planner plans (`planner.PLANNABLE_KINDS`),
+            or None for the planner to choose.
+
+    Returns:
+        The best Plan found: layer ranges per stage, the D x P device mapping
+        (ids index `jax.devices()`) and the schedule kind.
+
+    Raises:
+        CutError: The model runs inside a Flax transform applied to its root
+            module, which hides its layers from the cutter.
+        PlanError: No plan fits the devices' memory (the message names the
+            least memory any plan needs).
+    """
     if devices is None:
         devices = cluster(1, len(jax.devices()))
     profile = profile_model(module, variables, x_mb)
