@@ -38,6 +38,7 @@ from functools import lru_cache
 import numpy as np
 
 from pjit_pipe.compiler import ScheduleSpec, build_schedule
+from pjit_pipe.errors import PjitPipeError
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Op, Worker
@@ -51,7 +52,7 @@ STATE_COPIES = 4  # weights + gradients + Adam's first and second moments
 MS_PER_S = 1000.0
 
 
-class PlanError(ValueError):
+class PlanError(PjitPipeError):
     """A plan that does not fit the profile or the devices; the message says which part."""
 
 

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pjit_pipe.errors import PjitPipeError
 
-class DevicesError(ValueError):
+
+class DevicesError(PjitPipeError):
     """A malformed devices description; the message names the key and the fix."""
 
 

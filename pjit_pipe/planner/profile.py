@@ -35,8 +35,10 @@ from pathlib import Path
 
 import numpy as np
 
+from pjit_pipe.errors import PjitPipeError
 
-class ProfileError(ValueError):
+
+class ProfileError(PjitPipeError):
     """A malformed profile; the message names the file and, for text, the line."""
 
 
