@@ -14,7 +14,8 @@ Models (pjit_pipe/models):
   untied), without tensor-parallel annotations (the mesh is 1x1);
   `--dtype` is its compute dtype, the parameters stay float32; bf16 by
   default, m=8 x 4 sequences of 1024.
-`--quick` shrinks either to a tiny size (and 3 rounds) that runs on a CPU.
+`--quick` shrinks either to a tiny size (and 3 rounds) that runs on a CPU;
+on a CPU backend it is always quick.
 
 Both programs run on the first device. The plain step is a jitted `lax.scan`
 of `jax.value_and_grad` over the m microbatches (benchmarks/common.py
@@ -183,19 +184,24 @@ class Row:
     loss_err: float
 
 
+def initial(case: ModelCase, sequences: int, device: Any) -> tuple[Any, jax.Array, jax.Array]:
+    """(parameters, tokens, next-token targets) on `device`: random tokens, a batch of
+    `sequences` rows of case.seq; every program starts from these."""
+    x = jax.random.randint(jax.random.key(1), (sequences, case.seq), 0, case.vocab, jnp.int32)
+    x = jax.device_put(x, device)
+    y = jnp.roll(x, -1, axis=1)
+    params = jax.jit(case.module.init)(jax.random.key(0), x[:1])
+    if case.cast is not None:
+        params = jax.tree.map(lambda a: a.astype(case.cast), params)
+    return params, x, y
+
+
 def run(args: argparse.Namespace) -> list[Row]:
     """Build the model, time the plain step and every kind, print and return the rows."""
     device = jax.devices()[0]
     case = build_case(args.model, args.dtype, args.seq, args.quick)
     m, rows_per_mb = args.microbatches, args.mb_size
-    x = jax.random.randint(
-        jax.random.key(1), (m * rows_per_mb, case.seq), 0, case.vocab, dtype=jnp.int32
-    )
-    y = jnp.roll(x, -1, axis=1)
-    x, y = jax.device_put((x, y), device)
-    params = jax.jit(case.module.init)(jax.random.key(0), x[:1])
-    if case.cast is not None:
-        params = jax.tree.map(lambda a: a.astype(case.cast), params)
+    params, x, y = initial(case, m * rows_per_mb, device)
     optimizer = optax.adamw(LEARNING_RATE)
     n_matmul = matmul_params(params, case.lookup_only)
     n_all = sum(a.size for a in jax.tree.leaves(params))
@@ -295,6 +301,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--peak-tflops", type=float, help="device peak for MFU (H100/H200: 989)")
     ap.add_argument("--quick", action="store_true", help="a tiny model that runs on a CPU")
     args = ap.parse_args(argv)
+    if not args.quick and jax.default_backend() == "cpu":
+        print("no accelerator: the tiny size (--quick); a full-size step takes minutes on a CPU")
+        args.quick = True
     args.kinds = [k for k in args.kinds.split(",") if k]
     unknown = sorted(set(args.kinds) - set(KINDS))
     if unknown or not args.kinds:
