@@ -43,3 +43,17 @@ def test_quick_gpt2_rows_and_losses_match_plain_optax(capsys):
     assert abs(reference[-1] - reference[-2]) > 1e-3 * abs(reference[-1])
     for row in rows:
         assert abs(row.loss - reference[-1]) <= 1e-5 * abs(reference[-1]), row.name
+
+
+def test_full_gpt2_is_gpt2_small_and_flops_count_its_matmuls():
+    """The full-size model has GPT-2 small's 124,439,808 parameters (Hugging Face's
+    gpt2, tied head); the FLOP count leaves out only the position table."""
+    case = bench_models.build_case("gpt2-124m", "f32", None, quick=False)
+    tokens = jax.ShapeDtypeStruct((1, case.seq), "int32")
+    params = jax.eval_shape(case.module.init, jax.random.key(0), tokens)
+    assert sum(a.size for a in jax.tree.leaves(params)) == 124_439_808
+    n = bench_models.matmul_params(params, case.lookup_only)
+    assert n == 124_439_808 - 1024 * 768
+    # 6 N per token, and 12 L d S per token of attention: 2 sequences of 1024.
+    per_token = 6 * n + 12 * 12 * 768 * 1024
+    assert bench_models.model_flops(case, n, 2) == per_token * 2 * 1024
