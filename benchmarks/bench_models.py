@@ -103,17 +103,26 @@ def build_case(name: str, dtype: str, seq: int | None, quick: bool) -> ModelCase
             sizes = dict(vocab=64, n_positions=16, d_model=32, n_heads=2, n_layers=2)
         config = GPT2Config(**sizes)
         cast = jnp.bfloat16 if dtype == "bf16" else None
-        seq = seq or config.n_positions
+        seq = _within(seq, config.n_positions)
         return ModelCase(
             name, GPT2LM(config), cast, config.n_layers, config.d_model, seq, config.vocab, ("wpe",)
         )
     make = LlamaConfig.tiny if quick else LlamaConfig.gpu
     config = make(tensor_parallel=False, dtype=compute)
-    seq = seq or config.seq_len
+    seq = _within(seq, config.seq_len)
     lookup = () if config.tie_embeddings else ("embed",)
     return ModelCase(
         name, Llama(config), None, config.n_layers, config.d_model, seq, config.vocab, lookup
     )
+
+
+def _within(seq: int | None, context: int) -> int:
+    """`seq` (default: the whole `context`), refused past the model's context."""
+    if seq is not None and not 1 <= seq <= context:
+        raise ValueError(
+            f"--seq: {seq} is outside the model's context 1..{context}; pass one in it"
+        )
+    return seq or context
 
 
 def matmul_params(params: Any, lookup_only: tuple[str, ...]) -> int:
@@ -142,7 +151,7 @@ def peak_bytes(device: Any) -> int | None:
     return stats.get("peak_bytes_in_use")
 
 
-def plain_step(case: ModelCase, optimizer: Any, m: int):
+def plain_step(case: ModelCase, optimizer: Any, m: int) -> Callable:
     """step((params, opt_state), x, y) -> ((params, opt_state), loss): scan_accumulation's
     mean loss and gradients over m microbatches, then the optax update; state donated."""
     accumulate = scan_accumulation(lambda p, xb: case.module.apply(p, xb), lm_loss, m)
@@ -199,10 +208,9 @@ def initial(case: ModelCase, sequences: int, device: Any) -> tuple[Any, jax.Arra
     return params, x, y
 
 
-def run(args: argparse.Namespace) -> list[Row]:
-    """Build the model, time the plain step and every kind, print and return the rows."""
+def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
+    """Time the plain step and every kind on `case`, print and return the rows."""
     device = jax.devices()[0]
-    case = build_case(args.model, args.dtype, args.seq, args.quick)
     m, rows_per_mb = args.microbatches, args.mb_size
     params, x, y = initial(case, m * rows_per_mb, device)
     optimizer = optax.adamw(LEARNING_RATE)
@@ -327,7 +335,11 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args.mb_size = args.mb_size or (2 if args.quick else default_rows)
     args.dtype = args.dtype or ("f32" if args.model == "gpt2-124m" else "bf16")
     args.rounds = args.rounds or (3 if args.quick else 20)
-    return run(args)
+    try:
+        case = build_case(args.model, args.dtype, args.seq, args.quick)
+    except ValueError as e:
+        ap.error(str(e))
+    return run(args, case)
 
 
 if __name__ == "__main__":
