@@ -24,6 +24,7 @@ BENCHMARKS = [
     "bench_async",
     "bench_gpu",
     "bench_bf16",
+    "bench_models",
 ]
 
 
