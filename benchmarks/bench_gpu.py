@@ -131,8 +131,7 @@ class Run:
 def tick_cost(run: Run, message: Any, idle: int) -> None:
     """Part 1: the idle loop that costs="measure" times, and an empty tick of the real
     tick body (zb-h1's table with `idle` empty ticks appended, against the table)."""
-    from timing import quartiles, round_times
-
+    from benchmarks.common import quartiles, round_times
     from pjit_pipe.frontend.planning.measure import tick_seconds
     from pjit_pipe.ir.costs import Costs
     from pjit_pipe.lowering import lower
@@ -166,9 +165,8 @@ def kinds_against_scan(run: Run, pricing: tuple[str, ...]) -> tuple[dict, dict]:
     compiled step)})."""
     import jax
     import jax.numpy as jnp
-    from baselines import scan_accumulation
-    from timing import quartiles, round_times
 
+    from benchmarks.common import quartiles, round_times, scan_accumulation
     from pjit_pipe.schedules import KINDS
 
     params, x, y = run.params, run.x, run.y
@@ -214,8 +212,7 @@ def kinds_against_scan(run: Run, pricing: tuple[str, ...]) -> tuple[dict, dict]:
 
 def against_price(run: Run, times: dict, pipelines: dict) -> None:
     """Part 3: the ops timed alone, and each step against its table's lockstep price."""
-    from timing import quartiles
-
+    from benchmarks.common import quartiles
     from pjit_pipe.simulator.simulate import packed_time
 
     scan_mb = quartiles(times["lax.scan"])[1] * 1e3 / run.m
@@ -251,7 +248,8 @@ def split_against_fused(run: Run, x: Any, y: Any) -> None:
     program and a backward program that pass the vjp residuals through memory."""
     import jax
     import jax.numpy as jnp
-    from timing import quartiles, round_times
+
+    from benchmarks.common import quartiles, round_times
 
     params = run.params
 
