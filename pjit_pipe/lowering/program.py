@@ -29,6 +29,7 @@ from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.async_weights import async_weights_for
+from pjit_pipe.lowering.emulated_ticks import EmulationHost
 from pjit_pipe.lowering.global_norm import count_norm_calls
 from pjit_pipe.lowering.loss import LossLayout
 from pjit_pipe.lowering.optimizer import stage0_avals
@@ -93,6 +94,8 @@ def lower(
     ticks: PackedTicks | None = None,
     async_weights: str | None = None,
     staleness_offset: int = 0,
+    pairwise: bool = False,
+    emulate: EmulationHost | None = None,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -121,6 +124,10 @@ def lower(
     An asynchronous schedule (async-1f1b) takes `async_weights` "predict"
     (default), "stash" or "latest" and `staleness_offset` (see async_weights.py);
     its train_step then runs iterations*m optimizer steps, one per microbatch.
+    `pairwise=True` sends each message pair by its own ppermute, each tick only
+    its own (plan.build_plan): one controller per device then waits only for
+    the devices it exchanges with. `emulate` (an emulated_ticks.EmulationHost) replaces
+    every op's compute by a host callback: an emulated run of the same program.
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
@@ -167,6 +174,8 @@ def lower(
         rng_impls=impls,
         ticks=ticks,
         weights=weights,
+        emulate=emulate,
+        pairwise=pairwise,
     )
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):
