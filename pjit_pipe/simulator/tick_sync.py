@@ -60,7 +60,15 @@ class WorkerTick:
 
 
 class TickTimeline:
-    """Per tick, each device's `WorkerTick` and the devices it exchanges with.
+    """Per tick, each device's `WorkerTick` and the meetings that end it.
+
+    A meeting is a tuple of devices that leave it together, when the last of
+    them arrives: a ppermute pair (the lowering's `pairwise` plan gives each
+    message pair its own ppermute, and a send/recv waits for both ends), or
+    the replicas of a stage that reduce its gradients at an OPT. A device
+    meets them in program order: at the tick's end the activation pairs, then
+    the gradient pairs (each channel's in device order), then the reductions;
+    a deferred table's late pairs at the next tick's start.
 
     `pricer` is a `simulator.simulate.TickPricer` of the table's schedule: its
     per-op durations and messages are read here, not rebuilt."""
@@ -73,15 +81,13 @@ class TickTimeline:
             for key in keys:
                 readers.setdefault(key, set()).add(w)
         workers = pricer.schedule.alive_workers
+        rank = {w: i for i, w in enumerate(workers)}
         self.ticks: list[dict[Worker, WorkerTick]] = []
-        # Per tick: each device's partners at the tick's end (messages sent at once,
-        # gradient reductions), and at the next tick's start (late messages).
-        self.partners: list[dict[Worker, set[Worker]]] = []
-        self.late_partners: list[dict[Worker, set[Worker]]] = []
+        self.meetings: list[list[tuple[Worker, ...]]] = []  # at each tick's end
+        self.late_meetings: list[list[tuple[Worker, ...]]] = []  # at the next tick's start
         landing: dict[Worker, set] = {}  # late (iteration, key)s landing in this tick
         for tick in table.ticks:
-            now = {w: set() for w in workers}
-            late = {w: set() for w in workers}
+            pairs: dict[tuple[bool, bool], set[tuple[Worker, Worker]]] = {}  # (late, act)
             made: dict[Worker, set] = {}
             shares = {}
             groups: dict[tuple[int, int, int], list[Worker]] = {}
@@ -104,8 +110,7 @@ class TickTimeline:
                     for key in sent:
                         for r in readers.get(key, ()):
                             if r != w:
-                                (late if deferred else now)[w].add(r)
-                                (late if deferred else now)[r].add(w)
+                                pairs.setdefault((deferred, op.kind is Kind.F), set()).add((w, r))
                                 if deferred:
                                     made.setdefault(r, set()).add((it, key))
                     if sent and not deferred:
@@ -113,12 +118,26 @@ class TickTimeline:
                     ops.append(PlannedOp(it, op, d, reads_late, bool(sent) and not deferred))
                     length = max(length, busy)
                 shares[w] = WorkerTick(tuple(ops), c if mine else 0.0, length)
-            for group in groups.values():
-                for w in group:
-                    now[w].update(p for p in group if p != w)
+
+            def ordered(late: bool, pairs=pairs) -> list[tuple[Worker, ...]]:
+                return [
+                    pair
+                    for act in (True, False)
+                    for pair in sorted(
+                        pairs.get((late, act), ()), key=lambda p: (rank[p[0]], rank[p[1]])
+                    )
+                ]
+
+            reductions = [
+                tuple(g)
+                for key, g in sorted(
+                    groups.items(), key=lambda kv: pricer.schedule.chunk_of(kv[0][0])
+                )
+                if len(g) > 1
+            ]
             self.ticks.append(shares)
-            self.partners.append(now)
-            self.late_partners.append(late)
+            self.meetings.append(ordered(False) + reductions)
+            self.late_meetings.append(ordered(True))
             landing = made
 
     def events(self, sync: Sync) -> list[TimedOp]:
@@ -132,12 +151,10 @@ class TickTimeline:
                 begin = max(end.values()) + tick_cost
                 start = dict.fromkeys(workers, begin)
             else:
-                before = self.partners[k - 1] if k else {}
-                late = self.late_partners[k - 1] if k else {}
-                ready = {w: max(end[p] for p in {w, *before.get(w, ())}) for w in workers}
-                start = {
-                    w: max(ready[p] for p in {w, *late.get(w, ())}) + tick_cost for w in workers
-                }
+                if k:
+                    end = _meet(end, self.meetings[k - 1])
+                    end = _meet(end, self.late_meetings[k - 1])
+                start = {w: end[w] + tick_cost for w in workers}
             for w, share in shares.items():
                 busy = 0.0
                 for p in share.ops:
@@ -152,6 +169,16 @@ class TickTimeline:
                 longest = max(end.values())
                 end = dict.fromkeys(workers, longest)
         return events
+
+
+def _meet(ready: dict[Worker, float], meetings: list[tuple[Worker, ...]]) -> dict[Worker, float]:
+    """When each device leaves `meetings`, run in order, having arrived at `ready`."""
+    ready = dict(ready)
+    for group in meetings:
+        t = max(ready[w] for w in group)
+        for w in group:
+            ready[w] = t
+    return ready
 
 
 def sync_time(pricer, table: PackedTicks, sync: Sync) -> float:
