@@ -14,7 +14,7 @@ import sys
 from collections.abc import Sequence
 
 # One line per subcommand module: add yours here.
-SUBCOMMANDS = ("schedule", "train", "demo", "plan", "probe")
+SUBCOMMANDS = ("schedule", "train", "demo", "plan", "probe", "emulate")
 
 
 class UsageError(Exception):

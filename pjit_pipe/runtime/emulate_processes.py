@@ -85,7 +85,7 @@ def emulate_processes(
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            raise RuntimeError(
+            raise ChildProcessError(
                 f"emulate --processes: the {count} processes ran past {TIMEOUT_S} s"
             ) from None
         bad = [(i, p.returncode, log) for i, (p, log) in enumerate(zip(procs, logs, strict=True))]
@@ -93,7 +93,7 @@ def emulate_processes(
         if bad:
             rank, code, log = bad[0]
             tail = " | ".join(log.strip().splitlines()[-3:])
-            raise RuntimeError(f"emulate --processes: process {rank} exited {code}: {tail}")
+            raise ChildProcessError(f"emulate --processes: process {rank} exited {code}: {tail}")
         records = []
         for rank in range(count):
             records += json.loads((Path(tmp) / f"records{rank}.json").read_text())
