@@ -251,14 +251,23 @@ class Pipelined:
     def tick_table(self) -> PackedTicks:
         """The tick table the compiled program runs: the schedule's ops packed by
         their priced costs (an asynchronous schedule is not packed: pack_ticks gives
-        it one op per tick). Cached by pack_ticks."""
+        it one op per tick), for the price of `tick_sync()`. Cached by pack_ticks."""
         return pack_ticks(
             self.schedule,
             self.pricing_costs(),
             1,
             self.options.mem_limit,
             polish=self.options.pack_polish,
+            sync=self.tick_sync(),
         )
+
+    def tick_sync(self) -> str:
+        """How the runtime synchronizes ticks (`PipelineOptions.tick_sync`): as given,
+        else neighbour-synchronous on several processes (unless polishing)."""
+        if self.options.tick_sync is not None:
+            return self.options.tick_sync
+        several = jax.process_count() > 1 and not self.options.pack_polish
+        return "neighbor" if several else "global"
 
     def _program(self, params, x, y, loss_fn, has_aux, rngs) -> tuple[StageCut, PipelineStep]:
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
@@ -288,6 +297,7 @@ class Pipelined:
                 shared=cut.shared,
                 ticks=ticks,
                 async_weights=self.options.async_weights,
+                pairwise=self.tick_sync() == "neighbor",
             )
 
         return cut, self._programs.get(key, build)
