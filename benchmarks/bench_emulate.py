@@ -12,7 +12,8 @@ first, over `--iterations`), all in cost units, and the measured period over
 the price of its own runtime. Every op sleeps cost x --unit-ms; the
 machinery of each tick (its callbacks, conditionals and ppermutes) is real
 and adds to it: `--overhead` also runs each table with sleeps of 1/1000 of
-that, which measures the machinery alone (ms per tick).
+that, which measures the machinery alone (ms per tick), and `--cross` runs
+the table packed for neighbour-synchronous ticks in one process too.
 
     python benchmarks/bench_emulate.py                      # P=4 m=8, 1,2,1,0 and 5,6,4,1
     python benchmarks/bench_emulate.py --full               # the whole grid (hours)
@@ -60,6 +61,8 @@ def row(label, sched, costs_text, args) -> str:
         run = emulate_in_process if sync == "global" else emulate_processes
         measured = run(table, costs, args.unit_ms)
         cells += [f"{lockstep:g}", f"{neighbor:g}", f"{measured:.1f}", f"{measured / own:.3f}"]
+        if args.cross and sync == "neighbor":  # the same table in one process
+            cells[-1] += f" (in one process: {emulate_in_process(table, costs, args.unit_ms):.1f})"
         if args.overhead:
             idle = run(table, costs, args.unit_ms / 1000) * args.unit_ms / 1000
             cells[-1] += f" ({idle * n / len(table):.1f} ms/tick)"
@@ -77,6 +80,9 @@ def main() -> None:
     p.add_argument("--unit-ms", type=float, default=20.0)
     p.add_argument("--iterations", type=int, default=3)
     p.add_argument("--overhead", action="store_true", help="also time the machinery alone")
+    p.add_argument(
+        "--cross", action="store_true", help="also run the neighbour-packed table in one process"
+    )
     args = p.parse_args()
     sizes = [tuple(map(int, s.split("x"))) for s in args.sizes.split(",")]
     wanted = set(COSTS if args.full else args.costs.split(";"))

@@ -25,10 +25,11 @@ import pytest
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.lowering import lower
 from pjit_pipe.lowering.routes import without_cycles
+from pjit_pipe.passes import stagger
 from pjit_pipe.passes.pack_ticks import pack_ticks
 from pjit_pipe.runtime.emulate_processes import emulate_processes
 from pjit_pipe.runtime.emulation import emulate_in_process, steady_period
-from pjit_pipe.schedules import KINDS, make_schedule
+from pjit_pipe.schedules import KINDS, make_schedule, schedule_with_failures
 from pjit_pipe.simulator.simulate import TickPricer, simulate
 from pjit_pipe.simulator.tick_sync import TickTimeline
 
@@ -85,6 +86,23 @@ def test_neighbor_price_is_at_most_global_and_global_matches_the_pricer(kind):
         glob = max(e.end for e in timeline.events("global"))
         assert glob == pytest.approx(pricer.time(table))
         assert max(e.end for e in timeline.events("neighbor")) <= glob + 1e-9
+
+
+def test_rerouted_and_staggered_tables_are_priced_both_ways():
+    """A re-routed zb-h1 (2x4, one failure: peers run its microbatches) and a
+    staggered zb-h2, packed for neighbour-synchronous ticks: valid tables whose
+    neighbour price is at most their global one, and at most what the table
+    packed for global lockstep costs under the neighbour price."""
+    costs = Costs.parse("1,2,1,0")
+    rerouted = schedule_with_failures("zb-h1", 4, 4, 2, [(1, 2)], costs, time_limit=1.0)
+    staggered = stagger(make_schedule("zb-h2", 4, 4, costs=costs))
+    for schedule in (rerouted, staggered):
+        near_table = pack_ticks(schedule, costs, 2, sync="neighbor")
+        near_table.check()
+        glob, near = prices(near_table, costs)
+        assert near <= glob + 1e-9
+        _, near_of_global = prices(pack_ticks(schedule, costs, 2), costs)
+        assert near <= near_of_global + 1e-9
 
 
 def test_a_pipeline_of_one_chain_meets_only_its_neighbours():
