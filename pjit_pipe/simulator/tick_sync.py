@@ -6,21 +6,22 @@ The compiled tick loop ends each tick with the ppermutes of its messages
 - global lockstep (`"global"`, `TickPricer.events`): every tick starts when
   the slowest device has finished the one before. One CPU process is like
   this: its collectives meet in a rendezvous of every device of the program.
-- neighbour-synchronous (`"neighbor"`, `neighbor_events`): a device waits
-  only for the devices it exchanges with in the tick: the senders and
+- neighbour-synchronous (`"neighbor"`, `TickTimeline.events`): a device
+  waits only for the devices it exchanges with in the tick: the senders and
   receivers of its messages, and the replicas it reduces a stage's gradients
-  with (an OPT of several replicas). A collective-permute across processes
-  is a send/recv between the pairs that exchange (gloo on CPU, NCCL on GPUs),
-  so one controller per device runs like this when each tick's ppermutes
-  name only its real pairs (`lowering.plan.build_plan(pairwise=True)`).
+  with (an OPT of several replicas), one meeting after another in program
+  order (`TickTimeline`). A collective-permute across processes is a
+  send/recv between the pairs that exchange (gloo on CPU, NCCL on GPUs), so
+  one controller per device runs like this when each tick's ppermutes name
+  only its real pairs (`lowering.plan.build_plan(pairwise=True)`).
 
 Both read one device's own tick the same way (`WorkerTick`): its ops one
 after another, an op that reads a late message (a deferred table,
 ir/ticks.py) no earlier than C into the tick, the tick at least C long where
 a late message lands, and C after its last op that sends at once. Under
 global lockstep a tick lasts its longest device's; neighbour-synchronous, a
-device's tick starts once it and its partners of the tick before have ended
-theirs, and a late message's pair meets at the start of the next tick.
+device's tick starts once it has left the meetings of the tick before, and a
+late message's pair meets at the start of the next tick.
 """
 
 from __future__ import annotations
