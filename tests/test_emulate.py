@@ -67,8 +67,8 @@ def test_the_runtimes_pay_different_prices_for_one_table():
     table = pack_ticks(make_schedule("1f1b", 4, 8, costs=costs), costs, 3, sync="neighbor")
     lockstep, neighbor = prices(table, costs)
     assert lockstep > 1.2 * neighbor
-    in_process = emulate_in_process(table, costs, 10.0)
-    apart = emulate_processes(table, costs, 10.0)
+    in_process = emulate_in_process(table, costs, 50.0)
+    apart = emulate_processes(table, costs, 50.0)
     assert abs(in_process / lockstep - 1) < 0.10, (in_process, lockstep)
     assert abs(apart / neighbor - 1) < 0.10, (apart, neighbor)
 
