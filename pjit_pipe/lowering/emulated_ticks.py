@@ -1,7 +1,7 @@
 """The tick program with its compute replaced by host callbacks: an emulated run.
 
-`lower(..., emulate=host)` compiles the same tick
-table, tick body and message ppermutes as for a model, with three hooks:
+`lower(..., emulate=host)` compiles the same tick table, tick body and
+message ppermutes as for a model, with three hooks:
 
 - every op function (tick_ops.py) becomes a stub: a host callback
   (`host.run(device, kind, stage)`) whose result is folded into zeros of the
