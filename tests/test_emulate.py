@@ -188,6 +188,19 @@ def test_no_compiled_collective_permute_has_a_cycle():
     assert all(not _has_cycle(pairs) for pairs in permutes), permutes
 
 
+def test_tick_sync_option_is_checked():
+    """PipelineOptions(tick_sync=) takes the two syncs or None, and no polish with
+    neighbour packing (polishing prices global lockstep)."""
+    from pjit_pipe.errors import OptionError
+    from pjit_pipe.frontend.options import PipelineOptions
+
+    assert PipelineOptions(stages=2, microbatches=2, tick_sync="neighbor").tick_sync == "neighbor"
+    with pytest.raises(OptionError, match="tick_sync"):
+        PipelineOptions(stages=2, microbatches=2, tick_sync="lockstep")
+    with pytest.raises(OptionError, match="pack_polish"):
+        PipelineOptions(stages=2, microbatches=2, tick_sync="neighbor", pack_polish=1.0)
+
+
 def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "pjit_pipe", "emulate", *args],
