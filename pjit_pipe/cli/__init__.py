@@ -20,6 +20,7 @@ SUBCOMMANDS = {
     "demo": "demo",
     "plan": "plan",
     "probe": "probe",
+    "emulate": "emulate",
 }
 
 

@@ -112,11 +112,14 @@ def build_table(
     iterations: int = 1,
     mem_limit: float | None = None,
     polish: float = 0.0,
+    sync: str = "global",
 ) -> PackedTicks:
     """The tick table the lowering compiles for `iterations` iterations of
     `schedule`, packed for `costs` (None: unit costs) within `mem_limit` (None: the
-    schedule's own peak), polished `polish` seconds a window (see `pack_ticks`)."""
-    return pack_ticks(schedule, costs or Costs(), iterations, mem_limit, polish=polish)
+    schedule's own peak), polished `polish` seconds a window, for the price of
+    the runtime's tick synchronization `sync` ("global" or "neighbor"; see
+    `pack_ticks` and simulator/tick_sync.py)."""
+    return pack_ticks(schedule, costs or Costs(), iterations, mem_limit, polish=polish, sync=sync)
 
 
 def build_program(

@@ -22,6 +22,7 @@ from pjit_pipe.frontend.mesh import AXES
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.schedules import KINDS
+from pjit_pipe.simulator import SYNCS
 
 Balance = Literal["flops", "params", "time"]
 AsyncWeightsMode = Literal["predict", "stash", "latest"]
@@ -71,6 +72,13 @@ class PipelineOptions:
         yes, except on async-1f1b, whose stages step inside the tick loop
         before the step's loss is known (there the update is applied); True
         there is refused. False: apply every update.
+    tick_sync: the price the tick table is packed for, as the runtime that
+        runs it synchronizes ticks (simulator/tick_sync.py): "global" (one
+        process: its collectives meet in a rendezvous of every device) or
+        "neighbor" (one process per device: each ppermute a send/recv between
+        its pairs, which the program then names one by one, each tick only its
+        own: `lower(..., pairwise=True)`); None: "neighbor" when
+        jax.process_count() > 1 and pack_polish is 0, else "global".
     async_weights: schedule="async-1f1b" only: the weights its stale forwards
         read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
         weight stashing) or "latest"; None: "predict" for async-1f1b.
@@ -93,6 +101,7 @@ class PipelineOptions:
     async_weights: AsyncWeightsMode | None = None
     pack_polish: float = 0.0
     skip_nonfinite: bool | None = None
+    tick_sync: str | None = None
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -125,6 +134,16 @@ class PipelineOptions:
             raise OptionError(
                 f"pack_polish: expected a number of seconds >= 0 (0: no polish), "
                 f"got {self.pack_polish!r}"
+            )
+        if self.tick_sync not in (None, *SYNCS):
+            raise OptionError(
+                f"tick_sync: expected one of {', '.join(SYNCS)} or None (by the process "
+                f"count), got {self.tick_sync!r}"
+            )
+        if self.tick_sync == "neighbor" and self.pack_polish:
+            raise OptionError(
+                "tick_sync='neighbor' packs without polishing (pack_polish prices global "
+                "lockstep); set pack_polish=0 or tick_sync='global'"
             )
         if not isinstance(self.remat, bool):
             raise OptionError(f"remat: expected True or False, got {self.remat!r}")

@@ -278,11 +278,24 @@ class Pipelined:
 
     def tick_table(self) -> PackedTicks:
         """The tick table the compiled program runs: the schedule's ops packed by
-        their costs (an asynchronous schedule is not packed: one op per tick).
-        Cached by pack_ticks."""
+        their costs (an asynchronous schedule is not packed: one op per tick), for
+        the price of `tick_sync()`. Cached by pack_ticks."""
         return build_table(
-            self.schedule, self.costs, 1, self.options.mem_limit, self.options.pack_polish
+            self.schedule,
+            self.costs,
+            1,
+            self.options.mem_limit,
+            self.options.pack_polish,
+            sync=self.tick_sync(),
         )
+
+    def tick_sync(self) -> str:
+        """How the runtime synchronizes ticks (`PipelineOptions.tick_sync`): as given,
+        else neighbour-synchronous on several processes (unless polishing)."""
+        if self.options.tick_sync is not None:
+            return self.options.tick_sync
+        several = jax.process_count() > 1 and not self.options.pack_polish
+        return "neighbor" if several else "global"
 
     def _program(self, params, x, y, loss_fn, has_aux, rngs) -> tuple[StageCut, PipelineStep]:
         self._batch(x, y)
@@ -309,6 +322,7 @@ class Pipelined:
                     rngs=rngs,
                     shared=cut.shared,
                     async_weights=self.options.async_weights,
+                    pairwise=self.tick_sync() == "neighbor",
                 ),
             )
 

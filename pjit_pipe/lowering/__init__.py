@@ -1,7 +1,8 @@
 """IR -> one jitted shard_map program per schedule (see program.py for the entry point)."""
 
 from pjit_pipe.lowering.async_pipeline.async_carry import check_carry
-from pjit_pipe.lowering.comms.topology import Topology
+from pjit_pipe.lowering.comms.topology import AXES, Topology
+from pjit_pipe.lowering.compute.emulated_ticks import KIND_CODES
 from pjit_pipe.lowering.compute.forward import lower_forward
 from pjit_pipe.lowering.compute.loss import LossLayout, check_loss_fn
 from pjit_pipe.lowering.compute.rng import check_rngs, current_rngs, impls_of, microbatch_rngs
@@ -12,6 +13,8 @@ from pjit_pipe.lowering.layout.param_layout import ChunkLayout
 from pjit_pipe.lowering.program import LoweringOptions, PipelineStep, lower
 
 __all__ = [
+    "AXES",
+    "KIND_CODES",
     "Buffers",
     "ChunkLayout",
     "DeviceLayout",

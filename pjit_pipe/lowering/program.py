@@ -31,6 +31,7 @@ from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.async_pipeline.async_weights import async_weights_for
 from pjit_pipe.lowering.comms.topology import AXES, Topology
+from pjit_pipe.lowering.compute.emulated_ticks import EmulationHost
 from pjit_pipe.lowering.compute.loss import LossLayout
 from pjit_pipe.lowering.compute.rng import check_rngs, impls_of, microbatch_rngs
 from pjit_pipe.lowering.compute.stages import StageVjp
@@ -93,6 +94,11 @@ class LoweringOptions:
     split_backward: False makes W re-run the whole stage pullback (for comparisons).
     async_weights: for async-1f1b, "predict" (default), "stash" or "latest", and
     staleness_offset: see async_pipeline/async_weights.py.
+    pairwise: send each message pair by its own ppermute, each tick only its own
+        (tick_plan.build_plan): one controller per device then waits only for the
+        devices it exchanges with (the neighbour-synchronous price).
+    emulate: an `EmulationHost` that replaces every op's compute by a host
+        callback sleeping its price: an emulated run of the same program.
     """
 
     optimizer: optax.GradientTransformation | None = None
@@ -103,6 +109,8 @@ class LoweringOptions:
     split_backward: bool = True
     async_weights: str | None = None
     staleness_offset: int = 0
+    pairwise: bool = False
+    emulate: EmulationHost | None = None
 
 
 def lower(
@@ -186,6 +194,8 @@ def lower(
         rng_impls=impls,
         ticks=table,
         weights=weights,
+        emulate=o.emulate,
+        pairwise=o.pairwise,
     )
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):

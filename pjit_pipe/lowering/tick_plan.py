@@ -19,8 +19,7 @@ lands at the start of the next tick (the row of that tick names its slots). Each
 channel along one (replica, position) shift of the worker grid when that
 needs no more ppermutes, so it is a permutation even when re-routed
 microbatches cross replicas; otherwise the pairs are split into the fewest
-partial permutations (routes.py). A channel runs only the ppermutes its
-messages use.
+partial permutations, none with a cycle, or one pair each (routes.py).
 
 Devices are the live workers in a given order (`Topology.workers`): row i of
 every table belongs to worker i. Each device also gets its own list of the
@@ -39,7 +38,7 @@ import numpy as np
 from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Op, Worker
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.ticks import LaneOrder, PackedTicks, sends_late
-from pjit_pipe.lowering.comms.routes import Route, fewest_routes, gated_sends
+from pjit_pipe.lowering.comms.routes import Route, channel_routes, gated_sends
 
 # The branch kind of a loss-stage microbatch's F and whole backward run as one op
 # (ir.ticks.fused_loss_ops): in the W lane, storing no residual.
@@ -175,6 +174,7 @@ def build_plan(
     split: Collection[int] = (),
     fuse_loss: bool = False,
     numbering: Sequence[tuple[BranchKind, int]] | None = None,
+    pairwise: bool = False,
 ) -> TickPlan:
     """Assign branches and buffer slots to the ops of `table`; `devices` are the
     live workers in row order; `split` the virtual stages with a split backward
@@ -192,6 +192,8 @@ def build_plan(
     `numbering`: the branches to number the ops by, a superset of those the table
     runs (a multi-iteration plan's, for the plan of its first iteration: two plans
     of one program share its op functions); None numbers just those run.
+
+    `pairwise`: the ppermutes of routes.channel_routes.
 
     With several iterations, microbatch j of iteration k is planned as
     microbatch k*m + j, and each stage's optimizer step runs after the tick
@@ -246,7 +248,7 @@ def build_plan(
             if src != dest and (op.kind is Kind.F) == act:
                 by_shift.setdefault(shift(src, dest), set()).add((index[src], index[dest]))
         grouping = [by_shift[k] for k in sorted(by_shift)]
-        routes = fewest_routes(set().union(*grouping), grouping)
+        routes = channel_routes(grouping, pairwise)
         return tuple((_shifts_of(r, devices, shift), r) for r in routes)
 
     act_shifts, grad_shifts = channel_shifts(True), channel_shifts(False)
@@ -367,7 +369,7 @@ def build_plan(
         for t in range(T)
     ]
     steppers = (frozenset(), *sorted(set(stepping) - {frozenset()}, key=sorted))
-    sends, pick = gated_sends(recv[True] < K, recv[False] < K)
+    sends, pick = gated_sends(recv[True] < K, recv[False] < K, always=pairwise)
     rows = TickRow(
         f=OpRow(**lanes["f"]),
         b=OpRow(**lanes["b"]),

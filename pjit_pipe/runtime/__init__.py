@@ -2,6 +2,8 @@
 
 from pjit_pipe.runtime.checkpoint import Checkpoints
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, LiveDevices, WorkerFailure
+from pjit_pipe.runtime.emulate_processes import emulate_processes
+from pjit_pipe.runtime.emulation import emulate_in_process
 from pjit_pipe.runtime.trainer import ResilientTrainer, TrainerEvent
 from pjit_pipe.runtime.variants import Variant, Variants
 
@@ -15,4 +17,6 @@ __all__ = [
     "Variant",
     "Variants",
     "WorkerFailure",
+    "emulate_in_process",
+    "emulate_processes",
 ]

@@ -11,13 +11,19 @@ from pjit_pipe.simulator.simulate import (
     simulate,
     steady_period,
 )
+from pjit_pipe.simulator.tick_sync import SYNCS, PlannedOp, TickTimeline, WorkerTick, check_sync
 
 __all__ = [
     "STEADY_ITERATIONS",
     "SUFFIXES",
+    "SYNCS",
+    "PlannedOp",
     "SimResult",
     "TickPricer",
+    "TickTimeline",
+    "WorkerTick",
     "best_of",
+    "check_sync",
     "chrome_trace",
     "draw_gantt",
     "gantt",

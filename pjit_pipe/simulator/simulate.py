@@ -13,6 +13,7 @@ from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks, compute_only, fused_loss_ops, sends_late
+from pjit_pipe.simulator.tick_sync import TickTimeline, check_sync
 
 Mode = Literal["event", "lockstep"]
 
@@ -71,13 +72,18 @@ class TickPricer:
     A microbatch's loss-stage forward and backward that share a tick run as one
     program (`ir.ticks.fused_loss_ops`), their ops scaled by `costs.loss_fusion`.
 
+    `sync="neighbor"` makes `time` price neighbour-synchronous ticks instead
+    (tick_sync.py: a device waits only for the devices it exchanges with), the
+    price the packer then packs for; `events` is always global lockstep.
+
     What every pricing reads (each op's duration, the messages it reads from
     and sends to other workers) is built once: the packer prices a hundred
     candidate tables of one schedule.
     """
 
-    def __init__(self, schedule: Schedule, costs: Costs):
+    def __init__(self, schedule: Schedule, costs: Costs, sync: str = "global"):
         self.schedule, self.costs = schedule, costs
+        self.sync = check_sync(sync)  # what `time` prices (tick_sync.py)
         sched = compute_only(schedule)
         duration = costs.duration_fn(sched)
         self.fusion, self.loss_stage = costs.loss_fusion(sched), sched.num_virtual_stages - 1
@@ -128,8 +134,14 @@ class TickPricer:
         return events
 
     def time(self, table: PackedTicks) -> float:
-        """The time the compiled tick loop takes to run the whole table."""
-        return max((e.end for e in self.events(table)), default=0.0)
+        """The time the compiled tick loop takes to run the whole table, its ticks
+        synchronized as the pricer's `sync` says (tick_sync.py)."""
+        events = self.events(table) if self.sync == "global" else self.timeline(table)
+        return max((e.end for e in events), default=0.0)
+
+    def timeline(self, table: PackedTicks) -> list[TimedOp]:
+        """The events of `table` under neighbour-synchronous ticks (tick_sync.py)."""
+        return TickTimeline(self, table).events("neighbor")
 
 
 def packed_events(table: PackedTicks, costs: Costs) -> list[TimedOp]:
@@ -151,6 +163,7 @@ def simulate(
     duration: DurationFn | None = None,
     latency: LatencyFn | None = None,
     ticks: PackedTicks | None = None,
+    sync: str = "global",
 ) -> SimResult:
     """Execute `schedule` for `iterations` iterations and measure it.
 
@@ -158,7 +171,9 @@ def simulate(
     have arrived (asynchronous execution, what a runtime with streams achieves).
     mode="lockstep": the tick table the lowering compiles, as its SPMD program runs
     it (`packed_events`): `ticks` (built by tick_packing/packer.py for `iterations`
-    iterations), else one op per worker per tick (ir/ticks.py).
+    iterations), else one op per worker per tick (ir/ticks.py), its ticks
+    synchronized as `sync` says: "global" (a tick waits for every device) or
+    "neighbor" (a device waits only for those it exchanges with; tick_sync.py).
     Makespan, span and busy time are of the first iteration; steady_period is
     (end of the last iteration - end of the first) / (iterations - 1).
     In event mode `duration(worker, op)` and `latency(src, dst)` replace the
@@ -184,7 +199,10 @@ def simulate(
                 f"given for {iterations} of this one; pack this schedule with iterations="
                 f"{iterations}"
             )
-        events = packed_events(ticks, costs)
+        if check_sync(sync) == "global":
+            events = packed_events(ticks, costs)
+        else:
+            events = TickPricer(schedule, costs).timeline(ticks)
     else:
         raise ScheduleError(f"mode must be 'event' or 'lockstep', got {mode!r}")
 

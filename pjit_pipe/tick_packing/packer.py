@@ -56,7 +56,7 @@ from pjit_pipe.ir.ticks import (
     PackedTicks,
     compute_only,
 )
-from pjit_pipe.simulator import TickPricer, lockstep_lower_bound
+from pjit_pipe.simulator import TickPricer, check_sync, lockstep_lower_bound
 from pjit_pipe.tick_packing.greedy import VARIANTS, GreedyPacker, PackingFacts
 from pjit_pipe.tick_packing.pull_forward import PullForward
 from pjit_pipe.tick_packing.send_timing import at_cheaper_timing
@@ -72,6 +72,7 @@ def pack_ticks(
     mem_limit: float | None = None,
     orders: Sequence[LaneOrder] = LANE_ORDERS,
     polish: float = 0.0,
+    sync: str = "global",
 ) -> PackedTicks:
     """The tick table the lowering compiles for `iterations` back-to-back iterations
     of `schedule`, packed to run fast under `costs` (the cheapest greedy variant,
@@ -92,7 +93,13 @@ def pack_ticks(
     window; 2 is plenty at P=4 m=8, where it takes up to 15 s in all and finds
     1-9% on the zero-bubble kinds). More iterations repeat it; a staggered
     schedule keeps the cheaper of that and the greedy's own multi-iteration
-    table."""
+    table.
+
+    sync: the price the table is chosen by, as the runtime that runs it
+    synchronizes ticks (simulator/tick_sync.py): "global" (one process, whose
+    collectives meet in a rendezvous of every device) or "neighbor" (one
+    process per device, where a ppermute is a send/recv between its pairs).
+    The greedy variants are the same; the cheapest under `sync` is kept."""
     if not isinstance(iterations, int) or iterations < 1:
         raise ScheduleError(f"iterations must be a positive integer, got {iterations!r}")
     orders = tuple(orders)
@@ -105,13 +112,19 @@ def pack_ticks(
         raise ScheduleError(
             f"polish must be a number of seconds >= 0 (0: the greedy's table), got {polish!r}"
         )
+    check_sync(sync)
+    if sync != "global" and polish:
+        raise ScheduleError(
+            f"polish prices global lockstep only; pack with sync='global' or polish=0 "
+            f"(got sync={sync!r}, polish={polish!r})"
+        )
     costs = costs or Costs()
     # A pipeline, its rebuilt copies and the CLI's pricing pack the same schedule again.
     return _cached(
         _PACKED,
         schedule,
-        (costs, iterations, mem_limit, orders, polish),
-        lambda: _pack(schedule, costs, iterations, mem_limit, orders, polish),
+        (costs, iterations, mem_limit, orders, polish, sync),
+        lambda: _pack(schedule, costs, iterations, mem_limit, orders, polish, sync),
     )
 
 
@@ -154,6 +167,7 @@ def _pack(
     mem_limit: float | None,
     orders: tuple[LaneOrder, ...],
     polish: float,
+    sync: str = "global",
 ) -> PackedTicks:
     """`pack_ticks` without its argument check and cache: the cheapest table the
     greedy variants (and polishing) find, each sent at its cheaper timing
@@ -164,7 +178,7 @@ def _pack(
     best = dataclasses.replace(PackedTicks.one_op_per_tick(schedule, iterations), order=orders[0])
     if schedule.asynchronous:
         return best
-    pricer = TickPricer(schedule, costs)  # every candidate is a table of `schedule`
+    pricer = TickPricer(schedule, costs, sync)  # every candidate is a table of `schedule`
     best, best_price = at_cheaper_timing(best, pricer)
     # Of two tables of one price, the one that runs more loss-stage groups as one op
     # (ir.ticks.fused_loss_ops): without `Costs.fbw` fusing is priced as free, and
@@ -189,15 +203,16 @@ def _pack(
     if mem_limit is not None and mem_limit >= largest_peak(schedule):
         # The table within the schedule's own peak is a table of every looser limit
         # (the greedy is not monotone in its limit: more room, other choices).
-        tight = pack_ticks(schedule, costs, iterations, None, orders, polish)
+        tight = pack_ticks(schedule, costs, iterations, None, orders, polish, sync)
         price = pricer.time(tight)
         if better(tight, price):
             keep(tight, price)
-    # No one-iteration table costs less than this: a table that reaches it is
+    # No one-iteration table costs less than this under global lockstep (a neighbour-
+    # synchronous one may: no floor then): a table that reaches it is
     # optimal, so the variants after it (and polishing) cannot improve on it.
     floor = (
         _cached(_FLOORS, schedule, (costs,), lambda: lockstep_lower_bound(schedule, costs))
-        if iterations == 1
+        if iterations == 1 and sync == "global"
         else -math.inf
     )
     if iterations > 1:
@@ -205,7 +220,7 @@ def _pack(
         # (nothing in flight), so the best one-iteration table, repeated, is as good as
         # any the greedy builds for all of them at once, and costs 1/iterations to build.
         # It is valid staggered too (each stage steps before its next iteration).
-        table = _repeat(_pack(schedule, costs, 1, mem_limit, orders, polish), iterations)
+        table = _repeat(_pack(schedule, costs, 1, mem_limit, orders, polish, sync), iterations)
         price = pricer.time(table)
         if better(table, price):
             keep(table, price)

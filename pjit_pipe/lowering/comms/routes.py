@@ -99,7 +99,48 @@ def _swap_along_path(
         got[(d, c)] = s
 
 
-def gated_sends(act_used: np.ndarray, grad_used: np.ndarray) -> tuple[Any, np.ndarray]:
+def without_cycles(routes: Sequence[Route]) -> list[Route]:
+    """`routes` with no ppermute whose pairs close a cycle: from each cycle (a ring
+    shift) the wrap edge, the pair that leaves its highest device, moves to one
+    more ppermute of its own (the wrap edges of disjoint cycles are a partial
+    permutation). A ring then travels as a forward shift and a separate wrap
+    edge, as JAX's GPU performance notes advise: a cyclic collective-permute
+    can deadlock or serialize in GPU runtimes' send/recv."""
+    kept, wraps = [], []
+    for route in routes:
+        nxt = dict(route)
+        wrap = set()
+        seen: set[int] = set()
+        for start in nxt:
+            path, node = [], start
+            while node in nxt and node not in seen:
+                seen.add(node)
+                path.append(node)
+                node = nxt[node]
+            if node in path:  # a cycle: path[path.index(node):]
+                top = max(path[path.index(node) :])
+                wrap.add((top, nxt[top]))
+        kept.append(tuple(p for p in route if p not in wrap))
+        wraps.extend(wrap)
+    return [*kept, tuple(sorted(wraps))] if wraps else list(routes)
+
+
+def channel_routes(grouping: Sequence[set[Pair]], pairwise: bool = False) -> list[Route]:
+    """The ppermutes of one channel whose pairs `grouping` holds, grouped by grid
+    shift: the fewest, without a cycle (`fewest_routes`, `without_cycles`).
+    `pairwise`: one ppermute per pair, so a tick that runs only the ppermutes
+    of its messages (`gated_sends(always=True)`) pairs each device with the
+    devices it exchanges with and no other; a runtime of one controller per
+    device then runs neighbour-synchronous (simulator/tick_sync.py)."""
+    pairs = set().union(*grouping)
+    if pairwise:
+        return [(p,) for p in sorted(pairs)]
+    return without_cycles(fewest_routes(pairs, grouping))
+
+
+def gated_sends(
+    act_used: np.ndarray, grad_used: np.ndarray, always: bool = False
+) -> tuple[Any, np.ndarray]:
     """(the distinct sets of ppermutes ticks use, each tick's set) from the
     (devices, ticks, ppermutes) masks of the receives each channel makes.
 
@@ -120,7 +161,7 @@ def gated_sends(act_used: np.ndarray, grad_used: np.ndarray) -> tuple[Any, np.nd
         for t in range(T)
     ]
     needed = sum(len(a) + len(g) for a, g in used)
-    if 2 * needed > T * (len(every[0]) + len(every[1])):
+    if not always and 2 * needed > T * (len(every[0]) + len(every[1])):
         return (every,), np.zeros(T, np.int32)
     sets = sorted(set(used))
     return tuple(sets), np.array([sets.index(u) for u in used], np.int32)

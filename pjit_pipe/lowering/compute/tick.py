@@ -45,6 +45,7 @@ from pjit_pipe.lowering.async_pipeline.async_weights import AsyncWeights
 from pjit_pipe.lowering.comms.delivery import Post
 from pjit_pipe.lowering.comms.messages import MessageSpec
 from pjit_pipe.lowering.comms.topology import Topology
+from pjit_pipe.lowering.compute.emulated_ticks import EmulatedTicks, EmulationHost
 from pjit_pipe.lowering.compute.loss import LossLayout
 from pjit_pipe.lowering.compute.stages import Residuals, StageVjp
 from pjit_pipe.lowering.compute.tick_ops import Inbox, OpGroup, StageOps
@@ -71,6 +72,8 @@ class TickProgram:
         rng_impls: dict[str, Any] | None = None,
         ticks: PackedTicks | None = None,
         weights: AsyncWeights | None = None,
+        emulate: EmulationHost | None = None,
+        pairwise: bool = False,
     ):
         self.sched = schedule
         self.st = stages
@@ -99,6 +102,7 @@ class TickProgram:
             every_stage_reads=keyed,
             split=stages.split,
             fuse_loss=weights is None,
+            pairwise=pairwise,
         )
         # With several iterations, the plan of the first (value_and_grad) numbers its
         # ops as the whole table's plan does: the two share their op functions.
@@ -115,6 +119,8 @@ class TickProgram:
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.post = Post(self.msg_spec, topology.axes)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
+        # An emulated run's hooks (emulated_ticks.py): op stubs and tick callbacks.
+        self.emulate = EmulatedTicks(emulate, topology.axes) if emulate else None
         self.shared = None
         if shared:
             self.shared = SharedGrads(
@@ -136,6 +142,7 @@ class TickProgram:
             remat,
             loss,
             rng_impls,
+            stub=self.emulate.op if self.emulate else None,
         )
 
     # ---- the carried buffers ----
@@ -210,6 +217,8 @@ class TickProgram:
                 acts = [late.read_through(s, a) for s, a in zip(act_slots, acts, strict=True)]
             else:
                 grads = [late.read_through(s, g) for s, g in zip(grad_slots, grads, strict=True)]
+        if self.emulate:  # every lane runs after the tick's start callback
+            acts, grads = self.emulate.tick_start((acts, grads))
         if self.remat:
             lane_acts = acts[1:]
         else:
@@ -319,6 +328,8 @@ class TickProgram:
         lanes = {Kind.F: forward_lane, Kind.B: input_grad_lane, Kind.W: weight_grad_lane}
         for kind in plan.order:
             lanes[kind]()
+        if self.emulate:  # the messages leave after the tick's end callback
+            act, grad = self.emulate.tick_end((act, grad), (res, grads, loss))
         return self.post.end_of_tick(plan, row, msgs, act, grad, late), res, grads, loss
 
     def tick_loop(

@@ -53,6 +53,8 @@ class StageOps:
     layouts[c]: how the loop holds chunk c's parameters and gradient (an op
     unpacks its stage's tree from them and packs its gradient into them; see
     param_layout.py). `loss_mult` scales the last stage's loss vector (see loss.py).
+    `stub(kind, stage, op)`, when given, replaces each op function (an emulated
+    run's, emulated_ticks.py).
     """
 
     def __init__(
@@ -65,10 +67,12 @@ class StageOps:
         remat: bool,
         loss: LossLayout,
         rng_impls: dict[str, Any] | None,
+        stub: Callable[[BranchKind, int, Callable], Callable] | None = None,
     ):
         self.sched, self.st, self.branches = schedule, stages, branches
         self.msg_spec, self.layouts = msg_spec, layouts
         self.remat, self.loss, self.rng_impls = remat, loss, rng_impls
+        self.stub = stub  # an emulated run's: (kind, stage, op) -> the op's stand-in
         self.scale = 1.0 / (schedule.replicas * schedule.microbatches)
         self.loss_mult = loss.accumulate_scale(self.scale)
         self.forwards = self.group((Kind.F,))
@@ -152,7 +156,8 @@ class StageOps:
                 return msg, put, self.no_loss()
             return msg, self.layouts[c].pack(s, dparams), self.no_loss()
 
-        return run if self.rng_impls is None else self._with_rngs(run)
+        run = run if self.rng_impls is None else self._with_rngs(run)
+        return run if self.stub is None else self.stub(kind, s, run)
 
     def _with_rngs(self, op: Callable) -> Callable:
         """op with its microbatch's keys in scope (see rng.py); the device batch is
