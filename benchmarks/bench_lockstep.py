@@ -1,6 +1,6 @@
 """What the compiled tick loop costs next to the event-driven schedule.
 
-1. The acceptance grid of issue 11: lockstep_period / steady_period (4
+1. The lockstep grid: lockstep_period / steady_period (4
    iterations) for every kind at P=4 m=8 and P=8 m=32 under costs 1,1,1,0,
    1,2,1,0 and 5,6,4,1, before (one op per device per tick) and after tick
    packing (tick_packing/packer.py): within the schedule's own peak memory (the
@@ -24,7 +24,7 @@
    (zb-h1, m=8), one op per tick against the packed table, and the table
    packed for costs 5,6,4,1 (deferred).
 6. With --step-time (alone): seconds per compiled train step of the tiny GPT
-   on 2x4 and of a dense MLP on 1x4 (CPU: compare runs of one session only).
+   on 2x4 and of a dense MLP on 1x4 (CPU: compare figures of one run only).
 
 With --polish SECONDS (alone): the synchronous cases of the grid (P=4 m=8
 and, without --quick, P=8 m=32) packed within their own peak by the greedy, then polished by exact solves of windows of

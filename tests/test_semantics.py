@@ -8,7 +8,7 @@
 - dropout with `rngs=`: equal to an unpipelined step that uses the same
   per-microbatch keys.
 
-The quick tests use two-stage pipelines (a mesh each); the acceptance matrix
+The quick tests use two-stage pipelines (a mesh each); the full matrix
 (2x4 and 1x4, 1f1b and zb-h1, four stages) is marked slow.
 """
 
