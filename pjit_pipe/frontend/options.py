@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from pjit_pipe.errors import FailurePlanError, MeshError, OptionError
 from pjit_pipe.frontend.cut import BALANCE
-from pjit_pipe.frontend.mesh import AXES
+from pjit_pipe.frontend.mesh import AXES, PIPELINE_AXES
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.schedules import KINDS
@@ -159,13 +159,13 @@ class PipelineOptions:
             return
         if not isinstance(self.mesh, Mesh):
             raise MeshError(
-                f"mesh: expected a jax Mesh from pjit_pipe.make_mesh(data=D, stage=P), "
+                f"mesh: expected a jax Mesh from pjit_pipe.make_mesh(data=D, stage=P, tensor=T), "
                 f"got {type(self.mesh).__name__}"
             )
-        if tuple(self.mesh.axis_names) != AXES:
+        if tuple(self.mesh.axis_names) not in (AXES, PIPELINE_AXES):
             raise MeshError(
                 f"mesh: axes must be {AXES}, got {tuple(self.mesh.axis_names)}; "
-                "build it with pjit_pipe.make_mesh(data=D, stage=P)"
+                "build it with pjit_pipe.make_mesh(data=D, stage=P, tensor=T)"
             )
         if self.mesh.shape["stage"] != self.stages:
             raise MeshError(

@@ -26,7 +26,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pjit_pipe.errors import BatchError, OptimizerError, RngError
 from pjit_pipe.frontend.adapters import as_model
 from pjit_pipe.frontend.cut import StageCut, cut_module
-from pjit_pipe.frontend.mesh import make_mesh
+from pjit_pipe.frontend.mesh import make_mesh, pipeline_mesh
 from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.options import PipelineOptions
 from pjit_pipe.frontend.program_cache import ProgramCache, ProgramKey
@@ -132,7 +132,7 @@ class Pipelined:
         )
         key += (str(jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params)),)
         times = measure_stage_times(
-            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, self.mesh, key=key
+            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, pipeline_mesh(self.mesh), key=key
         )
         self.stage_times = times
         return times.costs(self.stages, self.schedule.layout)  # V layouts too

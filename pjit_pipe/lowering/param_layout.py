@@ -28,6 +28,10 @@ multi-iteration and re-routed programs) re-enters its new parameters once,
 after the step. A chunk whose positions all hold stages of one layout
 (uniform chunks: the same blocks everywhere) has no overhead and needs no
 switch.
+
+A leaf split over 'tensor' already has a shaped buffer of its own in the row
+(packing.py); its class is that buffer, kept in its shape, so the loop reads
+and accumulates each device's slice of it and no reshape crosses the split.
 """
 
 from __future__ import annotations
@@ -41,7 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.packing import Buffers, FlatSpec, dtype_of, is_shaped
 
 # Classes may hold at most this many times the bytes of the chunk's flat row.
 MAX_CLASS_OVERHEAD = 1.25
@@ -58,22 +62,26 @@ class ChunkLayout:
     def __init__(self, spec: FlatSpec, stages: Sequence[int], classes: bool = True):
         self.spec, self.stages = spec, list(stages)
         self.same = spec.same_shapes(self.stages)  # one layout on every position
-        # Per stage, the class buffer of each leaf; per class buffer, (elements, dtype).
+        # Per stage, the class buffer of each leaf; per class buffer, (shape, dtype).
         self.keys: dict[int, list[str]] = {}
-        self.sizes: dict[str, tuple[int, str]] = {}
+        self.sizes: dict[str, tuple[tuple[int, ...], str]] = {}
         for s in dict.fromkeys(self.stages):
             seen: dict[tuple[str, int], int] = {}
             keys = []
             for key, _, n in spec.slots[s]:
+                if is_shaped(key):  # its own buffer already, in its shape
+                    keys.append(key)
+                    self.sizes[key] = (spec.shapes[key], dtype_of(key))
+                    continue
                 j = seen.get((key, n), 0)
                 seen[(key, n)] = j + 1
                 keys.append(f"{key}.{n}.{j}")
-                self.sizes[keys[-1]] = (n, key)
+                self.sizes[keys[-1]] = ((n,), key)
             self.keys[s] = keys
         self.sizes = dict(sorted(self.sizes.items()))
         itemsize = lambda key: np.dtype(key).itemsize  # noqa: E731
-        class_bytes = sum(n * itemsize(key) for n, key in self.sizes.values())
-        flat_bytes = sum(n * itemsize(key) for key, n in spec.sizes.items())
+        class_bytes = sum(int(np.prod(n)) * itemsize(key) for n, key in self.sizes.values())
+        flat_bytes = sum(spec.nbytes(key) for key in spec.sizes)
         self.flat = not classes or (not self.same and class_bytes > MAX_CLASS_OVERHEAD * flat_bytes)
 
     def enter(self, row: Buffers, pos: jax.Array) -> Any:
@@ -110,16 +118,15 @@ class ChunkLayout:
         stage s does not use)."""
         if self.flat:
             return self.spec.pack(s, tree)
-        got = dict(zip(self.keys[s], map(jnp.ravel, jax.tree.leaves(tree)), strict=True))
-        return {
-            k: got[k] if k in got else jnp.zeros((n,), key) for k, (n, key) in self.sizes.items()
-        }
+        leaves = jax.tree.leaves(tree)
+        got = {k: a.reshape(self.sizes[k][0]) for k, a in zip(self.keys[s], leaves, strict=True)}
+        return {k: got[k] if k in got else jnp.zeros(n, key) for k, (n, key) in self.sizes.items()}
 
     def zeros(self) -> Any:
         """An empty gradient accumulator in the carried layout."""
         if self.flat:
             return self.spec.zeros()
-        return {k: jnp.zeros((n,), key) for k, (n, key) in self.sizes.items()}
+        return {k: jnp.zeros(n, key) for k, (n, key) in self.sizes.items()}
 
     def _to_classes(self, s: int, row: Buffers) -> Any:
         return self.pack(s, self.spec.unpack(s, row))

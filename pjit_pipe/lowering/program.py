@@ -37,7 +37,7 @@ from pjit_pipe.lowering.shared import check_shared
 from pjit_pipe.lowering.stages import StageVjp
 from pjit_pipe.lowering.step import PipelineStep
 from pjit_pipe.lowering.tick import TickProgram
-from pjit_pipe.lowering.topology import AXES, Topology
+from pjit_pipe.lowering.topology import AXES, TENSOR, Topology
 
 __all__ = ["PipelineStep", "TickProgram", "lower"]
 
@@ -50,9 +50,10 @@ def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> Non
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a pjit_pipe Schedule, got {type(schedule).__name__}")
     validate(schedule)
-    if tuple(mesh.axis_names) != AXES:
+    if tuple(mesh.axis_names) not in (AXES, (*AXES, TENSOR)):
         raise MeshError(
-            f"mesh axes must be {AXES} (pjit_pipe.make_mesh builds one), got {tuple(mesh.axis_names)}"
+            f"mesh axes must be {(*AXES, TENSOR)} (pjit_pipe.make_mesh builds one), "
+            f"got {tuple(mesh.axis_names)}"
         )
     shape = (mesh.shape["data"], mesh.shape["stage"])
     if shape != (schedule.replicas, schedule.stages):
