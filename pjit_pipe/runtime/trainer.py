@@ -22,9 +22,9 @@ from typing import Any
 import jax
 
 from pjit_pipe.errors import StateError
+from pjit_pipe.frontend.mesh import worker_devices
 from pjit_pipe.frontend.pipelined import Pipelined
 from pjit_pipe.frontend.state import TrainState
-from pjit_pipe.frontend.mesh import worker_devices
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
 from pjit_pipe.runtime.variants import Variant, Variants
