@@ -2,6 +2,10 @@
 
 The blocks are a list of submodules called in a loop, so pjit_pipe can cut
 between any two of them; the model itself knows nothing about pipelining.
+With `megatron=True` the blocks' weights carry Megatron's tensor-parallel
+annotations (`nn.with_partitioning` over the mesh axis 'tensor'): qkv and the
+MLP's up-projection split on their output dimension (columns), the attention
+output and the MLP's down-projection on their input dimension (rows).
 """
 
 from __future__ import annotations
@@ -24,27 +28,46 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 4
     d_ff: int = 256
+    megatron: bool = False  # tensor-parallel annotations (see the module docstring)
 
     @classmethod
     def tiny(cls, vocab: int = 96) -> GPTConfig:
         return cls(vocab=vocab, seq_len=32, d_model=64, n_heads=4, n_layers=4, d_ff=256)
 
 
+def _dense(features: int, split: str | None, name: str | None = None) -> nn.Dense:
+    """nn.Dense, its kernel split over 'tensor' on the output ("column", with its
+    bias) or input ("row") dimension, or not at all (None)."""
+    if split is None:
+        return nn.Dense(features, name=name)
+    kernel = nn.initializers.lecun_normal()
+    if split == "column":
+        return nn.Dense(
+            features,
+            name=name,
+            kernel_init=nn.with_partitioning(kernel, (None, "tensor")),
+            bias_init=nn.with_partitioning(nn.initializers.zeros_init(), ("tensor",)),
+        )
+    return nn.Dense(features, name=name, kernel_init=nn.with_partitioning(kernel, ("tensor", None)))
+
+
 class CausalSelfAttention(nn.Module):
     d_model: int
     n_heads: int
+    megatron: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         *lead, t, d = x.shape
         head = d // self.n_heads
-        qkv = nn.Dense(3 * d, name="qkv")(x).reshape(*lead, t, 3, self.n_heads, head)
+        column, row = ("column", "row") if self.megatron else (None, None)
+        qkv = _dense(3 * d, column, "qkv")(x).reshape(*lead, t, 3, self.n_heads, head)
         q, k, v = (qkv[..., i, :, :] for i in range(3))
         scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / jnp.sqrt(head).astype(x.dtype)
         mask = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
         out = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(scores, axis=-1), v)
-        return nn.Dense(d, name="proj")(out.reshape(*lead, t, d))
+        return _dense(d, row, "proj")(out.reshape(*lead, t, d))
 
 
 class Block(nn.Module):
@@ -53,12 +76,14 @@ class Block(nn.Module):
     d_model: int
     n_heads: int
     d_ff: int
+    megatron: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + CausalSelfAttention(self.d_model, self.n_heads)(nn.LayerNorm()(x))
-        h = nn.gelu(nn.Dense(self.d_ff)(nn.LayerNorm()(x)))
-        return x + nn.Dense(self.d_model)(h)
+        column, row = ("column", "row") if self.megatron else (None, None)
+        x = x + CausalSelfAttention(self.d_model, self.n_heads, self.megatron)(nn.LayerNorm()(x))
+        h = nn.gelu(_dense(self.d_ff, column, "Dense_0")(nn.LayerNorm()(x)))
+        return x + _dense(self.d_model, row, "Dense_1")(h)
 
 
 class GPT(nn.Module):
@@ -72,7 +97,7 @@ class GPT(nn.Module):
             raise ValueError(f"d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
         self.wte = nn.Embed(c.vocab, c.d_model)
         self.wpe = nn.Embed(c.seq_len, c.d_model)
-        self.blocks = [Block(c.d_model, c.n_heads, c.d_ff) for _ in range(c.n_layers)]
+        self.blocks = [Block(c.d_model, c.n_heads, c.d_ff, c.megatron) for _ in range(c.n_layers)]
         self.ln_f = nn.LayerNorm()
         self.head = nn.Dense(c.vocab, use_bias=False)
 

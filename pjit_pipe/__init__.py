@@ -24,6 +24,7 @@ from pjit_pipe.errors import (
     PlotError,
     RngError,
     ScheduleError,
+    SplitError,
     StateError,
 )
 
@@ -84,6 +85,7 @@ __all__ = [
     "RngError",
     "Schedule",
     "ScheduleError",
+    "SplitError",
     "StageCut",
     "StateError",
     "TrainState",

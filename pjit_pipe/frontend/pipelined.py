@@ -26,12 +26,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from pjit_pipe.errors import BatchError, OptimizerError, RngError
 from pjit_pipe.frontend.adapters import as_model
 from pjit_pipe.frontend.cut import StageCut, cut_module
-from pjit_pipe.frontend.mesh import make_mesh, pipeline_mesh
+from pjit_pipe.frontend.mesh import make_mesh, pipeline_mesh, tensor_size
 from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.options import PipelineOptions
 from pjit_pipe.frontend.program_cache import ProgramCache, ProgramKey
 from pjit_pipe.frontend.rngs import step_rngs, with_step_rngs
 from pjit_pipe.frontend.state import StateView
+from pjit_pipe.frontend.tensor_split import is_split, rebox, splits_of, unbox
 from pjit_pipe.frontend.train_step import TrainStep
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
@@ -220,16 +221,30 @@ class Pipelined:
         loss_fn: LossFn,
         has_aux: bool = False,
         rngs: dict[str, jax.Array] | None = None,
+        boxed: Any = None,
     ) -> tuple[StageCut, PipelineStep]:
         """The stage cut and the compiled pipeline program (`lowering.PipelineStep`) for
-        `loss_fn` and these shapes, from the cache of the last `max_programs` ones."""
+        `loss_fn` and these shapes, from the cache of the last `max_programs` ones.
+        `params` are plain; `boxed` (tensor_split.unbox) says how weights split."""
         with _explain_rng_errors():
-            return self._program(params, x, y, loss_fn, has_aux, rngs)
+            return self._program(params, x, y, loss_fn, has_aux, rngs, boxed)
 
-    def state_view(self, cut: StageCut, program: PipelineStep) -> StateView:
-        """The state view of `program` (module layout <-> its device layout), one per program."""
+    def leaf_splits(self, cut: StageCut, params: Any, boxed: Any) -> list[list] | None:
+        """Per stage, per parameter leaf, its split over 'tensor' (None: replicated),
+        from the model's annotations (tensor_split.py); None when nothing is boxed."""
+        if boxed is None:
+            return None
+        tree = splits_of(boxed, params, tensor_size(self.mesh))
+        return [
+            [h.split for h in jax.tree.leaves(t, is_leaf=is_split)]
+            for t in cut.split(tree, is_split)
+        ]
+
+    def state_view(self, cut: StageCut, program: PipelineStep, boxed: Any = None) -> StateView:
+        """The state view of `program` (module layout <-> its device layout), one per
+        program; `boxed`: the annotated params whose boxes `state.params` comes back in."""
         if program not in self._views:
-            self._views[program] = StateView(cut, program.layout, self.optimizer)
+            self._views[program] = StateView(cut, program.layout, self.optimizer, boxed)
         return self._views[program]
 
     def _keyed_cut(self, params: Any, x: Any, rngs: dict[str, jax.Array] | None) -> StageCut:
@@ -260,14 +275,19 @@ class Pipelined:
             polish=self.options.pack_polish,
         )
 
-    def _program(self, params, x, y, loss_fn, has_aux, rngs) -> tuple[StageCut, PipelineStep]:
+    def _program(
+        self, params, x, y, loss_fn, has_aux, rngs, boxed
+    ) -> tuple[StageCut, PipelineStep]:
         from pjit_pipe.lowering import lower  # the compiler is heavy; load it on first use
 
         self._batch(x, y)
         self.measure_schedule(params, x, y, loss_fn)
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
-        key = ProgramKey(loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals)))
+        splits = self.leaf_splits(cut, params, boxed)
+        key = ProgramKey(
+            loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals), str(splits))
+        )
 
         def build() -> PipelineStep:
             if self.optimizer is not None:
@@ -288,6 +308,7 @@ class Pipelined:
                 shared=cut.shared,
                 ticks=ticks,
                 async_weights=self.options.async_weights,
+                splits=splits,
             )
 
         return cut, self._programs.get(key, build)
@@ -312,10 +333,11 @@ class Pipelined:
 
         def value_and_grad(params: Any, x: Any, y: Any, rngs: Any = None) -> tuple[Any, Any]:
             rngs = step_rngs(rngs)
-            cut, step = self.program(params, x, y, loss_fn, has_aux, rngs)
+            params, boxed = unbox(params)
+            cut, step = self.program(params, x, y, loss_fn, has_aux, rngs, boxed)
             params = self.place(params)
             loss, grads = step.value_and_grad(cut.split(params), x, y, rngs)
-            return loss, cut.merge(grads)
+            return loss, rebox(cut.merge(grads), boxed)
 
         return value_and_grad
 
@@ -328,14 +350,18 @@ class Pipelined:
 
         rngs = step_rngs(rngs)
         self._batch(x, x)
+        params, boxed = unbox(params)
         with _explain_rng_errors():
             cut = self._keyed_cut(params, x, rngs)
+            splits = self.leaf_splits(cut, params, boxed)
             avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), x)
-            key = ProgramKey("forward", (id(cut), tuple(sorted(rngs or ())), str(avals)))
+            key = ProgramKey(
+                "forward", (id(cut), tuple(sorted(rngs or ())), str(avals), str(splits))
+            )
             program = self._programs.get(
                 key,
                 lambda: lower_forward(
-                    self.schedule, cut.stage_fns(), self.mesh, cut.split(params), x, rngs
+                    self.schedule, cut.stage_fns(), self.mesh, cut.split(params), x, rngs, splits
                 ),
             )
         return program.forward(cut.split(self.place(params)), x, rngs)

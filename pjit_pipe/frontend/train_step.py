@@ -13,6 +13,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pjit_pipe.errors import RngError, StateError
 from pjit_pipe.frontend.rngs import step_rngs
 from pjit_pipe.frontend.state import StateView, TrainState
+from pjit_pipe.frontend.tensor_split import unbox
 
 if TYPE_CHECKING:
     from pjit_pipe.frontend.pipelined import LossFn, Pipelined
@@ -50,17 +51,25 @@ class TrainStep:
         self._carried_by: dict[StateView, PipelineStep] = {}
 
     def _program(
-        self, params: Any, batch: tuple[Any, Any], rngs: Any = None
+        self, params: Any, batch: tuple[Any, Any], rngs: Any = None, boxed: Any = None
     ) -> tuple[Any, StateView]:
-        """The compiled pipeline for these shapes (and rng streams) and its state view."""
-        cut, step = self.pipelined.program(params, *batch, self.loss_fn, rngs=rngs)
-        return step, self.pipelined.state_view(cut, step)
+        """The compiled pipeline for these shapes (and rng streams) and its state view;
+        `boxed`: the annotated params that say how weights split over 'tensor'."""
+        cut, step = self.pipelined.program(params, *batch, self.loss_fn, rngs=rngs, boxed=boxed)
+        return step, self.pipelined.state_view(cut, step, boxed)
+
+    def _state_program(
+        self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
+    ) -> tuple[Any, StateView]:
+        return self._program(state.view.variables, batch, rngs, state.view.boxed)
 
     def view(self, params: Any, batch: tuple[Any, Any]) -> StateView:
         """The state view (module layout <-> this step's device layout) for parameters
-        shaped like `params` (arrays or ShapeDtypeStructs) and batches like `batch`."""
+        shaped like `params` (arrays or ShapeDtypeStructs, boxed or not) and batches
+        like `batch`."""
         model = self.pipelined.model
-        return self._program(model.variables(model.params(params)), batch)[1]
+        params, boxed = unbox(params)
+        return self._program(model.variables(model.params(params)), batch, boxed=boxed)[1]
 
     def init(
         self,
@@ -75,9 +84,10 @@ class TrainStep:
         (x, y) that fixes the stage cut, and `rngs` an example key for a model that
         draws random numbers. Each stage's rows are built on its devices."""
         model = self.pipelined.model
+        params, boxed = unbox(params)  # annotated weights: how they split over 'tensor'
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
-        _, view = self._program(params, batch, step_rngs(rngs))  # checks the optimizer too
-        device_params, device_opt = view.to_device(params, opt_state)
+        _, view = self._program(params, batch, step_rngs(rngs), boxed)  # checks the optimizer
+        device_params, device_opt = view.to_device(params, unbox(opt_state)[0])
         return TrainState(device_params, device_opt, step, view)
 
     def adopt(
@@ -87,7 +97,7 @@ class TrainStep:
         there. Devices that run the same stages keep their rows; a device new to
         its stages copies them from a live peer; `unavailable` devices (failed
         ones) are never read."""
-        _, view = self._program(state.view.variables, batch)
+        _, view = self._state_program(state, batch)
         return self._into(view, state, unavailable)
 
     @staticmethod
@@ -117,7 +127,7 @@ class TrainStep:
         """One step; `rngs` (a key or {stream: key}) for a model that draws random
         numbers, as in `Pipelined.value_and_grad`."""
         rngs = step_rngs(rngs)
-        step, view = self._program(state.view.variables, batch, rngs)
+        step, view = self._state_program(state, batch, rngs)
         state, _ = self._into(view, state)
         x, y = self.pipelined.place(batch)
         if self.carry:
@@ -166,7 +176,7 @@ class TrainStep:
                 "compile: a carrying step (carry=True) compiles on its first call; "
                 "call it instead, or compile a step without carry"
             )
-        step, _ = self._program(state.view.variables, batch)
+        step, _ = self._state_program(state, batch)
         sharding = NamedSharding(self.pipelined.device_mesh, PartitionSpec())
         x, y = jax.tree.map(
             lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a), sharding=sharding),

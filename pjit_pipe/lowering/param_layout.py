@@ -44,6 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.lowering.packing import Buffers, FlatSpec, dtype_of, is_shaped
 
@@ -91,8 +92,7 @@ class ChunkLayout:
             return row
         if self.same:
             return self._to_classes(self.stages[0], row)
-        branches = [functools.partial(self._to_classes, s) for s in self.stages]
-        return lax.switch(pos, branches, row)
+        return self._switch(self._to_classes, row, pos)
 
     def leave(self, carried: Any, pos: jax.Array) -> Buffers:
         """A carried gradient -> the device's flat row (the inverse of `enter`)."""
@@ -100,8 +100,25 @@ class ChunkLayout:
             return carried
         if self.same:
             return self._to_row(self.stages[0], carried)
-        branches = [functools.partial(self._to_row, s) for s in self.stages]
-        return lax.switch(pos, branches, carried)
+        return self._switch(self._to_row, carried, pos)
+
+    def _switch(self, convert: Any, bufs: Any, pos: jax.Array) -> Any:
+        """convert(stages[pos], bufs): a switch on the position. Shaped buffers (split
+        over 'tensor') are the same in both layouts and stay out of it, and the flat
+        part is pinned replicated over 'tensor' on both sides: a value resharded
+        inside a branch that one stage's devices take would put a collective there
+        (tick.py's rule; docs/tensor_parallel.md)."""
+        if not self.spec.tensor_split:
+            return lax.switch(pos, [functools.partial(convert, s) for s in self.stages], bufs)
+        shaped = {k: b for k, b in bufs.items() if is_shaped(k)}
+
+        def branch(s: int, flat: Any) -> Any:
+            out = convert(s, {**flat, **shaped})
+            return _replicated({k: b for k, b in out.items() if not is_shaped(k)})
+
+        flat = _replicated({k: b for k, b in bufs.items() if not is_shaped(k)})
+        branches = [functools.partial(branch, s) for s in self.stages]
+        return {**lax.switch(pos, branches, flat), **shaped}
 
     def unpack(self, s: int, carried: Any) -> Any:
         """Stage s's parameter tree (inside its op): reshapes, or flat slices."""
@@ -133,3 +150,9 @@ class ChunkLayout:
 
     def _to_row(self, s: int, carried: Any) -> Buffers:
         return self.spec.pack(s, self.unpack(s, carried))
+
+
+def _replicated(bufs: Buffers) -> Buffers:
+    """`bufs` pinned replicated over the auto 'tensor' axis (inside the program's
+    shard_map, which is manual over the worker axes)."""
+    return {k: lax.with_sharding_constraint(b, PS()) for k, b in bufs.items()}

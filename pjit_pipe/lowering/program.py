@@ -36,6 +36,7 @@ from pjit_pipe.lowering.rng import check_rngs, impls_of, microbatch_rngs
 from pjit_pipe.lowering.shared import check_shared
 from pjit_pipe.lowering.stages import StageVjp
 from pjit_pipe.lowering.step import PipelineStep
+from pjit_pipe.lowering.tensor_layout import LeafSplits, any_split
 from pjit_pipe.lowering.tick import TickProgram
 from pjit_pipe.lowering.topology import AXES, TENSOR, Topology
 
@@ -44,6 +45,24 @@ __all__ = ["PipelineStep", "TickProgram", "lower"]
 
 def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
+
+
+def _check_tensor(topology: Topology, splits, weights_kind: str, shared) -> None:
+    """Refuse, by name, what tensor parallelism does not support yet."""
+    if not any_split(splits):
+        return
+    if topology.tensor == 1:
+        raise MeshError("splits: leaves split over 'tensor' need a mesh with tensor > 1")
+    if weights_kind == "async-1f1b":
+        raise OptionError(
+            "schedule='async-1f1b' with weights split over 'tensor' is not supported: its "
+            "weight policies keep flat weight rows; use a synchronous schedule or tensor=1"
+        )
+    if shared:
+        raise OptionError(
+            f"shared (tied) parameters {sorted(shared)} with weights split over 'tensor' are "
+            "not supported: untie them, or use tensor=1"
+        )
 
 
 def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> None:
@@ -94,6 +113,7 @@ def lower(
     ticks: PackedTicks | None = None,
     async_weights: str | None = None,
     staleness_offset: int = 0,
+    splits: Sequence[LeafSplits] | None = None,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -122,6 +142,9 @@ def lower(
     An asynchronous schedule (async-1f1b) takes `async_weights` "predict"
     (default), "stash" or "latest" and `staleness_offset` (see async_weights.py);
     its train_step then runs iterations*m optimizer steps, one per microbatch.
+    `splits`: per virtual stage, per parameter leaf, how it splits over the
+    mesh's 'tensor' axis (a per-dimension tuple of 'tensor' / None) or None
+    (replicated); see tensor_layout.py and docs/tensor_parallel.md.
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
@@ -129,7 +152,12 @@ def lower(
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     # Stages run as separate B and W get the split backward (see the docstring).
     split = set(split_stages(schedule))
-    if remat or not split_backward:
+    # With weights split over 'tensor' the split backward's stored operands are
+    # flat rows of tensor-split values: XLA reshards them with collective-permutes
+    # inside the op's branch, which only one stage's devices take, and CPU
+    # collectives rendezvous over every device (docs/tensor_parallel.md). W then
+    # re-runs the stage's pullback instead.
+    if remat or not split_backward or any_split(splits):
         split = set()
     loss = LossLayout(loss_fn, has_aux)
     impls, example_keys = None, {}
@@ -148,6 +176,7 @@ def lower(
     if not isinstance(iterations, int) or iterations < 1:
         raise OptionError(f"iterations must be a positive integer, got {iterations!r}")
     topology = Topology.of(mesh, schedule.failed)
+    _check_tensor(topology, splits, weights_kind=schedule.kind, shared=shared)
     if ticks is not None:
         if not isinstance(ticks, PackedTicks):
             raise OptionError(
@@ -168,6 +197,7 @@ def lower(
         rng_impls=impls,
         ticks=ticks,
         weights=weights,
+        splits=splits if any_split(splits) else None,
     )
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):

@@ -17,16 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.async_carry import CarryingStep, InFlight
 from pjit_pipe.lowering.device_state import DeviceLayout
 from pjit_pipe.lowering.optimizer import StageOptimizer
-from pjit_pipe.lowering.packing import Buffers, FlatSpec
+from pjit_pipe.lowering.packing import Buffers, FlatSpec, is_shaped
 from pjit_pipe.lowering.plan import TickPlan
 from pjit_pipe.lowering.rng import check_rngs, microbatch_key_data
+from pjit_pipe.lowering.tensor_layout import opt_state_splits
 from pjit_pipe.lowering.tick import TickProgram
 
 
@@ -49,11 +50,18 @@ class PipelineStep:
         topo = lowered.topo
         self._positions = topo.positions
         self._first_holder = np.array([topo.holders(p)[0] for p in range(schedule.stages)])
-        self._opt_spec = (
-            FlatSpec([jax.eval_shape(optimizer.init, a) for a in lowered.st.param_avals])
-            if optimizer is not None
-            else None
-        )
+        self._opt_spec = None
+        if optimizer is not None:
+            avals = lowered.st.param_avals
+            splits = lowered.splits
+            self._opt_spec = FlatSpec(
+                [jax.eval_shape(optimizer.init, a) for a in avals],
+                splits=None
+                if splits is None
+                else [
+                    opt_state_splits(optimizer, a, h) for a, h in zip(avals, splits, strict=True)
+                ],
+            )
         self._vg = jax.jit(self._value_and_grad)
         self._train = jax.jit(self._train_step) if optimizer is not None else None
         self._compiled_train = None
@@ -126,7 +134,24 @@ class PipelineStep:
             in_specs=(spec,) * (n_in_bufs + 4) + (PS(),) * n_replicated,
             out_specs=out_specs,
             check_vma=False,
+            **self.topology.shard_map_axes(),
         )
+
+    def _placed(self, spec: FlatSpec, bufs: Buffers) -> Buffers:
+        """`bufs` with each shaped buffer (a leaf split over 'tensor') constrained to
+        its split: shard_map specs name the worker axes only, so the split of the
+        state in and out of the step is set here, outside it."""
+        if not spec.tensor_split:
+            return bufs
+        axes = self.topology.axes
+        return {
+            k: jax.lax.with_sharding_constraint(
+                b, NamedSharding(self.mesh, PS(axes, None, *spec.split_of(k)))
+            )
+            if is_shaped(k)
+            else b
+            for k, b in bufs.items()
+        }
 
     def _device_args(self, x, y, plan: TickPlan):
         """Per-device inputs after the buffers: batch, labels, tick rows, positions."""
@@ -150,10 +175,9 @@ class PipelineStep:
             return loss, {k: g[None] for k, g in grads.items()}
 
         f = self._shard_map(body, 1, (PS(), self.topology.spec))
-        loss, grads = f(
-            self._pack(low.param_spec, stage_params), *self._device_args(x, y, low.plan)
-        )
-        return loss, self._unpack(low.param_spec, grads)
+        params = self._placed(low.param_spec, self._pack(low.param_spec, stage_params))
+        loss, grads = f(params, *self._device_args(x, y, low.plan))
+        return loss, self._unpack(low.param_spec, self._placed(low.param_spec, grads))
 
     def _train_buffers(self, params: Buffers, opt: Buffers, x, y):
         """The training step on the device layout: (params, opt) buffers of shape
@@ -179,7 +203,9 @@ class PipelineStep:
         out = self.topology.spec
         updates = (jnp.asarray(plan.updates),) if low.stepping else ()
         f = self._shard_map(body, 2, (out, out, PS()), n_replicated=len(updates))
+        params, opt = self._placed(low.param_spec, params), self._placed(spec, opt)
         params, opt, loss = f(params, opt, *self._device_args(x, y, plan), *updates)
+        params, opt = self._placed(low.param_spec, params), self._placed(spec, opt)
         if low.stepping and low.iterations == 1:
             loss = loss[0]
         return params, opt, loss

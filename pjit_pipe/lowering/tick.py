@@ -50,6 +50,7 @@ from pjit_pipe.lowering.param_layout import ChunkLayout
 from pjit_pipe.lowering.plan import FUSED, OpRow, TickPlan, TickRow, build_plan
 from pjit_pipe.lowering.shared import SharedGrads
 from pjit_pipe.lowering.stages import Residuals, StageVjp
+from pjit_pipe.lowering.tensor_layout import LeafSplits
 from pjit_pipe.lowering.tick_ops import Inbox, OpGroup, StageOps
 from pjit_pipe.lowering.topology import Topology
 
@@ -71,6 +72,7 @@ class TickProgram:
         rng_impls: dict[str, Any] | None = None,
         ticks: PackedTicks | None = None,
         weights: AsyncWeights | None = None,
+        splits: Sequence[LeafSplits] | None = None,
     ):
         self.sched = schedule
         self.st = stages
@@ -111,7 +113,9 @@ class TickProgram:
         self.step_plan: TickPlan | None = (every or self.plan) if self.stepping else None
         self.remat = remat
         self.fused = (FUSED, stages.S - 1) in self.plan.branches
-        self.param_spec = FlatSpec(stages.param_avals)
+        # Leaves split over 'tensor' get shaped buffers of their own (packing.py).
+        self.splits = splits
+        self.param_spec = FlatSpec(stages.param_avals, splits=splits)
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.post = Post(self.msg_spec, topology.axes)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]

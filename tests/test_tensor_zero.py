@@ -1,0 +1,153 @@
+"""Tensor parallelism inside stages: weights split over the mesh's 'tensor' axis by
+the model's own annotations, checked against plain jax.value_and_grad and optax."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import pjit_pipe as pp
+from models.gpt import GPT, GPTConfig, lm_loss
+
+CONFIG = dataclasses.replace(GPTConfig.tiny(), megatron=True)
+MODEL = GPT(CONFIG)
+
+
+def gpt_batch(n: int, seed: int = 0):
+    tokens = jax.random.randint(jax.random.key(seed), (n, CONFIG.seq_len + 1), 0, CONFIG.vocab)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+@pytest.fixture(scope="module")
+def boxed():
+    return MODEL.init(jax.random.key(1), gpt_batch(2)[0])
+
+
+def rel_err(got, want) -> float:
+    """Largest over leaves of max|got - want| / max|want|."""
+    return max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+def reference_grads(params, x, y):
+    return jax.value_and_grad(lambda p: lm_loss(MODEL.apply(p, x), y))(params)
+
+
+@pytest.mark.parametrize("kind", ["1f1b", pytest.param("zb-h1", marks=pytest.mark.slow)])
+def test_split_gpt_matches_value_and_grad(kind, boxed):
+    x, y = gpt_batch(8)
+    pm = pp.pipeline(MODEL, stages=2, microbatches=2, schedule=kind, mesh=pp.make_mesh(2, 2, 2))
+    loss, grads = pm.value_and_grad(lm_loss)(boxed, x, y)
+    want_loss, want = reference_grads(nn.meta.unbox(boxed), x, y)
+    assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+    kernel = grads["params"]["blocks_0"]["Dense_0"]["kernel"]
+    assert isinstance(kernel, nn.Partitioned) and kernel.names == (None, "tensor")
+    assert rel_err(nn.meta.unbox(grads), want) <= 1e-5
+
+
+def test_a_device_holds_its_slice_of_the_split_weights(boxed):
+    x, y = gpt_batch(8)
+    held = {}
+    for T in (1, 2):
+        pm = pp.pipeline(
+            MODEL, stages=2, microbatches=2, mesh=pp.make_mesh(2, 2, T), optimizer=optax.adam(1e-3)
+        )
+        state = pm.train_step(lm_loss).init(boxed, (x, y))
+        held[T] = max(state.device_bytes().values())
+        if T == 2:
+            qkv = "float32|64x192|None,tensor|0"
+            buf = state.device_params[qkv]
+            assert {s.data.shape for s in buf.addressable_shards} == {(1, 1, 64, 96)}
+    assert held[2] <= 0.6 * held[1], held
+
+
+def test_split_adamw_steps_match_optax(boxed):
+    # eps well above the gradients' rounding noise: the k bias of attention has a
+    # zero true gradient, where adam's default eps would turn noise into steps.
+    opt = optax.adamw(1e-2, eps=1e-3)
+    batches = [gpt_batch(8, seed=s) for s in range(3)]
+    pm = pp.pipeline(MODEL, stages=2, microbatches=2, mesh=pp.make_mesh(2, 2, 2), optimizer=opt)
+    step = pm.train_step(lm_loss)
+    state = step.init(boxed, batches[0])
+    params = nn.meta.unbox(boxed)
+    opt_state = opt.init(params)
+    for x, y in batches:
+        state, loss = step(state, (x, y))
+        want, grads = reference_grads(params, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        assert abs(float(loss) - float(want)) <= 5e-5 * abs(float(want))
+    got = state.params
+    kernel = got["params"]["blocks_3"]["Dense_1"]["kernel"]
+    assert isinstance(kernel, nn.Partitioned)
+    assert kernel.value.sharding.spec == jax.sharding.PartitionSpec("tensor", None)
+    assert rel_err(nn.meta.unbox(got), params) <= 5e-5
+
+
+def test_a_tensor_size_that_does_not_divide_a_split_dimension_is_refused(boxed):
+    x, y = gpt_batch(4)
+    pm = pp.pipeline(MODEL, stages=2, microbatches=2, mesh=pp.make_mesh(1, 2, 3))
+    with pytest.raises(
+        pp.SplitError, match=r"proj.*kernel.*dimension 0 \(size 64\).*tensor size 3.*divides 64"
+    ):
+        pm.value_and_grad(lm_loss)(boxed, x, y)
+
+
+class LogicalBlock(nn.Module):
+    """x + down(relu(up(x))): up split on its output, down on its input, by logical names."""
+
+    hidden: str = "mlp"
+
+    @nn.compact
+    def __call__(self, x):
+        init = nn.initializers.lecun_normal()
+        up = nn.with_logical_partitioning(init, ("embed", self.hidden))
+        down = nn.with_logical_partitioning(init, (self.hidden, "embed"))
+        h = nn.relu(nn.Dense(32, kernel_init=up, name="up")(x))
+        return x + nn.Dense(8, kernel_init=down, name="down")(h)
+
+
+class LogicalMLP(nn.Module):
+    hidden: str = "mlp"
+
+    def setup(self):
+        self.blocks = [LogicalBlock(self.hidden) for _ in range(2)]
+
+    def __call__(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+RULES = (("embed", None), ("mlp", "tensor"))
+
+
+def test_logical_names_split_by_the_rules_and_unknown_ones_are_refused():
+    x = np.asarray(jax.random.normal(jax.random.key(0), (8, 8)))
+    y = np.asarray(jax.random.normal(jax.random.key(1), (8, 8)))
+    mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
+    model = LogicalMLP()
+    with nn.logical_axis_rules(RULES):
+        params = model.init(jax.random.key(2), x)
+        pm = pp.pipeline(model, stages=2, microbatches=2, mesh=pp.make_mesh(1, 2, 2))
+        loss, grads = pm.value_and_grad(mse)(params, x, y)
+    plain = nn.meta.unbox(params)
+    want_loss, want = jax.value_and_grad(lambda p: mse(model.apply(p, x), y))(plain)
+    assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+    assert rel_err(nn.meta.unbox(grads), want) <= 1e-5
+    bad = LogicalMLP(hidden="hiden")
+    with nn.logical_axis_rules(RULES):
+        params = bad.init(jax.random.key(2), x)
+        pm = pp.pipeline(bad, stages=2, microbatches=2, mesh=pp.make_mesh(1, 2, 2))
+        with pytest.raises(
+            pp.SplitError, match=r"blocks_0.*down.*kernel.*dimension 0.*'hiden'.*rules"
+        ):
+            pm.value_and_grad(mse)(params, x, y)
