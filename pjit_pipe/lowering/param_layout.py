@@ -63,25 +63,29 @@ class ChunkLayout:
     def __init__(self, spec: FlatSpec, stages: Sequence[int], classes: bool = True):
         self.spec, self.stages = spec, list(stages)
         self.same = spec.same_shapes(self.stages)  # one layout on every position
-        # Per stage, the class buffer of each leaf; per class buffer, (shape, dtype).
+        # Per stage, the class buffer of each leaf; per class buffer, (elements, dtype),
+        # and its shape (a flat class: (elements,); a shaped buffer: its leaf's).
         self.keys: dict[int, list[str]] = {}
-        self.sizes: dict[str, tuple[tuple[int, ...], str]] = {}
+        self.sizes: dict[str, tuple[int, str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for s in dict.fromkeys(self.stages):
             seen: dict[tuple[str, int], int] = {}
             keys = []
             for key, _, n in spec.slots[s]:
                 if is_shaped(key):  # its own buffer already, in its shape
                     keys.append(key)
-                    self.sizes[key] = (spec.shapes[key], dtype_of(key))
+                    self.sizes[key] = (n, dtype_of(key))
+                    self.shapes[key] = spec.shapes[key]
                     continue
                 j = seen.get((key, n), 0)
                 seen[(key, n)] = j + 1
                 keys.append(f"{key}.{n}.{j}")
-                self.sizes[keys[-1]] = ((n,), key)
+                self.sizes[keys[-1]] = (n, key)
+                self.shapes[keys[-1]] = (n,)
             self.keys[s] = keys
         self.sizes = dict(sorted(self.sizes.items()))
         itemsize = lambda key: np.dtype(key).itemsize  # noqa: E731
-        class_bytes = sum(int(np.prod(n)) * itemsize(key) for n, key in self.sizes.values())
+        class_bytes = sum(n * itemsize(key) for n, key in self.sizes.values())
         flat_bytes = sum(spec.nbytes(key) for key in spec.sizes)
         self.flat = not classes or (not self.same and class_bytes > MAX_CLASS_OVERHEAD * flat_bytes)
 
@@ -136,14 +140,17 @@ class ChunkLayout:
         if self.flat:
             return self.spec.pack(s, tree)
         leaves = jax.tree.leaves(tree)
-        got = {k: a.reshape(self.sizes[k][0]) for k, a in zip(self.keys[s], leaves, strict=True)}
-        return {k: got[k] if k in got else jnp.zeros(n, key) for k, (n, key) in self.sizes.items()}
+        got = {k: a.reshape(self.shapes[k]) for k, a in zip(self.keys[s], leaves, strict=True)}
+        return {
+            k: got[k] if k in got else jnp.zeros(self.shapes[k], key)
+            for k, (_, key) in self.sizes.items()
+        }
 
     def zeros(self) -> Any:
         """An empty gradient accumulator in the carried layout."""
         if self.flat:
             return self.spec.zeros()
-        return {k: jnp.zeros(n, key) for k, (n, key) in self.sizes.items()}
+        return {k: jnp.zeros(self.shapes[k], key) for k, (_, key) in self.sizes.items()}
 
     def _to_classes(self, s: int, row: Buffers) -> Any:
         return self.pack(s, self.spec.unpack(s, row))
