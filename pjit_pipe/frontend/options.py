@@ -67,6 +67,10 @@ class PipelineOptions:
     async_weights: schedule="async-1f1b" only: the weights its stale forwards
         read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
         weight stashing) or "latest"; None: "predict" for async-1f1b.
+    zero: ZeRO over 'data': each stage's optax state sharded over its D
+        replicas, gradients reduce-scattered and the updated parameters
+        all-gathered once per step (lowering/zero.py); an elementwise
+        optimizer, unstaggered schedules without failures.
     """
 
     stages: int
@@ -85,6 +89,7 @@ class PipelineOptions:
     layers: tuple[tuple[int, int], ...] | None = None
     async_weights: AsyncWeightsMode | None = None
     pack_polish: float = 0.0
+    zero: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -129,6 +134,8 @@ class PipelineOptions:
                 f"got {type(self.optimizer).__name__}"
             )
         self._check_async_weights()
+        if not isinstance(self.zero, bool):
+            raise OptionError(f"zero: expected True or False, got {self.zero!r}")
         self._check_mesh()
         if self.layers is not None:
             layers = tuple((int(a), int(b)) for a, b in self.layers)

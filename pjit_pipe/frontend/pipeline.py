@@ -63,6 +63,7 @@ def pipeline(
     plan: Plan | Literal["auto"] | None = None,
     async_weights: AsyncWeightsMode | None = None,
     pack_polish: float = 0.0,
+    zero: bool = False,
 ) -> Pipelined | AutoPlanned | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
@@ -92,6 +93,7 @@ def pipeline(
             max_programs=max_programs,
             async_weights=async_weights,
             pack_polish=pack_polish,
+            zero=zero,
         )
         check_auto_options(stages, schedule, mesh, chunks, failed)
         checked = PipelineOptions(stages=1, **settings)  # the other options fail here, not later
@@ -131,6 +133,7 @@ def pipeline(
         layers=layers,
         async_weights=async_weights,
         pack_polish=pack_polish,
+        zero=zero,
     )
     return pipeline_with(module, options)
 

@@ -308,6 +308,7 @@ class Pipelined:
                 shared=cut.shared,
                 ticks=ticks,
                 async_weights=self.options.async_weights,
+                zero=self.options.zero,
                 splits=splits,
             )
 

@@ -39,6 +39,7 @@ from jax.sharding import PartitionSpec as PS
 from pjit_pipe.errors import StateError
 from pjit_pipe.lowering.packing import Buffers, FlatSpec, dtype_of, is_shaped
 from pjit_pipe.lowering.topology import TENSOR, Topology
+from pjit_pipe.lowering.zero import ZeroLayout
 
 HOLDER = "holder"  # a position's sub-mesh: its workers (and 'tensor', with T > 1)
 
@@ -67,8 +68,10 @@ class DeviceLayout:
         param_spec: FlatSpec,
         opt_spec: FlatSpec,
         optimizer: optax.GradientTransformation,
+        zero: ZeroLayout | None = None,
     ):
         self.topology = topology
+        self.zero = zero  # ZeRO: each worker's optax rows are its replica's slices (zero.py)
         self.held = [list(h) for h in held]
         self.specs = {"params": param_spec, "opt": opt_spec}
         self.optimizer = optimizer
@@ -160,6 +163,12 @@ class DeviceLayout:
             mesh = self.position_mesh(p)
             trees = [stage_params[s] for s in self.held[p]]
             opts = None if stage_opt is None else [stage_opt[s] for s in self.held[p]]
+            if self.zero is not None and opts is not None:
+                raise StateError(
+                    "zero=True: a state from a module-layout optax state (a checkpoint's, "
+                    "or init(opt_state=...)) is not supported yet; start from "
+                    "optimizer.init, or use zero=False"
+                )
             where = (
                 [self.leaf_shardings("params", s, mesh) for s in self.held[p]],
                 None
@@ -180,8 +189,24 @@ class DeviceLayout:
             held, specs, opt = self.held[p], self.specs, self.optimizer
 
             workers = mesh.shape[HOLDER]
+            replicas = [self.topology.workers[i].replica for i in self.topology.holders(p)]
+            zero = self.zero
 
             def pack(trees, opts):
+                if zero is not None:  # each holder: the optax state of its replica's slices
+                    rows = specs["params"]
+                    packed = [rows.pack(s, t) for s, t in zip(held, trees, strict=True)]
+                    chunks = {k: jnp.stack([r[k] for r in packed]) for k in rows.sizes}
+                    params = {
+                        k: jnp.broadcast_to(b, (workers, *b.shape)) for k, b in chunks.items()
+                    }
+                    per_holder = []
+                    for r in replicas:
+                        states = zero.init_slices(chunks, r)
+                        cs = [specs["opt"].pack(s, o) for s, o in zip(held, states, strict=True)]
+                        per_holder.append({k: jnp.stack([c[k] for c in cs]) for k in cs[0]})
+                    opt_rows = {k: jnp.stack([h[k] for h in per_holder]) for k in per_holder[0]}
+                    return params, opt_rows
                 if init_opt:
                     opts = [opt.init(t) for t in trees]
                 out = []

@@ -50,7 +50,8 @@ class FlatSpec:
     buffer's elements (a flat row's length: at least 1, so empty groups still
     have a shape), `shapes[key]` its shape and `splits[key]` how a shaped
     buffer splits over 'tensor'. `splits` (optional): per tree, per leaf, its
-    split or None (replicated: it goes into a flat row).
+    split or None (replicated: it goes into a flat row). `multiple`: flat rows
+    are padded to a multiple of it (ZeRO's D slices, zero.py).
     """
 
     def __init__(
@@ -58,6 +59,7 @@ class FlatSpec:
         trees: Sequence[Any],
         dtype: Any = None,
         splits: Sequence[Sequence[Split | None]] | None = None,
+        multiple: int = 1,
     ):
         self.treedefs = []
         self.avals: list[list[jax.ShapeDtypeStruct]] = []
@@ -86,12 +88,12 @@ class FlatSpec:
                 slots.append((key, start, n))
                 offsets[key] = start + n
             for key, n in offsets.items():
-                sizes[key] = max(sizes.get(key, 1), n)
+                sizes[key] = max(sizes.get(key, 1), -(-n // multiple) * multiple)
             self.treedefs.append(treedef)
             self.avals.append(avals)
             self.slots.append(slots)
         if dtype is not None:
-            sizes.setdefault(np.dtype(dtype).name, 1)
+            sizes.setdefault(np.dtype(dtype).name, multiple)
         self.sizes = dict(sorted(sizes.items()))
         for key, n in self.sizes.items():
             self.shapes.setdefault(key, (n,))

@@ -71,6 +71,21 @@ def _check_tensor(topology: Topology, splits, weights_kind: str, shared) -> None
         )
 
 
+def _check_zero(program: TickProgram, optimizer, shared) -> None:
+    """Refuse, by name, what ZeRO does not support yet."""
+    why = None
+    if not program.topo.complete:
+        why = "failed workers (the re-routed program steps the optimizer in its loop)"
+    elif program.stepping:
+        why = "the optimizer inside the loop (a staggered schedule, iterations > 1)"
+    elif program.weights is not None:
+        why = "an asynchronous schedule (async-1f1b)"
+    elif shared:
+        why = f"shared (tied) parameters {sorted(shared)}"
+    if why:
+        raise OptionError(f"zero=True with {why} is not supported yet; use zero=False")
+
+
 def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> None:
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a pjit_pipe Schedule, got {type(schedule).__name__}")
@@ -120,6 +135,7 @@ def lower(
     async_weights: str | None = None,
     staleness_offset: int = 0,
     splits: Sequence[LeafSplits] | None = None,
+    zero: bool = False,
 ) -> PipelineStep:
     """Compile `schedule` for these stages into one SPMD program per entry point.
 
@@ -150,7 +166,8 @@ def lower(
     its train_step then runs iterations*m optimizer steps, one per microbatch.
     `splits`: per virtual stage, per parameter leaf, how it splits over the
     mesh's 'tensor' axis (a per-dimension tuple of 'tensor' / None) or None
-    (replicated); see tensor_layout.py and docs/tensor_parallel.md.
+    (replicated); see tensor_layout.py and docs/tensor_parallel.md. `zero`: the
+    optimizer state sharded over 'data' (ZeRO, zero.py).
     """
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
@@ -204,7 +221,10 @@ def lower(
         ticks=ticks,
         weights=weights,
         splits=splits if any_split(splits) else None,
+        row_multiple=schedule.replicas if zero else 1,
     )
+    if zero:
+        _check_zero(program, optimizer, shared)
     if splits is not None and any_split(splits) and program.stepping:
         raise OptionError(
             "weights split over 'tensor' with the optimizer inside the loop (a staggered "
@@ -221,4 +241,4 @@ def lower(
             "schedule with iterations=1, or a per-parameter clip (optax.clip)"
         )
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
-    return PipelineStep(schedule, program, optimizer, examples)
+    return PipelineStep(schedule, program, optimizer, examples, zero=zero)

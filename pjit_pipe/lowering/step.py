@@ -29,6 +29,7 @@ from pjit_pipe.lowering.plan import TickPlan
 from pjit_pipe.lowering.rng import check_rngs, microbatch_key_data
 from pjit_pipe.lowering.tensor_layout import opt_state_splits
 from pjit_pipe.lowering.tick import TickProgram
+from pjit_pipe.lowering.zero import ZeroLayout
 
 
 class PipelineStep:
@@ -40,6 +41,7 @@ class PipelineStep:
         lowered: TickProgram,
         optimizer: optax.GradientTransformation | None,
         examples: tuple[Any, Any, Any],
+        zero: bool = False,
     ):
         self.schedule = schedule
         self.optimizer = optimizer
@@ -51,7 +53,14 @@ class PipelineStep:
         self._positions = topo.positions
         self._first_holder = np.array([topo.holders(p)[0] for p in range(schedule.stages)])
         self._opt_spec = None
-        if optimizer is not None:
+        # ZeRO over 'data' (zero.py): the optax state in slices, one per replica.
+        self._zero = None
+        if optimizer is not None and zero:
+            self._zero = ZeroLayout(
+                lowered.param_spec, schedule.replicas, optimizer, schedule.num_virtual_stages
+            )
+            self._opt_spec = self._zero.opt_spec
+        elif optimizer is not None:
             avals = lowered.st.param_avals
             splits = lowered.splits
             self._opt_spec = FlatSpec(
@@ -69,7 +78,7 @@ class PipelineStep:
         self.layout: DeviceLayout | None = None
         if optimizer is not None:
             self.layout = DeviceLayout(
-                topo, lowered.held, lowered.param_spec, self._opt_spec, optimizer
+                topo, lowered.held, lowered.param_spec, self._opt_spec, optimizer, self._zero
             )
         # The device-layout step, consuming its state buffers (donate) or not.
         self._device_steps = {
@@ -191,6 +200,9 @@ class PipelineStep:
                 params, opt, loss = self._stepper.stepping_loop(
                     spec, params, opt, x, y, rows, *updates, pos
                 )
+            elif self._zero is not None:
+                loss, grads = low.tick_loop(params, x, y, rows, pos, reduce=self._zero.scatter)
+                params, opt = self._zero.step(params, grads, opt)
             else:
                 loss, grads = low.tick_loop(params, x, y, rows, pos)
                 params, opt = self._stepper.optimizer_step(spec, params, grads, opt, pos)
@@ -267,6 +279,11 @@ class PipelineStep:
         """
         if self._train is None:
             raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
+        if self._zero is not None:
+            raise ValueError(
+                "train_step on per-stage trees: with zero=True the optax state is in slices; "
+                "use device_train_step on the device layout (Pipelined.train_step does)"
+            )
         run = self._compiled_train or self._train
         return run(list(stage_params), list(opt_state), self._with_keys(x, rngs), y)
 
@@ -361,6 +378,13 @@ class PipelineStep:
         if low.weights is None:
             return 0
         return low.weights.extra_bytes(low.param_spec, (low.step_plan or low.plan).res_slots)
+
+    def device_memory_analysis(self, donate: bool = True) -> Any:
+        """XLA's memory analysis of the compiled device_train_step (compiled by
+        `compile_device_train_step` first)."""
+        if donate not in self._compiled_device:
+            raise ValueError("device_memory_analysis: call compile_device_train_step first")
+        return self._compiled_device[donate].memory_analysis()
 
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the compiled value_and_grad program."""

@@ -73,6 +73,7 @@ class TickProgram:
         ticks: PackedTicks | None = None,
         weights: AsyncWeights | None = None,
         splits: Sequence[LeafSplits] | None = None,
+        row_multiple: int = 1,
     ):
         self.sched = schedule
         self.st = stages
@@ -115,7 +116,8 @@ class TickProgram:
         self.fused = (FUSED, stages.S - 1) in self.plan.branches
         # Leaves split over 'tensor' get shaped buffers of their own (packing.py).
         self.splits = splits
-        self.param_spec = FlatSpec(stages.param_avals, splits=splits)
+        # `row_multiple`: ZeRO cuts each flat row into D slices (zero.py).
+        self.param_spec = FlatSpec(stages.param_avals, splits=splits, multiple=row_multiple)
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.post = Post(self.msg_spec, topology.axes)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
@@ -326,11 +328,19 @@ class TickProgram:
         return self.post.end_of_tick(plan, row, msgs, act, grad, late), res, grads, loss
 
     def tick_loop(
-        self, params: Buffers, x: Any, y: Any, rows: TickRow, pos: jax.Array, with_aux: bool = False
+        self,
+        params: Buffers,
+        x: Any,
+        y: Any,
+        rows: TickRow,
+        pos: jax.Array,
+        with_aux: bool = False,
+        reduce: Callable[[Buffers], Buffers] | None = None,
     ):
         """Run every tick on this device (at pipeline position `pos`); return (the loss
         over the global batch, this device's gradient rows reduced over replicas).
-        With `with_aux` the loss is (loss, aux) (see loss.py)."""
+        With `with_aux` the loss is (loss, aux) (see loss.py). `reduce` replaces the
+        reduction over replicas (ZeRO's reduce-scatter, zero.py)."""
         params = self.chunk_params(params, pos)
 
         def tick(carry, row):
@@ -340,7 +350,7 @@ class TickProgram:
 
         (_, _, grads, loss), _ = lax.scan(tick, (*self.empty(self.plan), self.ops.no_loss()), rows)
         local = self.flat_grads(grads, pos)
-        grads = self.topo.reduce_over_replicas(local)
+        grads = (reduce or self.topo.reduce_over_replicas)(local)
         if self.shared is not None:
             grads = self.shared(local, grads)
         total = lax.psum(loss, self.topo.axes)

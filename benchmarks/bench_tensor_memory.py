@@ -1,0 +1,65 @@
+"""What a device holds with weights split over 'tensor', against tensor = 1.
+
+The tiny GPT with Megatron's annotations (models/gpt.py, megatron=True) on a
+(data=2, stage=2, tensor=T) mesh, adam: per T, the largest training state a
+device holds between steps (`state.device_bytes()`), and XLA's memory
+analysis of the compiled train step (arguments, outputs, temporaries).
+
+Run: python benchmarks/bench_tensor_memory.py
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import dataclasses
+
+import jax
+import optax
+
+import pjit_pipe as pp
+from models import GPT, GPTConfig, lm_loss
+from pjit_pipe.frontend.tensor_split import unbox
+
+
+def measure(tensor: int) -> dict[str, int]:
+    """State bytes per device (largest) and the compiled step's memory analysis."""
+    config = dataclasses.replace(GPTConfig.tiny(), megatron=True)
+    model = GPT(config)
+    tokens = jax.random.randint(jax.random.key(0), (8, config.seq_len + 1), 0, config.vocab)
+    x, y = tokens[:, :-1], tokens[:, 1:]
+    boxed = model.init(jax.random.key(1), x)
+    pm = pp.pipeline(
+        model,
+        stages=2,
+        microbatches=2,
+        mesh=pp.make_mesh(2, 2, tensor),
+        optimizer=optax.adam(1e-3),
+    )
+    step = pm.train_step(lm_loss)
+    state = step.init(boxed, (x, y))
+    step.compile(state, (x, y))
+    plain, box = unbox(boxed)
+    _, program = pm.program(plain, x, y, lm_loss, boxed=box)
+    analysis = program.device_memory_analysis()
+    return {
+        "state": max(state.device_bytes().values()),
+        "arguments": analysis.argument_size_in_bytes,
+        "outputs": analysis.output_size_in_bytes,
+        "temporaries": analysis.temp_size_in_bytes,
+    }
+
+
+def main() -> None:
+    rows = {t: measure(t) for t in (1, 2)}
+    print(f"{'bytes per device':<18}" + "".join(f"{f'tensor={t}':>12}" for t in rows) + "   ratio")
+    for key in rows[1]:
+        a, b = rows[1][key], rows[2][key]
+        print(f"{key:<18}{a:>12,}{b:>12,}   {b / a:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

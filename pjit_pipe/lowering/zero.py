@@ -1,0 +1,137 @@
+"""ZeRO over 'data': each stage's optimizer state sharded over its D replicas.
+
+With `zero=True` a worker (r, p) keeps the full parameters of its stages (the
+forward and backward read them every tick) but only slice r of their optax
+state. Each parameter buffer of the device layout (a flat row per dtype,
+padded to a multiple of D, or a shaped buffer of a leaf split over 'tensor';
+packing.py) is cut into D equal slices along one dimension: the row itself,
+or the first dimension of a shaped buffer that 'tensor' does not split and D
+divides (a shaped buffer with none keeps its optax state whole on every
+replica).
+
+After the tick loop the gradients are reduce-scattered over 'data'
+(`lax.psum_scatter`: replica r receives the sum of slice r), replica r runs
+the optax update on its slices only, and the updated slices are all-gathered
+over 'data' once per step. The update runs on a tree of slices, {buffer key:
+slice}, the same tree for every stage, so no switch on the pipeline position
+is needed; the optimizer must therefore be elementwise per parameter (adam,
+adamw, sgd, momentum, ...): a transformation that needs a whole parameter's
+shape or the model's tree (a mask over the parameter tree, per-leaf norms,
+factored second moments, a global-norm clip) is refused or fails when its
+state is built (docs/tensor_parallel.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+from jax import lax
+
+from pjit_pipe.errors import OptimizerError
+from pjit_pipe.lowering.global_norm import count_norm_calls
+from pjit_pipe.lowering.packing import Buffers, FlatSpec, dtype_of, is_shaped
+from pjit_pipe.lowering.tensor_layout import opt_state_splits
+
+DATA = "data"
+
+
+class ZeroLayout:
+    """Where each parameter buffer is cut into D slices, and the sliced optax state.
+
+    param_spec: the chunk rows' layout (flat rows padded to a multiple of D);
+    stages: the virtual stages (the optax state has one identical tree per
+    stage, so the device layout indexes it like the parameters').
+    """
+
+    def __init__(
+        self,
+        param_spec: FlatSpec,
+        replicas: int,
+        optimizer: optax.GradientTransformation,
+        stages: int,
+    ):
+        self.D, self.optimizer = replicas, optimizer
+        # Per buffer key: the dimension (of one chunk's buffer) cut into D slices, or None.
+        self.dims: dict[str, int | None] = {}
+        for k, shape in param_spec.shapes.items():
+            split = param_spec.split_of(k) if is_shaped(k) else (None,)
+            free = [d for d, n in enumerate(shape) if split[d] is None and n % replicas == 0]
+            self.dims[k] = free[0] if free else None
+        self.slices = {
+            k: jax.ShapeDtypeStruct(self._slice_shape(shape, self.dims[k]), dtype_of(k))
+            for k, shape in param_spec.shapes.items()
+        }
+        splits = [param_spec.split_of(k) if is_shaped(k) else None for k in self.slices]
+        try:
+            state = jax.eval_shape(optimizer.init, self.slices)
+        except (ValueError, TypeError) as e:
+            raise OptimizerError(
+                "zero=True: the optimizer cannot run on slices of the parameters (it needs "
+                "the parameter tree or whole leaves: a mask, per-leaf norms, factored "
+                "moments); use an elementwise optimizer (adam, adamw, sgd) or zero=False: "
+                f"{str(e).splitlines()[0]}"
+            ) from e
+        if count_norm_calls(optimizer, self.slices, state):
+            raise OptimizerError(
+                "zero=True with a global-norm clip (optax.clip_by_global_norm or another "
+                "optax.global_norm user) is not supported: each replica holds a slice of "
+                "the update; use zero=False, or a per-parameter clip (optax.clip)"
+            )
+        opt_splits = opt_state_splits(optimizer, self.slices, splits)
+        self.opt_spec = FlatSpec([state] * stages, splits=[opt_splits] * stages)
+
+    def _slice_shape(self, shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+        if dim is None:
+            return shape
+        return tuple(n // self.D if d == dim else n for d, n in enumerate(shape))
+
+    def scatter(self, grads: Buffers) -> Buffers:
+        """(v, ...) gradient buffers -> summed over 'data', each replica its slice."""
+        return {
+            k: lax.psum(g, DATA)
+            if self.dims[k] is None
+            else lax.psum_scatter(g, DATA, scatter_dimension=1 + self.dims[k], tiled=True)
+            for k, g in grads.items()
+        }
+
+    def init_slices(self, rows: Buffers, replica: int) -> Any:
+        """The optax state of replica `replica`'s slices of (v, ...) rows, per chunk."""
+        v = next(iter(rows.values())).shape[0]
+        return [
+            self.optimizer.init({k: self._take(b[c], k, replica) for k, b in rows.items()})
+            for c in range(v)
+        ]
+
+    def _take(self, buf: jax.Array, k: str, replica: Any) -> jax.Array:
+        dim = self.dims[k]
+        if dim is None:
+            return buf
+        n = buf.shape[dim] // self.D
+        return lax.dynamic_slice_in_dim(buf, replica * n, n, axis=dim)
+
+    def step(self, params: Buffers, grads: Buffers, opt: Buffers) -> tuple[Buffers, Buffers]:
+        """This replica's optax update of its slices, then the all-gather of the new
+        parameters (inside the program's shard_map). params/opt: (v, ...) buffers;
+        grads: `scatter`'s slices."""
+        r = lax.axis_index(DATA)
+        v = next(iter(params.values())).shape[0]
+        new_p: dict[str, list[jax.Array]] = {k: [] for k in params}
+        new_o: list[Buffers] = []
+        for c in range(v):
+            p = {k: self._take(b[c], k, r) for k, b in params.items()}
+            g = {k: b[c] for k, b in grads.items()}
+            o = self.opt_spec.unpack(0, {k: b[c] for k, b in opt.items()})
+            updates, o = self.optimizer.update(g, o, p)
+            p = optax.apply_updates(p, updates)
+            for k, b in p.items():
+                new_p[k].append(b)
+            new_o.append(self.opt_spec.pack(0, o))
+        gathered = {}
+        for k, parts in new_p.items():
+            b = jax.numpy.stack(parts)
+            dim = self.dims[k]
+            gathered[k] = b if dim is None else lax.all_gather(b, DATA, axis=1 + dim, tiled=True)
+        opt = {k: jax.numpy.stack([o[k] for o in new_o]) for k in opt}
+        return gathered, opt
