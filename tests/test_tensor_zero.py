@@ -151,3 +151,64 @@ def test_logical_names_split_by_the_rules_and_unknown_ones_are_refused():
             pp.SplitError, match=r"blocks_0.*down.*kernel.*dimension 0.*'hiden'.*rules"
         ):
             pm.value_and_grad(mse)(params, x, y)
+
+
+# ---- ZeRO over 'data' ----
+
+
+def adamw_reference(batches, opt):
+    params = nn.meta.unbox(MODEL.init(jax.random.key(1), gpt_batch(2)[0]))
+    opt_state, losses = opt.init(params), []
+    for x, y in batches:
+        loss, grads = reference_grads(params, x, y)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+    return params, losses
+
+
+@pytest.mark.parametrize(
+    "shape", [(4, 2, 1), pytest.param((2, 2, 2), marks=pytest.mark.slow)], ids=["4x2x1", "2x2x2"]
+)
+def test_zero_adamw_steps_match_optax(shape, boxed):
+    opt = optax.adamw(1e-2, eps=1e-3)  # eps: see test_split_adamw_steps_match_optax
+    batches = [gpt_batch(16, seed=s) for s in range(3)]
+    D, P, T = shape
+    pm = pp.pipeline(
+        MODEL, stages=P, microbatches=2, mesh=pp.make_mesh(D, P, T), optimizer=opt, zero=True
+    )
+    step = pm.train_step(lm_loss)
+    state = step.init(boxed, batches[0])
+    want_params, want_losses = adamw_reference(batches, opt)
+    for batch, want in zip(batches, want_losses, strict=True):
+        state, loss = step(state, batch)
+        assert abs(float(loss) - want) <= 5e-5 * abs(want)
+    assert rel_err(nn.meta.unbox(state.params), want_params) <= 5e-5
+    with pytest.raises(pp.StateError, match="zero=True.*slices.*zero=False"):
+        state.opt_state  # noqa: B018
+
+
+def test_zero_holds_a_slice_of_the_optax_state(boxed):
+    x, y = gpt_batch(16)
+    held = {}
+    for zero in (False, True):
+        pm = pp.pipeline(
+            MODEL,
+            stages=2,
+            microbatches=2,
+            mesh=pp.make_mesh(4, 2),
+            optimizer=optax.adam(1e-3),
+            zero=zero,
+        )
+        held[zero] = max(pm.train_step(lm_loss).init(boxed, (x, y)).device_bytes().values())
+    assert held[True] <= 0.75 * held[False], held
+
+
+def test_zero_refuses_a_global_norm_clip_by_name(boxed):
+    x, y = gpt_batch(16)
+    opt = optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-3))
+    pm = pp.pipeline(
+        MODEL, stages=2, microbatches=2, mesh=pp.make_mesh(4, 2), optimizer=opt, zero=True
+    )
+    with pytest.raises(pp.OptimizerError, match="zero=True.*global-norm clip.*zero=False"):
+        pm.train_step(lm_loss).init(boxed, (x, y))

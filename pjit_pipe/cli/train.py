@@ -153,6 +153,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         mesh=pp.make_mesh(data=data, stage=stages, tensor=tensor),
         optimizer=optax.adam(args.lr),
         async_weights=getattr(args, "async_weights", None),
+        zero=getattr(args, "zero", False),
         **({"costs": "measure"} if getattr(args, "show_costs", False) else {}),
     )
     precompile = getattr(args, "precompile", None)

@@ -155,6 +155,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "(PipeOptim's weight prediction, the default), stash (PipeDream's weight "
         "stashing) or latest; each of the M microbatches of a step is one Adam update",
     )
+    parser.add_argument(
+        "--zero",
+        action="store_true",
+        help="ZeRO over the data axis: each stage's Adam state sharded over its D replicas "
+        "(unstaggered schedules without --fail; docs/tensor_parallel.md)",
+    )
 
 
 def add_failure_args(parser: argparse.ArgumentParser) -> None:
