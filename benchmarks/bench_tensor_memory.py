@@ -1,9 +1,10 @@
-"""What a device holds with weights split over 'tensor', against tensor = 1.
+"""What a device holds with weights split over 'tensor', and with ZeRO over 'data'.
 
-The tiny GPT with Megatron's annotations (models/gpt.py, megatron=True) on a
-(data=2, stage=2, tensor=T) mesh, adam: per T, the largest training state a
-device holds between steps (`state.device_bytes()`), and XLA's memory
-analysis of the compiled train step (arguments, outputs, temporaries).
+The tiny GPT with Megatron's annotations (models/gpt.py, megatron=True), adam:
+the largest training state a device holds between steps
+(`state.device_bytes()`) and XLA's memory analysis of the compiled train step
+(arguments, outputs, temporaries), for (data=2, stage=2) with tensor = 1 and
+2, and for (data=4, stage=2) without and with zero=True.
 
 Run: python benchmarks/bench_tensor_memory.py
 """
@@ -25,19 +26,20 @@ from models import GPT, GPTConfig, lm_loss
 from pjit_pipe.frontend.tensor_split import unbox
 
 
-def measure(tensor: int) -> dict[str, int]:
+def measure(shape: tuple[int, int, int], zero: bool) -> dict[str, int]:
     """State bytes per device (largest) and the compiled step's memory analysis."""
     config = dataclasses.replace(GPTConfig.tiny(), megatron=True)
     model = GPT(config)
-    tokens = jax.random.randint(jax.random.key(0), (8, config.seq_len + 1), 0, config.vocab)
+    tokens = jax.random.randint(jax.random.key(0), (16, config.seq_len + 1), 0, config.vocab)
     x, y = tokens[:, :-1], tokens[:, 1:]
     boxed = model.init(jax.random.key(1), x)
     pm = pp.pipeline(
         model,
         stages=2,
         microbatches=2,
-        mesh=pp.make_mesh(2, 2, tensor),
+        mesh=pp.make_mesh(*shape),
         optimizer=optax.adam(1e-3),
+        zero=zero,
     )
     step = pm.train_step(lm_loss)
     state = step.init(boxed, (x, y))
@@ -54,11 +56,15 @@ def measure(tensor: int) -> dict[str, int]:
 
 
 def main() -> None:
-    rows = {t: measure(t) for t in (1, 2)}
-    print(f"{'bytes per device':<18}" + "".join(f"{f'tensor={t}':>12}" for t in rows) + "   ratio")
-    for key in rows[1]:
-        a, b = rows[1][key], rows[2][key]
-        print(f"{key:<18}{a:>12,}{b:>12,}   {b / a:.2f}x")
+    pairs = {
+        "2x2x1 -> 2x2x2": (measure((2, 2, 1), False), measure((2, 2, 2), False)),
+        "4x2 -> 4x2 zero": (measure((4, 2, 1), False), measure((4, 2, 1), True)),
+    }
+    for name, (before, after) in pairs.items():
+        print(f"{name:<18}{'before':>12}{'after':>12}   ratio")
+        for key in before:
+            a, b = before[key], after[key]
+            print(f"  {key:<16}{a:>12,}{b:>12,}   {b / a:.2f}x")
 
 
 if __name__ == "__main__":

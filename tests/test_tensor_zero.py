@@ -53,6 +53,13 @@ def test_split_gpt_matches_value_and_grad(kind, boxed):
     assert rel_err(nn.meta.unbox(grads), want) <= 1e-5
 
 
+def test_split_gpt_forward_matches_apply(boxed):
+    x, _ = gpt_batch(8)
+    pm = pp.pipeline(MODEL, stages=2, microbatches=2, mesh=pp.make_mesh(2, 2, 2))
+    want = MODEL.apply(nn.meta.unbox(boxed), x)
+    assert rel_err(pm.forward(boxed, x), want) <= 1e-5
+
+
 def test_a_device_holds_its_slice_of_the_split_weights(boxed):
     x, y = gpt_batch(8)
     held = {}
