@@ -191,7 +191,7 @@ def test_zero_adamw_steps_match_optax(shape, boxed):
         state, loss = step(state, batch)
         assert abs(float(loss) - want) <= 5e-5 * abs(want)
     assert rel_err(nn.meta.unbox(state.params), want_params) <= 5e-5
-    with pytest.raises(pp.StateError, match="zero=True.*slices.*zero=False"):
+    with pytest.raises(pp.StateError, match=r"zero=True.*slices.*zero=False"):
         state.opt_state  # noqa: B018
 
 
@@ -217,5 +217,5 @@ def test_zero_refuses_a_global_norm_clip_by_name(boxed):
     pm = pp.pipeline(
         MODEL, stages=2, microbatches=2, mesh=pp.make_mesh(4, 2), optimizer=opt, zero=True
     )
-    with pytest.raises(pp.OptimizerError, match="zero=True.*global-norm clip.*zero=False"):
+    with pytest.raises(pp.OptimizerError, match=r"zero=True.*global-norm clip.*zero=False"):
         pm.train_step(lm_loss).init(boxed, (x, y))
