@@ -4,6 +4,8 @@ the model's own annotations, checked against plain jax.value_and_grad and optax.
 from __future__ import annotations
 
 import dataclasses
+import json
+import shutil
 
 import flax.linen as nn
 import jax
@@ -219,3 +221,27 @@ def test_zero_refuses_a_global_norm_clip_by_name(boxed):
     )
     with pytest.raises(pp.OptimizerError, match=r"zero=True.*global-norm clip.*zero=False"):
         pm.train_step(lm_loss).init(boxed, (x, y))
+
+
+# ---- checkpoints across tensor sizes ----
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("target", ["2x4", "4x2"])
+def test_a_run_saved_on_2x2x2_resumes_on_another_mesh(target, tmp_path, capsys):
+    """5 steps of gpt-tiny on 2x2x2 (blocks split over 'tensor') saving at step 3,
+    then the checkpoint resumed on a tensor=1 mesh: the uninterrupted losses."""
+    from pjit_pipe.cli import main
+
+    common = ["train", "--microbatches", "2", "--batch", "8", "--json", "--steps", "5"]
+    directory = tmp_path / "ckpt"
+    saving = ["--checkpoint-dir", str(directory), "--checkpoint-every", "3"]
+    assert main([*common, "--mesh", "2x2x2", *saving]) == 0
+    full = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    shutil.rmtree(directory / "5")  # as if the run had stopped after step 3
+    assert main([*common, "--mesh", target, "--checkpoint-dir", str(directory)]) == 0
+    resumed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["step"] for r in resumed] == [3, 4]
+    np.testing.assert_allclose(
+        [r["loss"] for r in resumed], [r["loss"] for r in full[3:]], rtol=1e-4
+    )
