@@ -18,7 +18,6 @@ import flax.struct
 import jax
 import optax
 
-from pjit_pipe.errors import StateError
 from pjit_pipe.frontend.cut import StageCut
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
 from pjit_pipe.frontend.tensor_split import rebox
@@ -79,12 +78,9 @@ class StateView:
 
     def to_module(self, state: TrainState, skip: Collection[Any] = ()) -> tuple[Any, Any]:
         """(params, opt_state) in the module layout, each leaf on the devices of the
-        stage that owns it; the devices in `skip` are not read. With ZeRO the
-        optax state is in slices (lowering/zero.py) and comes back as None."""
+        stage that owns it; the devices in `skip` are not read."""
         stage_params, stage_opt = self.layout.to_stages(state.device_params, state.device_opt, skip)
         params = self.cut.merge(stage_params)
-        if self.layout.zero is not None:
-            return params, None
         return params, merge_opt_state(self.cut, stage_opt, self.opt_template, params)
 
 
@@ -119,22 +115,12 @@ class TrainState:
     @property
     def opt_state(self) -> Any:
         """`optimizer.init(params)`'s tree with the current values, leaves on their stage's devices."""
-        self._whole_opt_state("opt_state")
         return self.view.to_module(self)[1]
 
     def module_state(self) -> dict[str, Any]:
         """{'params', 'opt_state', 'step'} in the module layout: what a checkpoint stores."""
-        self._whole_opt_state("module_state")
         params, opt_state = self.view.to_module(self)
         return {"params": params, "opt_state": opt_state, "step": self.step}
-
-    def _whole_opt_state(self, what: str) -> None:
-        if self.view.layout.zero is not None:
-            raise StateError(
-                f"state.{what}: with zero=True the optax state is held in slices over "
-                "'data' and its module layout (and so checkpoints) is not built yet; read "
-                "state.params, or train with zero=False"
-            )
 
     def device_bytes(self) -> dict[Any, int]:
         """Bytes of this state on each device."""

@@ -163,16 +163,12 @@ class DeviceLayout:
             mesh = self.position_mesh(p)
             trees = [stage_params[s] for s in self.held[p]]
             opts = None if stage_opt is None else [stage_opt[s] for s in self.held[p]]
-            if self.zero is not None and opts is not None:
-                raise StateError(
-                    "zero=True: a state from a module-layout optax state (a checkpoint's, "
-                    "or init(opt_state=...)) is not supported yet; start from "
-                    "optimizer.init, or use zero=False"
-                )
             where = (
                 [self.leaf_shardings("params", s, mesh) for s in self.held[p]],
                 None
                 if opts is None
+                else jax.tree.map(lambda _, m=mesh: NamedSharding(m, PS()), opts)
+                if self.zero is not None  # module-layout optax trees, not slices
                 else [self.leaf_shardings("opt", s, mesh) for s in self.held[p]],
             )
             args = jax.tree.map(_onto, (trees, opts), where)
@@ -200,13 +196,7 @@ class DeviceLayout:
                     params = {
                         k: jnp.broadcast_to(b, (workers, *b.shape)) for k, b in chunks.items()
                     }
-                    per_holder = []
-                    for r in replicas:
-                        states = zero.init_slices(chunks, r)
-                        cs = [specs["opt"].pack(s, o) for s, o in zip(held, states, strict=True)]
-                        per_holder.append({k: jnp.stack([c[k] for c in cs]) for k in cs[0]})
-                    opt_rows = {k: jnp.stack([h[k] for h in per_holder]) for k in per_holder[0]}
-                    return params, opt_rows
+                    return params, zero.holder_rows(chunks, opts, held, rows, replicas)
                 if init_opt:
                     opts = [opt.init(t) for t in trees]
                 out = []
@@ -301,13 +291,15 @@ class DeviceLayout:
     def _unpacker(self, p: int, mesh: Mesh):
         key = (p, tuple(mesh.devices.flat))
         if key not in self._unpackers:
-            held, specs = self.held[p], self.specs
+            held, specs, zero = self.held[p], self.specs, self.zero
 
             def unpack(params, opt):
                 trees = [
                     specs["params"].unpack(s, {k: b[0, c] for k, b in params.items()})
                     for c, s in enumerate(held)
                 ]
+                if zero is not None:  # the holders' slices joined (zero.py)
+                    return trees, zero.stage_states(opt, held, specs["params"])
                 opts = [
                     specs["opt"].unpack(s, {k: b[0, c] for k, b in opt.items()})
                     for c, s in enumerate(held)
@@ -317,6 +309,8 @@ class DeviceLayout:
             out_shardings = tuple(
                 [self.leaf_shardings(part, s, mesh) for s in held] for part in ("params", "opt")
             )
+            if zero is not None:  # replicated on the position's devices
+                out_shardings = (out_shardings[0], [NamedSharding(mesh, PS())] * len(held))
             self._unpackers[key] = jax.jit(unpack, out_shardings=out_shardings)
         return self._unpackers[key]
 

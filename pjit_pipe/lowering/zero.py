@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 from jax import lax
 
@@ -35,6 +36,16 @@ from pjit_pipe.lowering.packing import Buffers, FlatSpec, dtype_of, is_shaped
 from pjit_pipe.lowering.tensor_layout import opt_state_splits
 
 DATA = "data"
+
+
+def _masked(node: Any) -> bool:
+    return isinstance(node, optax.MaskedNode)
+
+
+def _like(tree: Any):
+    """Whether a node of an optax state is shaped like the parameter tree `tree`."""
+    treedef = jax.tree.structure(tree, _masked)
+    return lambda node: jax.tree.structure(node, _masked) == treedef
 
 
 class ZeroLayout:
@@ -96,13 +107,77 @@ class ZeroLayout:
             for k, g in grads.items()
         }
 
-    def init_slices(self, rows: Buffers, replica: int) -> Any:
-        """The optax state of replica `replica`'s slices of (v, ...) rows, per chunk."""
-        v = next(iter(rows.values())).shape[0]
-        return [
-            self.optimizer.init({k: self._take(b[c], k, replica) for k, b in rows.items()})
-            for c in range(v)
-        ]
+    def _like_slices(self, node: Any) -> bool:
+        return jax.tree.structure(node, _masked) == jax.tree.structure(self.slices, _masked)
+
+    def holder_rows(
+        self,
+        params: Buffers,
+        stage_opts: list[Any] | None,
+        held: list[int],
+        spec: FlatSpec,
+        replicas: list[int],
+    ) -> Buffers:
+        """Optax rows (holders, v, ...) of one position: holder h (replica
+        replicas[h]) gets the state of its slices. params: the position's (v, ...)
+        parameter rows; stage_opts: per chunk the stage's module-layout optax state
+        (its parameter-shaped parts are cut into slices; other leaves are kept),
+        or None for optimizer.init of the slices."""
+        _, treedef = jax.tree.flatten(
+            jax.eval_shape(self.optimizer.init, self.slices), self._like_slices
+        )
+        out = []
+        for r in replicas:
+            chunks = []
+            for c, s in enumerate(held):
+                if stage_opts is None:
+                    state = self.optimizer.init(
+                        {k: self._take(b[c], k, r) for k, b in params.items()}
+                    )
+                else:
+                    like = _like(jax.tree.unflatten(spec.treedefs[s], spec.avals[s]))
+                    nodes = [
+                        {k: self._take(b, k, r) for k, b in spec.pack(s, node).items()}
+                        if like(node)
+                        else node
+                        for node in jax.tree.leaves(stage_opts[c], is_leaf=like)
+                    ]
+                    state = treedef.unflatten(nodes)
+                chunks.append(self.opt_spec.pack(0, state))
+            out.append({k: jnp.stack([ch[k] for ch in chunks]) for k in chunks[0]})
+        return {k: jnp.stack([o[k] for o in out]) for k in out[0]}
+
+    def stage_states(self, opt: Buffers, held: list[int], spec: FlatSpec) -> list[Any]:
+        """The inverse of `holder_rows`: (D, v, ...) optax rows of one position's
+        holders, in replica order -> per chunk its stage's module-layout optax state
+        (`optimizer.init(stage params)`'s tree: the slices of each parameter-shaped
+        part joined and unpacked, other leaves from replica 0)."""
+        out = []
+        for c, s in enumerate(held):
+            states = [
+                jax.tree.leaves(
+                    self.opt_spec.unpack(0, {k: b[h, c] for k, b in opt.items()}),
+                    is_leaf=self._like_slices,
+                )
+                for h in range(self.D)
+            ]
+            avals = jax.tree.unflatten(spec.treedefs[s], spec.avals[s])
+            like = _like(avals)
+            _, treedef = jax.tree.flatten(jax.eval_shape(self.optimizer.init, avals), like)
+            nodes = []
+            for i, node in enumerate(states[0]):
+                if not self._like_slices(node):
+                    nodes.append(node)
+                    continue
+                whole = {
+                    k: b
+                    if self.dims[k] is None
+                    else jnp.concatenate([st[i][k] for st in states], axis=self.dims[k])
+                    for k, b in node.items()
+                }
+                nodes.append(spec.unpack(s, whole))
+            out.append(treedef.unflatten(nodes))
+        return out
 
     def _take(self, buf: jax.Array, k: str, replica: Any) -> jax.Array:
         dim = self.dims[k]
@@ -130,8 +205,8 @@ class ZeroLayout:
             new_o.append(self.opt_spec.pack(0, o))
         gathered = {}
         for k, parts in new_p.items():
-            b = jax.numpy.stack(parts)
+            b = jnp.stack(parts)
             dim = self.dims[k]
             gathered[k] = b if dim is None else lax.all_gather(b, DATA, axis=1 + dim, tiled=True)
-        opt = {k: jax.numpy.stack([o[k] for o in new_o]) for k in opt}
+        opt = {k: jnp.stack([o[k] for o in new_o]) for k in opt}
         return gathered, opt
