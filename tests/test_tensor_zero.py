@@ -252,3 +252,61 @@ def test_a_run_saved_on_2x2x2_resumes_on_another_mesh(
     np.testing.assert_allclose(
         [r["loss"] for r in resumed], [r["loss"] for r in full[3:]], rtol=1e-4
     )
+
+
+# ---- failures with the optax state in slices ----
+
+
+def poisoned(buf, dead):
+    """`buf` with the rows of the `dead` devices overwritten by NaN (-1 for integers)."""
+
+    def row(shard):
+        if shard.device not in dead:
+            return shard.data
+        bad = np.nan if np.issubdtype(buf.dtype, np.floating) else -1
+        return jax.device_put(np.full(shard.data.shape, bad, buf.dtype), shard.device)
+
+    rows = [row(s) for s in buf.addressable_shards]
+    return jax.make_array_from_single_device_arrays(buf.shape, buf.sharding, rows)
+
+
+@pytest.mark.slow
+def test_zero_survives_a_failure_and_rejoin_with_the_fault_free_losses(boxed):
+    """4x2 with zero=True: worker (1, 0) fails at step 2 (its rows turn to NaN, so
+    reading its optax slice would break the run) and rejoins at step 4. Its slice
+    comes from the copy replica 0 keeps; losses and final params equal the run
+    without failures."""
+    batches = [gpt_batch(16, seed=s) for s in range(6)]
+    runs = {}
+    for name, fail, rejoin in (("clean", {}, {}), ("failing", {2: [(1, 0)]}, {4: [(1, 0)]})):
+        pm = pp.pipeline(
+            MODEL,
+            stages=2,
+            microbatches=2,
+            mesh=pp.make_mesh(4, 2),
+            optimizer=optax.adamw(1e-2, eps=1e-3),
+            zero=True,
+        )
+        current = {}
+
+        def lose_failed_devices(event, current=current, devices=pm.mesh.devices):
+            if event.kind == "failure":
+                dead = {devices[w.replica, w.stage, 0] for w in event.failed}
+                state = current["state"]
+                for bufs in (state.device_params, state.device_opt):
+                    bufs.update({k: poisoned(b, dead) for k, b in bufs.items()})
+
+        trainer = pp.ResilientTrainer(
+            pm, lm_loss, pp.InjectedFailures(fail, rejoin), on_event=lose_failed_devices
+        )
+        state = trainer.init(boxed, batches[0], precompile=False)
+        losses = []
+        for batch in batches:
+            current["state"] = state
+            state, loss = trainer.step(state, batch)
+            losses.append(float(loss))
+        runs[name] = (losses, nn.meta.unbox(state.params))
+        switches = [(e.step, sorted(e.failed)) for e in trainer.events if e.kind == "switch"]
+        assert switches == ([(2, [(1, 0)]), (4, [])] if fail else []), switches
+    np.testing.assert_allclose(runs["failing"][0], runs["clean"][0], rtol=1e-5)
+    assert rel_err(runs["failing"][1], runs["clean"][1]) <= 1e-5

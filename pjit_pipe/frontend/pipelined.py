@@ -160,7 +160,11 @@ class Pipelined:
         Raises FailurePlanError for anything but a list of (replica, stage)
         pairs, and naming the stage when a stage has no survivor.
         """
-        options = dataclasses.replace(self.options, failed=failed)
+        # A re-routed program steps the optimizer inside its loop, which ZeRO does
+        # not: while workers are down the survivors hold their stages' whole optax
+        # state (joined from the slices and their copies; lowering/zero.py).
+        zero = self.options.zero and not failed
+        options = dataclasses.replace(self.options, failed=failed, zero=zero)
         return Pipelined(self.module, options, cuts=self.cuts)  # same module and stages
 
     # ---- the plain module API ----

@@ -261,7 +261,7 @@ class DeviceLayout:
             bufs = [
                 self._rows(part, b, devices, mesh) for part, b in (("params", params), ("opt", opt))
             ]
-            trees, opts = self._unpacker(p, mesh)(*bufs)
+            trees, opts = self._unpacker(p, mesh, self._live_replicas(p, skip))(*bufs)
             for s, t, o in zip(self.held[p], trees, opts, strict=True):
                 out_p[s], out_o[s] = t, o
         return out_p, out_o
@@ -288,10 +288,20 @@ class DeviceLayout:
             )
         return out
 
-    def _unpacker(self, p: int, mesh: Mesh):
+    def _live_replicas(self, p: int, skip: Collection[Any]) -> list[int]:
+        """The replicas of position p's workers none of whose devices is in `skip`."""
+        T, workers = self.topology.tensor, self.topology.workers
+        return [
+            workers[i].replica
+            for i in self.topology.holders(p)
+            if not any(self.devices[i * T + t] in skip for t in range(T))
+        ]
+
+    def _unpacker(self, p: int, mesh: Mesh, live: list[int]):
         key = (p, tuple(mesh.devices.flat))
         if key not in self._unpackers:
             held, specs, zero = self.held[p], self.specs, self.zero
+            sources = zero.sources(live) if zero is not None else None
 
             def unpack(params, opt):
                 trees = [
@@ -299,7 +309,7 @@ class DeviceLayout:
                     for c, s in enumerate(held)
                 ]
                 if zero is not None:  # the holders' slices joined (zero.py)
-                    return trees, zero.stage_states(opt, held, specs["params"])
+                    return trees, zero.stage_states(opt, held, specs["params"], sources)
                 opts = [
                     specs["opt"].unpack(s, {k: b[0, c] for k, b in opt.items()})
                     for c, s in enumerate(held)

@@ -12,7 +12,10 @@ replica).
 After the tick loop the gradients are reduce-scattered over 'data'
 (`lax.psum_scatter`: replica r receives the sum of slice r), replica r runs
 the optax update on its slices only, and the updated slices are all-gathered
-over 'data' once per step. The update runs on a tree of slices, {buffer key:
+over 'data' once per step. Each replica also keeps a copy of the next
+replica's slice state (sent by a ppermute over 'data' after each update), so
+a failed worker's slices survive on its neighbour: the optax state a device
+holds is 2/D of its stages' instead of 1/D. The update runs on a tree of slices, {buffer key:
 slice}, the same tree for every stage, so no switch on the pipeline position
 is needed; the optimizer must therefore be elementwise per parameter (adam,
 adamw, sgd, momentum, ...): a transformation that needs a whole parameter's
@@ -30,7 +33,7 @@ import jax.numpy as jnp
 import optax
 from jax import lax
 
-from pjit_pipe.errors import OptimizerError
+from pjit_pipe.errors import OptimizerError, StateError
 from pjit_pipe.lowering.global_norm import count_norm_calls
 from pjit_pipe.lowering.packing import Buffers, FlatSpec, dtype_of, is_shaped
 from pjit_pipe.lowering.tensor_layout import opt_state_splits
@@ -91,7 +94,9 @@ class ZeroLayout:
                 "the update; use zero=False, or a per-parameter clip (optax.clip)"
             )
         opt_splits = opt_state_splits(optimizer, self.slices, splits)
-        self.opt_spec = FlatSpec([state] * stages, splits=[opt_splits] * stages)
+        # Per chunk, (this replica's slice state, a copy of the next replica's): a
+        # failed replica's slices survive on its neighbour (the module docstring).
+        self.opt_spec = FlatSpec([(state, state)] * stages, splits=[opt_splits * 2] * stages)
 
     def _slice_shape(self, shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
         if dim is None:
@@ -126,40 +131,61 @@ class ZeroLayout:
         _, treedef = jax.tree.flatten(
             jax.eval_shape(self.optimizer.init, self.slices), self._like_slices
         )
+
+        def state_of(c: int, s: int, r: int) -> Any:
+            if stage_opts is None:
+                return self.optimizer.init({k: self._take(b[c], k, r) for k, b in params.items()})
+            like = _like(jax.tree.unflatten(spec.treedefs[s], spec.avals[s]))
+            nodes = [
+                {k: self._take(b, k, r) for k, b in spec.pack(s, node).items()}
+                if like(node)
+                else node
+                for node in jax.tree.leaves(stage_opts[c], is_leaf=like)
+            ]
+            return treedef.unflatten(nodes)
+
         out = []
         for r in replicas:
-            chunks = []
-            for c, s in enumerate(held):
-                if stage_opts is None:
-                    state = self.optimizer.init(
-                        {k: self._take(b[c], k, r) for k, b in params.items()}
-                    )
-                else:
-                    like = _like(jax.tree.unflatten(spec.treedefs[s], spec.avals[s]))
-                    nodes = [
-                        {k: self._take(b, k, r) for k, b in spec.pack(s, node).items()}
-                        if like(node)
-                        else node
-                        for node in jax.tree.leaves(stage_opts[c], is_leaf=like)
-                    ]
-                    state = treedef.unflatten(nodes)
-                chunks.append(self.opt_spec.pack(0, state))
+            chunks = [
+                self.opt_spec.pack(0, (state_of(c, s, r), state_of(c, s, (r + 1) % self.D)))
+                for c, s in enumerate(held)
+            ]
             out.append({k: jnp.stack([ch[k] for ch in chunks]) for k in chunks[0]})
         return {k: jnp.stack([o[k] for o in out]) for k in out[0]}
 
-    def stage_states(self, opt: Buffers, held: list[int], spec: FlatSpec) -> list[Any]:
-        """The inverse of `holder_rows`: (D, v, ...) optax rows of one position's
-        holders, in replica order -> per chunk its stage's module-layout optax state
+    def sources(self, live: list[int]) -> list[tuple[int, int]]:
+        """Per replica h, where its slices are read from the rows of the live
+        holders of a position (`live`: their replicas, in row order): (row, 0) its
+        own, or (row, 1) the copy its previous replica keeps."""
+        out = []
+        for h in range(self.D):
+            if h in live:
+                out.append((live.index(h), 0))
+            elif (h - 1) % self.D in live:
+                out.append((live.index((h - 1) % self.D), 1))
+            else:
+                raise StateError(
+                    f"zero=True: replicas {h} and {(h - 1) % self.D} of a stage are both "
+                    f"down, and with them both copies of replica {h}'s optimizer slice"
+                )
+        return out
+
+    def stage_states(
+        self, opt: Buffers, held: list[int], spec: FlatSpec, sources: list[tuple[int, int]]
+    ) -> list[Any]:
+        """The inverse of `holder_rows`: (live holders, v, ...) optax rows of one
+        position -> per chunk its stage's module-layout optax state
         (`optimizer.init(stage params)`'s tree: the slices of each parameter-shaped
-        part joined and unpacked, other leaves from replica 0)."""
+        part joined, read as `sources` says, and unpacked; other leaves from
+        replica 0's)."""
         out = []
         for c, s in enumerate(held):
             states = [
                 jax.tree.leaves(
-                    self.opt_spec.unpack(0, {k: b[h, c] for k, b in opt.items()}),
+                    self.opt_spec.unpack(0, {k: b[row, c] for k, b in opt.items()})[part],
                     is_leaf=self._like_slices,
                 )
-                for h in range(self.D)
+                for row, part in sources
             ]
             avals = jax.tree.unflatten(spec.treedefs[s], spec.avals[s])
             like = _like(avals)
@@ -197,12 +223,15 @@ class ZeroLayout:
         for c in range(v):
             p = {k: self._take(b[c], k, r) for k, b in params.items()}
             g = {k: b[c] for k, b in grads.items()}
-            o = self.opt_spec.unpack(0, {k: b[c] for k, b in opt.items()})
+            o, _ = self.opt_spec.unpack(0, {k: b[c] for k, b in opt.items()})
             updates, o = self.optimizer.update(g, o, p)
             p = optax.apply_updates(p, updates)
             for k, b in p.items():
                 new_p[k].append(b)
-            new_o.append(self.opt_spec.pack(0, o))
+            # The copy of the next replica's new slice state, for failures.
+            shift = [(j, (j - 1) % self.D) for j in range(self.D)]
+            copy = jax.tree.map(lambda a, perm=shift: lax.ppermute(a, DATA, perm), o)
+            new_o.append(self.opt_spec.pack(0, (o, copy)))
         gathered = {}
         for k, parts in new_p.items():
             b = jnp.stack(parts)
