@@ -159,7 +159,7 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "--zero",
         action="store_true",
         help="ZeRO over the data axis: each stage's Adam state sharded over its D replicas "
-        "(unstaggered schedules without --fail; docs/tensor_parallel.md)",
+        "(unstaggered schedules; docs/tensor_parallel.md)",
     )
 
 

@@ -70,7 +70,8 @@ class PipelineOptions:
     zero: ZeRO over 'data': each stage's optax state sharded over its D
         replicas, gradients reduce-scattered and the updated parameters
         all-gathered once per step (lowering/zero.py); an elementwise
-        optimizer, unstaggered schedules without failures.
+        optimizer and an unstaggered schedule. Failure variants run without it,
+        each lost slice read from the copy its neighbour keeps.
     """
 
     stages: int
