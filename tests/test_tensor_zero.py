@@ -271,11 +271,14 @@ def poisoned(buf, dead):
 
 
 @pytest.mark.slow
-def test_zero_survives_a_failure_and_rejoin_with_the_fault_free_losses(boxed):
-    """4x2 with zero=True: worker (1, 0) fails at step 2 (its rows turn to NaN, so
-    reading its optax slice would break the run) and rejoins at step 4. Its slice
-    comes from the copy replica 0 keeps; losses and final params equal the run
-    without failures."""
+@pytest.mark.parametrize(
+    ("shape", "zero"), [((4, 2, 1), True), ((2, 2, 2), False), ((2, 2, 2), True)]
+)
+def test_a_failure_and_rejoin_keep_the_fault_free_losses(shape, zero, boxed):
+    """Worker (1, 0) (with tensor=2: its group of two devices) fails at step 2 (its
+    rows turn to NaN, so reading them would break the run) and rejoins at step 4.
+    With ZeRO its optax slice comes from the copy replica 0 keeps; losses and
+    final params equal the run without failures."""
     batches = [gpt_batch(16, seed=s) for s in range(6)]
     runs = {}
     for name, fail, rejoin in (("clean", {}, {}), ("failing", {2: [(1, 0)]}, {4: [(1, 0)]})):
@@ -283,15 +286,15 @@ def test_zero_survives_a_failure_and_rejoin_with_the_fault_free_losses(boxed):
             MODEL,
             stages=2,
             microbatches=2,
-            mesh=pp.make_mesh(4, 2),
+            mesh=pp.make_mesh(*shape),
             optimizer=optax.adamw(1e-2, eps=1e-3),
-            zero=True,
+            zero=zero,
         )
         current = {}
 
         def lose_failed_devices(event, current=current, devices=pm.mesh.devices):
             if event.kind == "failure":
-                dead = {devices[w.replica, w.stage, 0] for w in event.failed}
+                dead = {d for w in event.failed for d in devices[w.replica, w.stage]}
                 state = current["state"]
                 for bufs in (state.device_params, state.device_opt):
                     bufs.update({k: poisoned(b, dead) for k, b in bufs.items()})

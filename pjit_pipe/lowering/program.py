@@ -53,12 +53,6 @@ def _check_tensor(topology: Topology, splits, weights_kind: str, shared) -> None
         return
     if topology.tensor == 1:
         raise MeshError("splits: leaves split over 'tensor' need a mesh with tensor > 1")
-    if not topology.complete:
-        raise OptionError(
-            "failed workers with weights split over 'tensor' are not supported yet (the "
-            "re-routed program steps the optimizer inside its loop); use tensor=1 to "
-            "survive failures"
-        )
     if weights_kind == "async-1f1b":
         raise OptionError(
             "schedule='async-1f1b' with weights split over 'tensor' is not supported: its "
@@ -225,12 +219,6 @@ def lower(
     )
     if zero:
         _check_zero(program, optimizer, shared)
-    if splits is not None and any_split(splits) and program.stepping:
-        raise OptionError(
-            "weights split over 'tensor' with the optimizer inside the loop (a staggered "
-            "schedule, iterations > 1) are not supported yet; use an unstaggered schedule "
-            "with iterations=1, or tensor=1"
-        )
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):
         raise OptimizerError(
