@@ -81,7 +81,8 @@ def test_a_device_holds_its_slice_of_the_split_weights(boxed):
 def test_split_adamw_steps_match_optax(boxed):
     # eps well above the gradients' rounding noise: the k bias of attention has a
     # zero true gradient, where adam's default eps would turn noise into steps.
-    opt = optax.adamw(1e-2, eps=1e-3)
+    # The global-norm clip (below the gradients' norm) sees the whole model's norm.
+    opt = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2, eps=1e-3))
     batches = [gpt_batch(8, seed=s) for s in range(3)]
     pm = pp.pipeline(MODEL, stages=2, microbatches=2, mesh=pp.make_mesh(2, 2, 2), optimizer=opt)
     step = pm.train_step(lm_loss)
