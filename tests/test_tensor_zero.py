@@ -314,3 +314,46 @@ def test_a_failure_and_rejoin_keep_the_fault_free_losses(shape, zero, boxed):
         assert switches == ([(2, [(1, 0)]), (4, [])] if fail else []), switches
     np.testing.assert_allclose(runs["failing"][0], runs["clean"][0], rtol=1e-5)
     assert rel_err(runs["failing"][1], runs["clean"][1]) <= 1e-5
+
+
+# ---- NNX sharding metadata ----
+
+
+def test_nnx_sharding_metadata_splits_the_weights():
+    from flax import nnx
+
+    init = nnx.initializers.lecun_normal()
+
+    class Block(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            up = nnx.with_partitioning(init, (None, "tensor"))
+            down = nnx.with_partitioning(init, ("tensor", None))
+            self.up = nnx.Linear(8, 32, kernel_init=up, rngs=rngs)
+            self.down = nnx.Linear(32, 8, kernel_init=down, rngs=rngs)
+
+        def __call__(self, x):
+            return x + self.down(nnx.relu(self.up(x)))
+
+    class Tower(nnx.Module):
+        def __init__(self, rngs: nnx.Rngs):
+            self.blocks = nnx.List([Block(rngs) for _ in range(2)])
+
+        def __call__(self, x):
+            for block in self.blocks:
+                x = block(x)
+            return x
+
+    mesh = pp.make_mesh(1, 2, 2)
+    with jax.set_mesh(mesh):  # NNX places annotated weights eagerly
+        model = Tower(nnx.Rngs(0))
+    x = np.asarray(jax.random.normal(jax.random.key(0), (8, 8)))
+    y = np.asarray(jax.random.normal(jax.random.key(1), (8, 8)))
+    mse = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
+    want_loss, want = nnx.value_and_grad(lambda m: mse(m(x), y))(model)
+    pm = pp.pipeline(model, stages=2, microbatches=2, mesh=mesh, optimizer=optax.adam(1e-3))
+    params = pm.init(jax.random.key(0), x)
+    loss, grads = pm.value_and_grad(mse)(params, x, y)
+    assert abs(float(loss) - float(want_loss)) <= 1e-5 * abs(float(want_loss))
+    assert rel_err(grads, nnx.to_pure_dict(want)) <= 1e-5
+    state = pm.train_step(mse).init(params, (x, y))
+    assert "float32|8x32|None,tensor|0" in state.device_params

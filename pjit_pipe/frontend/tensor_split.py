@@ -4,7 +4,8 @@ A Flax model says how a weight splits with `nn.with_partitioning(init,
 (None, 'tensor'))` (mesh axis names), `nn.with_logical_partitioning(init,
 ('embed', 'mlp'))` with `nn.logical_axis_rules` mapping the logical names to
 'tensor' or None, or NNX `sharding=` metadata. Such params come boxed
-(`nn.Partitioned`); the pipeline works on the plain arrays and gives back
+(`nn.Partitioned`); NNX keeps the names as variable metadata
+(`NNXModel.sharding_names`). The pipeline works on the plain arrays and gives back
 gradients and params boxed the same way (`rebox`), so the user keeps the tree
 `module.init` returned. A weight without an annotation, or one whose
 annotation names no 'tensor', is replicated over 'tensor'.
@@ -62,6 +63,11 @@ def rebox(plain: Any, boxed: Any) -> Any:
     return jax.tree.map(
         lambda b, a: b.replace_boxed(a) if _is_box(b) else a, boxed, plain, is_leaf=_is_box
     )
+
+
+def path_keys(path: Sequence[Any]) -> tuple[Any, ...]:
+    """A pytree key path as its plain keys (dict keys, list indices)."""
+    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
 
 
 def splits_of(
