@@ -32,7 +32,7 @@ from pjit_pipe.frontend.options import PipelineOptions
 from pjit_pipe.frontend.program_cache import ProgramCache, ProgramKey
 from pjit_pipe.frontend.rngs import step_rngs, with_step_rngs
 from pjit_pipe.frontend.state import StateView
-from pjit_pipe.frontend.tensor_split import is_split, path_keys, rebox, splits_of, unbox
+from pjit_pipe.frontend.tensor_split import rebox, stage_splits, unbox
 from pjit_pipe.frontend.train_step import TrainStep
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
@@ -234,15 +234,9 @@ class Pipelined:
             return self._program(params, x, y, loss_fn, has_aux, rngs, boxed)
 
     def leaf_splits(self, cut: StageCut, params: Any, boxed: Any) -> list[list] | None:
-        """Per stage, per parameter leaf, its split over 'tensor' (None: replicated),
-        from the model's annotations (tensor_split.py): linen boxes, NNX metadata."""
+        """Per stage, per parameter leaf, its split over 'tensor' (tensor_split.py)."""
         names = getattr(self.model, "sharding_names", lambda: None)()
-        if boxed is None and names is None:
-            return None
-        lookup = None if names is None else lambda path: names.get(path_keys(path))
-        tree = splits_of(boxed, params, tensor_size(self.mesh), lookup)
-        stage_trees = cut.split(tree, is_split)
-        return [[h.split for h in jax.tree.leaves(t, is_leaf=is_split)] for t in stage_trees]
+        return stage_splits(cut, params, boxed, tensor_size(self.mesh), names)
 
     def state_view(self, cut: StageCut, program: PipelineStep, boxed: Any = None) -> StateView:
         """The state view of `program` (module layout <-> its device layout), one per

@@ -134,3 +134,16 @@ def _checked(name: str, shape: tuple[int, ...], dims: Any, tensor: int) -> Split
                 f"that divides {shape[d]}, or leave dimension {d} unsplit"
             )
     return Split(dims if tensor > 1 else tuple(None for _ in dims))
+
+
+def stage_splits(
+    cut: Any, params: Any, boxed: Any, tensor: int, names: dict | None
+) -> list[list] | None:
+    """Per stage of `cut` (a StageCut), per parameter leaf, its split over
+    'tensor' or None (replicated), from linen boxes (`boxed`) or NNX metadata
+    (`names`: path -> sharding names); None when nothing is annotated."""
+    if boxed is None and names is None:
+        return None
+    lookup = None if names is None else lambda path: names.get(path_keys(path))
+    stage_trees = cut.split(splits_of(boxed, params, tensor, lookup), is_split)
+    return [[h.split for h in jax.tree.leaves(t, is_leaf=is_split)] for t in stage_trees]
