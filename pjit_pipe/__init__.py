@@ -25,6 +25,7 @@ from pjit_pipe.errors import (
     PlotError,
     RngError,
     ScheduleError,
+    SplitError,
     StateError,
 )
 
@@ -86,6 +87,7 @@ __all__ = [
     "RngError",
     "Schedule",
     "ScheduleError",
+    "SplitError",
     "StageCut",
     "StateError",
     "TrainState",

@@ -119,6 +119,13 @@ class PlotError(PjitPipeError):
     """Raised when a chart is asked for in a format it is not written in: use .png or .svg."""
 
 
+class SplitError(MeshError):
+    """A weight's annotation cannot be split over the mesh's 'tensor' axis: a
+    dimension the tensor size does not divide, a logical axis name the rules do
+    not map, or a mesh axis other than 'tensor'. The message names the weight,
+    the dimension and the fix."""
+
+
 __all__ = [
     "BatchError",
     "CheckpointError",
@@ -132,5 +139,6 @@ __all__ = [
     "PlotError",
     "RngError",
     "ScheduleError",
+    "SplitError",
     "StateError",
 ]

@@ -433,8 +433,8 @@ def test_the_cli_counts_skipped_steps(monkeypatch, capsys):
 
     make_task = train_cli.make_task
 
-    def with_a_nan_batch(name, size, seed):
-        task = make_task(name, size, seed)
+    def with_a_nan_batch(name, size, seed, tensor=1):
+        task = make_task(name, size, seed, tensor)
         clean, calls = task.next_batch, []
 
         def next_batch():

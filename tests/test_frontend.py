@@ -175,7 +175,7 @@ def test_class_decorator():
 
 def test_make_mesh():
     mesh = pp.make_mesh(data=2, stage=3)
-    assert mesh.axis_names == ("data", "stage") and mesh.devices.shape == (2, 3)
+    assert mesh.axis_names == ("data", "stage", "tensor") and mesh.devices.shape == (2, 3, 1)
     assert list(mesh.devices.flat) == jax.devices()[:6]
     picked = jax.devices()[4:6]
     assert list(pp.make_mesh(stage=2, devices=picked).devices.flat) == picked

@@ -23,9 +23,11 @@ def tower():
 def test_make_mesh_from_a_mapping():
     devices = jax.devices()
     mesh = pp.make_mesh(mapping=[[3, 1], [0, 2]])
-    assert dict(mesh.shape) == {"data": 2, "stage": 2}
-    assert mesh.devices.tolist() == [[devices[3], devices[1]], [devices[0], devices[2]]]
-    assert pp.make_mesh(data=1, stage=2, mapping=[[5, 4]]).devices.tolist() == [devices[5:3:-1]]
+    assert dict(mesh.shape) == {"data": 2, "stage": 2, "tensor": 1}
+    assert mesh.devices[..., 0].tolist() == [[devices[3], devices[1]], [devices[0], devices[2]]]
+    assert pp.make_mesh(data=1, stage=2, mapping=[[5, 4]]).devices[..., 0].tolist() == [
+        devices[5:3:-1]
+    ]
     with pytest.raises(ValueError, match="a device used twice"):
         pp.make_mesh(mapping=[[0, 1], [1, 2]])
     with pytest.raises(ValueError, match=r"out of range: \[8\]"):
@@ -54,7 +56,7 @@ PLAN = Plan(stages=((0, 0), (1, 3)), mapping=((5, 2),), schedule="zb-h1")
 def test_a_plan_sets_cut_mesh_and_schedule():
     model, plan, x = tower(), PLAN, jnp.ones((8, 3))
     pm = pp.pipeline(model, microbatches=4, plan=plan)
-    assert pm.mesh.devices.tolist() == [[jax.devices()[5], jax.devices()[2]]]
+    assert pm.mesh.devices[..., 0].tolist() == [[jax.devices()[5], jax.devices()[2]]]
     assert pm.schedule.kind == "zb-h1"
     params = jax.eval_shape(pm.init, jax.random.key(0), x)
     assert pm.cut(params, x).keys == (("layers_0",), ("layers_2", "layers_3", "layers_4"))

@@ -101,7 +101,7 @@ def test_loss_unbroken_through_failure_and_rejoin(reference, kind, D, P, fail, r
     def lose_failed_devices(event):
         if event.kind == "failure":
             mesh = tr.pipelined.mesh
-            dead = {mesh.devices[w.replica, w.stage] for w in event.failed}
+            dead = {mesh.devices[w.replica, w.stage, 0] for w in event.failed}
             state = current["state"]  # the state the trainer retries from
             for bufs in (state.device_params, state.device_opt):
                 bufs.update({k: poison(b, dead) for k, b in bufs.items()})

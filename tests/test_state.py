@@ -48,7 +48,7 @@ def test_each_device_holds_only_its_stage(D, P):
     share = [leaf_bytes(p) + leaf_bytes(optimizer.init(p)) for p in stage_params]
     assert sum(share) > leaf_bytes(params)  # adam's state is counted too
     held = state.device_bytes()
-    mesh = pm.mesh.devices
+    mesh = pm.mesh.devices[..., 0]
     for r in range(D):
         for s in range(P):
             got = held[mesh[r, s]]

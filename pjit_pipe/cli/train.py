@@ -7,6 +7,7 @@ devices for the mesh; the flag does not affect GPU or TPU devices.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -66,7 +67,7 @@ class Task:
         self.rng.bit_generator.state = position
 
 
-def make_task(name: str, batch: int, seed: int) -> Task:
+def make_task(name: str, batch: int, seed: int, tensor: int = 1) -> Task:
     import numpy as np
 
     from pjit_pipe.models import GPT, GPTConfig, ResidualMLP, lm_loss, mse_loss
@@ -76,6 +77,8 @@ def make_task(name: str, batch: int, seed: int) -> Task:
     if name == "gpt-tiny":
         corpus = CharCorpus.load()
         config = GPTConfig.tiny(vocab=corpus.vocab)
+        if tensor > 1:  # Megatron's column/row splits of the blocks over 'tensor'
+            config = dataclasses.replace(config, megatron=True)
         return Task(
             GPT(config),
             lm_loss,
@@ -116,9 +119,9 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     args.checkpoint_dir, resume from its latest checkpoint (if any) and save
     every args.checkpoint_every steps and at the end. async-1f1b without failures
     carries its microbatches from step to step (`train_carrying`)."""
-    data, stages = args.mesh
+    data, stages, tensor = args.mesh
     fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
-    ensure_host_devices(data * stages)
+    ensure_host_devices(data * stages * tensor)
     import jax
     import optax
 
@@ -129,16 +132,19 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     checkpoints = Checkpoints(directory, args.checkpoint_every) if directory else None
 
     batch = args.batch or 2 * data * args.microbatches
-    task = make_task(args.model, batch, args.seed)
+    task = make_task(args.model, batch, args.seed, tensor)
     pm = pp.pipeline(
         task.model,
         stages=stages,
         microbatches=args.microbatches,
         schedule=args.schedule,
         chunks=args.chunks,
-        mesh=pp.make_mesh(data=data, stage=stages, devices=run_devices(data * stages)),
+        mesh=pp.make_mesh(
+            data=data, stage=stages, tensor=tensor, devices=run_devices(data * stages * tensor)
+        ),
         optimizer=optax.adam(args.lr),
         async_weights=getattr(args, "async_weights", None),
+        zero=getattr(args, "zero", False),
         **({"costs": "measure"} if getattr(args, "show_costs", False) else {}),
     )
     precompile = getattr(args, "precompile", None)
@@ -327,7 +333,7 @@ def run(args: argparse.Namespace) -> int:
     if not (directory and os.path.isdir(directory) and os.listdir(directory)):
         # Nothing to resume: refuse a bad plan before JAX loads (train() checks a
         # resumed run's plan against the workers its checkpoint has down).
-        check_failure_plan(args.fail, args.rejoin, *args.mesh, args.steps)
+        check_failure_plan(args.fail, args.rejoin, *args.mesh[:2], args.steps)
     bars: list[Any] = []  # the progress bar, made at the first step (errors come first)
 
     def on_step(rec: StepRecord) -> None:

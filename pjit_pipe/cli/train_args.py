@@ -13,12 +13,15 @@ import re
 MODELS = ("gpt-tiny", "mlp")
 
 
-def mesh_arg(text: str) -> tuple[int, int]:
-    """Parse DxP (data replicas x pipeline stages), e.g. 2x4."""
-    match = re.fullmatch(r"(\d+)x(\d+)", text.strip())
-    if not match or min(int(g) for g in match.groups()) < 1:
-        raise argparse.ArgumentTypeError(f"expected DxP with positive integers, got {text!r}")
-    return int(match[1]), int(match[2])
+def mesh_arg(text: str) -> tuple[int, int, int]:
+    """Parse DxP or DxPxT (data replicas x pipeline stages x tensor), e.g. 2x4 or
+    2x2x2; T defaults to 1."""
+    match = re.fullmatch(r"(\d+)x(\d+)(?:x(\d+))?", text.strip())
+    if not match or min(int(g) for g in match.groups(default="1")) < 1:
+        raise argparse.ArgumentTypeError(
+            f"expected DxP or DxPxT with positive integers, got {text!r}"
+        )
+    return int(match[1]), int(match[2]), int(match[3] or 1)
 
 
 def step_workers_arg(text: str) -> dict[int, list[tuple[int, int]]]:
@@ -73,8 +76,10 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "--mesh",
         type=mesh_arg,
         default=(1, 4),
-        metavar="DxP",
-        help="D data-parallel replicas x P pipeline stages (default 1x4); needs D*P devices",
+        metavar="DxP[xT]",
+        help="D data-parallel replicas x P pipeline stages [x T tensor-parallel devices per "
+        "stage] (default 1x4); needs D*P*T devices. With T > 1 gpt-tiny splits its blocks' "
+        "weights Megatron-style (docs/tensor_parallel.md)",
     )
     parser.add_argument(
         "--schedule",
@@ -124,6 +129,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         help="--schedule async-1f1b only: the weights its stale forwards read: predict "
         "(PipeOptim's weight prediction, the default), stash (PipeDream's weight "
         "stashing) or latest; each of the M microbatches of a step is one Adam update",
+    )
+    parser.add_argument(
+        "--zero",
+        action="store_true",
+        help="ZeRO over the data axis: each stage's Adam state sharded over its D replicas "
+        "(unstaggered schedules; docs/tensor_parallel.md)",
     )
 
 

@@ -1,4 +1,11 @@
-"""The device mesh a pipeline runs on: axes ('data', 'stage'), shape (D, P)."""
+"""The device mesh a pipeline runs on: axes ('data', 'stage', 'tensor'), shape (D, P, T).
+
+'data' and 'stage' are the pipeline's own axes (replicas and stages); 'tensor'
+splits each stage's annotated weights inside the stage (docs/tensor_parallel.md)
+and is 1 unless asked for, so a model annotated for 'tensor' runs on any mesh.
+A (data, stage) mesh of two axes, as earlier meshes were built, is taken as
+tensor = 1.
+"""
 
 from __future__ import annotations
 
@@ -10,31 +17,40 @@ from jax.sharding import AxisType, Mesh
 
 from pjit_pipe.errors import MeshError
 
-AXES = ("data", "stage")
+AXES = ("data", "stage", "tensor")
+PIPELINE_AXES = AXES[:2]  # a mesh without 'tensor' is read as tensor = 1
 
 
 def make_mesh(
     data: int | None = None,
     stage: int | None = None,
+    tensor: int | None = None,
     devices: Sequence[jax.Device] | None = None,
     mapping: Sequence[Sequence[int]] | None = None,
 ) -> Mesh:
-    """A (data, stage) mesh over the first data*stage of `devices` (default: jax.devices()).
+    """A (data, stage, tensor) mesh over the first data*stage*tensor of `devices`
+    (default: jax.devices()); `tensor` defaults to 1.
 
     `mapping`: a planner's D x P device mapping instead (`Plan.mapping`):
     mapping[r][p] is the index in `devices` of the device that runs stage p of
-    replica r; data and stage, if given, must match its shape.
-    Axis types are Auto so that inputs need no explicit sharding (docs/design.md section 5).
+    replica r; data and stage, if given, must match its shape (tensor = 1).
+    Axis types are Auto so that inputs need no explicit sharding, and so that
+    XLA partitions a stage's compute over 'tensor' (docs/design.md section 5).
     """
     if mapping is not None:
+        if tensor not in (None, 1):
+            raise MeshError(
+                f"make_mesh: a mapping places one device per worker, got tensor={tensor}"
+            )
         return _mapped(mapping, data, stage, list(jax.devices() if devices is None else devices))
     data = 1 if data is None else data
     stage = 1 if stage is None else stage
-    for name, value in (("data", data), ("stage", stage)):
+    tensor = 1 if tensor is None else tensor
+    for name, value in (("data", data), ("stage", stage), ("tensor", tensor)):
         if not isinstance(value, int | np.integer) or value < 1:
             raise MeshError(f"make_mesh: {name} must be a positive integer, got {value!r}")
     pool = list(jax.devices() if devices is None else devices)
-    need = data * stage
+    need = data * stage * tensor
     if need > len(pool):
         hint = ""
         if pool and pool[0].platform == "cpu":
@@ -43,11 +59,28 @@ def make_mesh(
                 "before JAX is imported"
             )
         raise MeshError(
-            f"make_mesh: data*stage = {data}*{stage} = {need} devices needed, "
+            f"make_mesh: data*stage*tensor = {data}*{stage}*{tensor} = {need} devices needed, "
             f"only {len(pool)} available{hint}"
         )
-    grid = np.array(pool[:need], dtype=object).reshape(data, stage)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 2)
+    grid = np.array(pool[:need], dtype=object).reshape(data, stage, tensor)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)
+
+
+def tensor_size(mesh: Mesh) -> int:
+    """The mesh's 'tensor' size (1 for a two-axis (data, stage) mesh)."""
+    return int(dict(mesh.shape).get("tensor", 1))
+
+
+def worker_devices(mesh: Mesh) -> np.ndarray:
+    """The (D, P, T) array of devices: worker (r, p)'s tensor group is [r, p]."""
+    devices = np.asarray(mesh.devices, dtype=object)
+    return devices if devices.ndim == 3 else devices[..., None]
+
+
+def pipeline_mesh(mesh: Mesh) -> Mesh:
+    """The (data, stage) mesh of each worker's first device: one device per worker,
+    where a program's per-worker arrays live (measurements, failure detection)."""
+    return Mesh(worker_devices(mesh)[..., 0], PIPELINE_AXES, axis_types=(AxisType.Auto,) * 2)
 
 
 def _mapped(
@@ -71,5 +104,5 @@ def _mapped(
     for name, value, size in (("data", data, shape[0]), ("stage", stage, shape[1])):
         if value is not None and value != size:
             raise ValueError(f"make_mesh: {name}={value} but the mapping has {size} ({rows})")
-    grid = np.array([[pool[i] for i in r] for r in rows], dtype=object)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 2)
+    grid = np.array([[[pool[i]] for i in r] for r in rows], dtype=object)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * 3)

@@ -18,7 +18,7 @@ from jax.sharding import Mesh
 
 from pjit_pipe.errors import FailurePlanError, MeshError, OptionError
 from pjit_pipe.frontend.cutter.cut import BALANCE
-from pjit_pipe.frontend.mesh import AXES
+from pjit_pipe.frontend.mesh import AXES, PIPELINE_AXES
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.schedules import KINDS
@@ -82,6 +82,11 @@ class PipelineOptions:
     async_weights: schedule="async-1f1b" only: the weights its stale forwards
         read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
         weight stashing) or "latest"; None: "predict" for async-1f1b.
+    zero: ZeRO over 'data': each stage's optax state sharded over its D
+        replicas, gradients reduce-scattered and the updated parameters
+        all-gathered once per step (lowering/layout/zero.py); an elementwise
+        optimizer and an unstaggered schedule. Failure variants run without it,
+        each lost slice read from the copy its neighbour keeps.
     """
 
     stages: int
@@ -102,6 +107,7 @@ class PipelineOptions:
     pack_polish: float = 0.0
     skip_nonfinite: bool | None = None
     tick_sync: str | None = None
+    zero: bool = False
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)
@@ -157,6 +163,8 @@ class PipelineOptions:
             )
         self._check_skip_nonfinite()
         self._check_async_weights()
+        if not isinstance(self.zero, bool):
+            raise OptionError(f"zero: expected True or False, got {self.zero!r}")
         self._check_mesh()
         if self.layers is not None:
             layers = tuple((int(a), int(b)) for a, b in self.layers)
@@ -200,13 +208,13 @@ class PipelineOptions:
             return
         if not isinstance(self.mesh, Mesh):
             raise MeshError(
-                f"mesh: expected a jax Mesh from pjit_pipe.make_mesh(data=D, stage=P), "
+                f"mesh: expected a jax Mesh from pjit_pipe.make_mesh(data=D, stage=P, tensor=T), "
                 f"got {type(self.mesh).__name__}"
             )
-        if tuple(self.mesh.axis_names) != AXES:
+        if tuple(self.mesh.axis_names) not in (AXES, PIPELINE_AXES):
             raise MeshError(
                 f"mesh: axes must be {AXES}, got {tuple(self.mesh.axis_names)}; "
-                "build it with pjit_pipe.make_mesh(data=D, stage=P)"
+                "build it with pjit_pipe.make_mesh(data=D, stage=P, tensor=T)"
             )
         if self.mesh.shape["stage"] != self.stages:
             raise MeshError(

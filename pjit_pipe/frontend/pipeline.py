@@ -64,6 +64,7 @@ def pipeline(
     async_weights: AsyncWeightsMode | None = None,
     pack_polish: float = 0.0,
     skip_nonfinite: bool | None = None,
+    zero: bool = False,
 ) -> Pipelined | AutoPlanned | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
@@ -142,6 +143,7 @@ def pipeline(
             async_weights=async_weights,
             pack_polish=pack_polish,
             skip_nonfinite=skip_nonfinite,
+            zero=zero,
         )
         check_auto_options(stages, schedule, mesh, chunks, failed)
         checked = PipelineOptions(stages=1, **settings)  # the other options fail here, not later
@@ -182,6 +184,7 @@ def pipeline(
         async_weights=async_weights,
         pack_polish=pack_polish,
         skip_nonfinite=skip_nonfinite,
+        zero=zero,
     )
     return pipeline_with(module, options)
 

@@ -34,7 +34,8 @@ from pjit_pipe.compiler import (
 from pjit_pipe.errors import BatchError, OptimizerError, OptionError, RngError
 from pjit_pipe.frontend.cutter.adapters import as_model
 from pjit_pipe.frontend.cutter.cut import StageCut, cut_module
-from pjit_pipe.frontend.mesh import make_mesh
+from pjit_pipe.frontend.cutter.tensor_split import rebox, stage_splits, unbox
+from pjit_pipe.frontend.mesh import make_mesh, pipeline_mesh, tensor_size
 from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.options import PipelineOptions
 from pjit_pipe.frontend.program_cache import ProgramCache, ProgramKey
@@ -160,7 +161,7 @@ class Pipelined:
         )
         key += (str(jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params)),)
         times = measure_stage_times(
-            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, self.mesh, key=key
+            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, pipeline_mesh(self.mesh), key=key
         )
         self.stage_times = times
         return times.costs(self.stages, layout_of(self.spec.kind, self.stages, self.chunks))
@@ -193,7 +194,11 @@ class Pipelined:
         Raises FailurePlanError for anything but a list of (replica, stage)
         pairs, and naming the stage when a stage has no survivor.
         """
-        options = dataclasses.replace(self.options, failed=failed)
+        # A re-routed program steps the optimizer inside its loop, which ZeRO does
+        # not: while workers are down the survivors hold their stages' whole optax
+        # state (joined from the slices and their copies; lowering/layout/zero.py).
+        zero = self.options.zero and not failed
+        options = dataclasses.replace(self.options, failed=failed, zero=zero)
         return Pipelined(self.module, options, cuts=self.cuts)  # same module and stages
 
     # ---- the plain module API ----
@@ -254,16 +259,24 @@ class Pipelined:
         loss_fn: LossFn,
         has_aux: bool = False,
         rngs: dict[str, jax.Array] | None = None,
+        boxed: Any = None,
     ) -> tuple[StageCut, PipelineStep]:
         """The stage cut and the compiled pipeline program (`lowering.PipelineStep`) for
-        `loss_fn` and these shapes, from the cache of the last `max_programs` ones."""
+        `loss_fn` and these shapes, from the cache of the last `max_programs` ones.
+        `params` are plain; `boxed` (tensor_split.unbox) says how weights split."""
         with _explain_rng_errors():
-            return self._program(params, x, y, loss_fn, has_aux, rngs)
+            return self._program(params, x, y, loss_fn, has_aux, rngs, boxed)
 
-    def state_view(self, cut: StageCut, program: PipelineStep) -> StateView:
-        """The state view of `program` (module layout <-> its device layout), one per program."""
+    def leaf_splits(self, cut: StageCut, params: Any, boxed: Any) -> list[list] | None:
+        """Per stage, per parameter leaf, its split over 'tensor' (tensor_split.py)."""
+        names = getattr(self.model, "sharding_names", lambda: None)()
+        return stage_splits(cut, params, boxed, tensor_size(self.mesh), names)
+
+    def state_view(self, cut: StageCut, program: PipelineStep, boxed: Any = None) -> StateView:
+        """The state view of `program` (module layout <-> its device layout), one per
+        program; `boxed`: the annotated params whose boxes `state.params` comes back in."""
         if program not in self._views:
-            self._views[program] = StateView(cut, program.layout, self.optimizer)
+            self._views[program] = StateView(cut, program.layout, self.optimizer, boxed)
         return self._views[program]
 
     def _keyed_cut(self, params: Any, x: Any, rngs: dict[str, jax.Array] | None) -> StageCut:
@@ -297,12 +310,17 @@ class Pipelined:
         several = jax.process_count() > 1 and not self.options.pack_polish
         return "neighbor" if several else "global"
 
-    def _program(self, params, x, y, loss_fn, has_aux, rngs) -> tuple[StageCut, PipelineStep]:
+    def _program(
+        self, params, x, y, loss_fn, has_aux, rngs, boxed
+    ) -> tuple[StageCut, PipelineStep]:
         self._batch(x, y)
         self.measure_schedule(params, x, y, loss_fn)
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
-        key = ProgramKey(loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals)))
+        splits = self.leaf_splits(cut, params, boxed)
+        key = ProgramKey(
+            loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals), str(splits))
+        )
 
         def build() -> PipelineStep:
             if self.optimizer is not None:
@@ -323,6 +341,8 @@ class Pipelined:
                     shared=cut.shared,
                     async_weights=self.options.async_weights,
                     pairwise=self.tick_sync() == "neighbor",
+                    zero=self.options.zero,
+                    splits=splits,
                 ),
             )
 
@@ -350,10 +370,11 @@ class Pipelined:
 
         def value_and_grad(params: Any, x: Any, y: Any, rngs: Any = None) -> tuple[Any, Any]:
             rngs = step_rngs(rngs)
-            cut, step = self.program(params, x, y, loss_fn, has_aux, rngs)
+            params, boxed = unbox(params)
+            cut, step = self.program(params, x, y, loss_fn, has_aux, rngs, boxed)
             params = self.place(params)
             loss, grads = step.value_and_grad(cut.split(params), x, y, rngs)
-            return loss, cut.merge(grads)
+            return loss, rebox(cut.merge(grads), boxed)
 
         return value_and_grad
 
@@ -366,14 +387,18 @@ class Pipelined:
 
         rngs = step_rngs(rngs)
         self._batch(x, x)
+        params, boxed = unbox(params)
         with _explain_rng_errors():
             cut = self._keyed_cut(params, x, rngs)
+            splits = self.leaf_splits(cut, params, boxed)
             avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), x)
-            key = ProgramKey("forward", (id(cut), tuple(sorted(rngs or ())), str(avals)))
+            key = ProgramKey(
+                "forward", (id(cut), tuple(sorted(rngs or ())), str(avals), str(splits))
+            )
             program = self._programs.get(
                 key,
                 lambda: lower_forward(
-                    self.schedule, cut.stage_fns(), self.mesh, cut.split(params), x, rngs
+                    self.schedule, cut.stage_fns(), self.mesh, cut.split(params), x, rngs, splits
                 ),
             )
         return program.forward(cut.split(self.place(params)), x, rngs)

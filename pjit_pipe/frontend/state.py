@@ -20,6 +20,7 @@ import optax
 
 from pjit_pipe.errors import StateError
 from pjit_pipe.frontend.cutter.cut import StageCut
+from pjit_pipe.frontend.cutter.tensor_split import rebox
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
 from pjit_pipe.lowering import Buffers, DeviceLayout, device_bytes
 
@@ -33,9 +34,14 @@ class StateView:
     """
 
     def __init__(
-        self, cut: StageCut, layout: DeviceLayout, optimizer: optax.GradientTransformation
+        self,
+        cut: StageCut,
+        layout: DeviceLayout,
+        optimizer: optax.GradientTransformation,
+        boxed: Any = None,
     ):
         self.cut = cut
+        self.boxed = boxed  # annotated params (tensor_split.unbox): state.params comes back boxed
         self.layout = layout
         self.optimizer = optimizer
         self.variables = cut.model.variables(cut.param_avals)  # module params' shapes
@@ -118,8 +124,9 @@ class TrainState:
 
     @property
     def params(self) -> Any:
-        """The module's parameters ({'params': ...} in linen), leaves on their stage's devices."""
-        return self.view.to_module(self)[0]
+        """The module's parameters ({'params': ...} in linen), leaves on their stage's
+        devices, in the boxes (nn.Partitioned, ...) that `init` was given."""
+        return rebox(self.view.to_module(self)[0], self.view.boxed)
 
     @property
     def opt_state(self) -> Any:

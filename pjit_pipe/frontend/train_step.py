@@ -13,6 +13,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from pjit_pipe.errors import BatchError, OptionError, RngError, StateError
+from pjit_pipe.frontend.cutter.tensor_split import unbox
 from pjit_pipe.frontend.rngs import step_rngs
 from pjit_pipe.frontend.state import StateView, TrainState
 
@@ -59,17 +60,25 @@ class TrainStep:
         self._carried_by: dict[StateView, PipelineStep] = {}
 
     def _program(
-        self, params: Any, batch: tuple[Any, Any], rngs: Any = None
+        self, params: Any, batch: tuple[Any, Any], rngs: Any = None, boxed: Any = None
     ) -> tuple[Any, StateView]:
-        """The compiled pipeline for these shapes (and rng streams) and its state view."""
-        cut, step = self.pipelined.program(params, *batch, self.loss_fn, rngs=rngs)
-        return step, self.pipelined.state_view(cut, step)
+        """The compiled pipeline for these shapes (and rng streams) and its state view;
+        `boxed`: the annotated params that say how weights split over 'tensor'."""
+        cut, step = self.pipelined.program(params, *batch, self.loss_fn, rngs=rngs, boxed=boxed)
+        return step, self.pipelined.state_view(cut, step, boxed)
+
+    def _state_program(
+        self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
+    ) -> tuple[Any, StateView]:
+        return self._program(state.view.variables, batch, rngs, state.view.boxed)
 
     def view(self, params: Any, batch: tuple[Any, Any]) -> StateView:
         """The state view (module layout <-> this step's device layout) for parameters
-        shaped like `params` (arrays or ShapeDtypeStructs) and batches like `batch`."""
+        shaped like `params` (arrays or ShapeDtypeStructs, boxed or not) and batches
+        like `batch`."""
         model = self.pipelined.model
-        return self._program(model.variables(model.params(params)), batch)[1]
+        params, boxed = unbox(params)
+        return self._program(model.variables(model.params(params)), batch, boxed=boxed)[1]
 
     def init(
         self,
@@ -86,9 +95,10 @@ class TrainStep:
         draws random numbers; `skipped`, the non-finite steps skipped so far. Each
         stage's rows are built on its devices."""
         model = self.pipelined.model
+        params, boxed = unbox(params)  # annotated weights: how they split over 'tensor'
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
-        _, view = self._program(params, batch, step_rngs(rngs))  # checks the optimizer too
-        device_params, device_opt = view.to_device(params, opt_state)
+        _, view = self._program(params, batch, step_rngs(rngs), boxed)  # checks the optimizer
+        device_params, device_opt = view.to_device(params, unbox(opt_state)[0])
         return TrainState(device_params, device_opt, step, view, skipped=skipped)
 
     def adopt(
@@ -119,7 +129,7 @@ class TrainStep:
             )
         state.check_alive("state")
         try:
-            return self._program(state.view.variables, batch, rngs)
+            return self._program(state.view.variables, batch, rngs, state.view.boxed)
         except flax.errors.ScopeParamShapeError as e:
             raise StateError(
                 f"state: its parameters do not fit this model ({str(e).splitlines()[0]}); "

@@ -30,7 +30,7 @@ from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.async_pipeline.async_weights import async_weights_for
-from pjit_pipe.lowering.comms.topology import AXES, Topology
+from pjit_pipe.lowering.comms.topology import AXES, TENSOR, Topology
 from pjit_pipe.lowering.compute.emulated_ticks import EmulationHost
 from pjit_pipe.lowering.compute.loss import LossLayout
 from pjit_pipe.lowering.compute.rng import check_rngs, impls_of, microbatch_rngs
@@ -39,6 +39,7 @@ from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.global_norm import count_norm_calls
 from pjit_pipe.lowering.layout.optimizer import stage0_avals
 from pjit_pipe.lowering.layout.shared import check_shared
+from pjit_pipe.lowering.layout.tensor_layout import LeafSplits, any_split
 from pjit_pipe.lowering.step import PipelineStep
 
 __all__ = ["LoweringOptions", "PipelineStep", "TickProgram", "lower"]
@@ -48,13 +49,47 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
 
 
+def _check_tensor(topology: Topology, splits, weights_kind: str, shared) -> None:
+    """Refuse, by name, what tensor parallelism does not support yet."""
+    if not any_split(splits):
+        return
+    if topology.tensor == 1:
+        raise MeshError("splits: leaves split over 'tensor' need a mesh with tensor > 1")
+    if weights_kind == "async-1f1b":
+        raise OptionError(
+            "schedule='async-1f1b' with weights split over 'tensor' is not supported: its "
+            "weight policies keep flat weight rows; use a synchronous schedule or tensor=1"
+        )
+    if shared:
+        raise OptionError(
+            f"shared (tied) parameters {sorted(shared)} with weights split over 'tensor' are "
+            "not supported: untie them, or use tensor=1"
+        )
+
+
+def _check_zero(program: TickProgram, optimizer, shared) -> None:
+    """Refuse, by name, what ZeRO does not support yet."""
+    why = None
+    if not program.topo.complete:
+        why = "failed workers (the re-routed program steps the optimizer in its loop)"
+    elif program.stepping:
+        why = "the optimizer inside the loop (a staggered schedule, iterations > 1)"
+    elif program.weights is not None:
+        why = "an asynchronous schedule (async-1f1b)"
+    elif shared:
+        why = f"shared (tied) parameters {sorted(shared)}"
+    if why:
+        raise OptionError(f"zero=True with {why} is not supported yet; use zero=False")
+
+
 def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> None:
     if not isinstance(schedule, Schedule):
         raise ScheduleError(f"schedule must be a pjit_pipe Schedule, got {type(schedule).__name__}")
     validate(schedule)
-    if tuple(mesh.axis_names) != AXES:
+    if tuple(mesh.axis_names) not in (AXES, (*AXES, TENSOR)):
         raise MeshError(
-            f"mesh axes must be {AXES} (pjit_pipe.make_mesh builds one), got {tuple(mesh.axis_names)}"
+            f"mesh axes must be {(*AXES, TENSOR)} (pjit_pipe.make_mesh builds one), "
+            f"got {tuple(mesh.axis_names)}"
         )
     shape = (mesh.shape["data"], mesh.shape["stage"])
     if shape != (schedule.replicas, schedule.stages):
@@ -99,6 +134,10 @@ class LoweringOptions:
         devices it exchanges with (the neighbour-synchronous price).
     emulate: an `EmulationHost` that replaces every op's compute by a host
         callback sleeping its price: an emulated run of the same program.
+    splits: per virtual stage, per parameter leaf, how it splits over the mesh's
+        'tensor' axis (a per-dimension tuple of 'tensor' / None) or None
+        (replicated); see layout/tensor_layout.py and docs/tensor_parallel.md.
+    zero: the optimizer state sharded over 'data' (ZeRO, layout/zero.py).
     """
 
     optimizer: optax.GradientTransformation | None = None
@@ -111,6 +150,8 @@ class LoweringOptions:
     staleness_offset: int = 0
     pairwise: bool = False
     emulate: EmulationHost | None = None
+    splits: Sequence[LeafSplits] | None = None
+    zero: bool = False
 
 
 def lower(
@@ -156,13 +197,19 @@ def lower(
         )
     schedule, iterations = table.schedule, table.iterations
     optimizer, remat, has_aux, rngs, shared = o.optimizer, o.remat, o.has_aux, o.rngs, o.shared
+    splits, zero = o.splits, o.zero
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     check_shared(shared or {}, stage_params)
     n = schedule.replicas * schedule.microbatches
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     # Stages run as separate B and W get the split backward (see the docstring).
     split = set(split_stages(schedule))
-    if remat or not o.split_backward:
+    # With weights split over 'tensor' the split backward's stored operands are
+    # flat rows of tensor-split values: XLA reshards them with collective-permutes
+    # inside the op's branch, which only one stage's devices take, and CPU
+    # collectives rendezvous over every device (docs/tensor_parallel.md). W then
+    # re-runs the stage's pullback instead.
+    if remat or not o.split_backward or any_split(splits):
         split = set()
     loss = LossLayout(loss_fn, has_aux)
     impls, example_keys = None, {}
@@ -179,6 +226,7 @@ def lower(
             split,
         )
     topology = Topology.of(mesh, schedule.failed)
+    _check_tensor(topology, splits, weights_kind=schedule.kind, shared=shared)
     table.check()
     weights = async_weights_for(
         schedule, o.async_weights, optimizer, stages.param_avals, remat, loss, o.staleness_offset
@@ -196,7 +244,11 @@ def lower(
         weights=weights,
         emulate=o.emulate,
         pairwise=o.pairwise,
+        splits=splits if any_split(splits) else None,
+        row_multiple=schedule.replicas if zero else 1,
     )
+    if zero:
+        _check_zero(program, optimizer, shared)
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):
         raise OptimizerError(
@@ -207,4 +259,4 @@ def lower(
             "schedule with iterations=1, or a per-parameter clip (optax.clip)"
         )
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
-    return PipelineStep(schedule, program, optimizer, examples)
+    return PipelineStep(schedule, program, optimizer, examples, zero=zero)

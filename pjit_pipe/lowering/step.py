@@ -18,16 +18,20 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax.sharding import Mesh
+from jax import lax
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.async_pipeline.async_carry import CarryingStep, InFlight
+from pjit_pipe.lowering.comms.topology import AXES
 from pjit_pipe.lowering.compute.rng import check_rngs, microbatch_key_data
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.device_state import DeviceLayout
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, is_shaped
 from pjit_pipe.lowering.layout.optimizer import StageOptimizer
+from pjit_pipe.lowering.layout.tensor_layout import opt_state_splits
+from pjit_pipe.lowering.layout.zero import ZeroLayout
 from pjit_pipe.lowering.tick_plan import TickPlan
 
 
@@ -40,6 +44,7 @@ class PipelineStep:
         lowered: TickProgram,
         optimizer: optax.GradientTransformation | None,
         examples: tuple[Any, Any, Any],
+        zero: bool = False,
     ):
         self.schedule = schedule
         self.optimizer = optimizer
@@ -50,11 +55,25 @@ class PipelineStep:
         topo = lowered.topo
         self._positions = topo.positions
         self._first_holder = np.array([topo.holders(p)[0] for p in range(schedule.stages)])
-        self._opt_spec = (
-            FlatSpec([jax.eval_shape(optimizer.init, a) for a in lowered.st.param_avals])
-            if optimizer is not None
-            else None
-        )
+        self._opt_spec = None
+        # ZeRO over 'data' (zero.py): the optax state in slices, one per replica.
+        self._zero = None
+        if optimizer is not None and zero:
+            self._zero = ZeroLayout(
+                lowered.param_spec, schedule.replicas, optimizer, schedule.num_virtual_stages
+            )
+            self._opt_spec = self._zero.opt_spec
+        elif optimizer is not None:
+            avals = lowered.st.param_avals
+            splits = lowered.splits
+            self._opt_spec = FlatSpec(
+                [jax.eval_shape(optimizer.init, a) for a in avals],
+                splits=None
+                if splits is None
+                else [
+                    opt_state_splits(optimizer, a, h) for a, h in zip(avals, splits, strict=True)
+                ],
+            )
         self._vg = jax.jit(self._value_and_grad)
         self._train = jax.jit(self._train_step) if optimizer is not None else None
         self._compiled_train = None
@@ -62,7 +81,7 @@ class PipelineStep:
         self.layout: DeviceLayout | None = None
         if optimizer is not None:
             self.layout = DeviceLayout(
-                topo, lowered.held, lowered.param_spec, self._opt_spec, optimizer
+                topo, lowered.held, lowered.param_spec, self._opt_spec, optimizer, self._zero
             )
         # The device-layout step per (donate, skip_nonfinite): consuming its state
         # buffers or not, keeping them where the step is not finite or not.
@@ -132,7 +151,24 @@ class PipelineStep:
             in_specs=(spec,) * (n_in_bufs + 4) + (PS(),) * n_replicated,
             out_specs=out_specs,
             check_vma=False,
+            **self.topology.shard_map_axes(),
         )
+
+    def _placed(self, spec: FlatSpec, bufs: Buffers) -> Buffers:
+        """`bufs` with each shaped buffer (a leaf split over 'tensor') constrained to
+        its split: shard_map specs name the worker axes only, so the split of the
+        state in and out of the step is set here, outside it."""
+        if not spec.tensor_split:
+            return bufs
+        axes = self.topology.axes
+        return {
+            k: jax.lax.with_sharding_constraint(
+                b, NamedSharding(self.mesh, PS(axes, None, *spec.split_of(k)))
+            )
+            if is_shaped(k)
+            else b
+            for k, b in bufs.items()
+        }
 
     def _device_args(self, x, y, plan: TickPlan):
         """Per-device inputs after the buffers: batch, labels, tick rows, positions."""
@@ -156,10 +192,9 @@ class PipelineStep:
             return loss, {k: g[None] for k, g in grads.items()}
 
         f = self._shard_map(body, 1, (PS(), self.topology.spec))
-        loss, grads = f(
-            self._pack(low.param_spec, stage_params), *self._device_args(x, y, low.plan)
-        )
-        return loss, self._unpack(low.param_spec, grads)
+        params = self._placed(low.param_spec, self._pack(low.param_spec, stage_params))
+        loss, grads = f(params, *self._device_args(x, y, low.plan))
+        return loss, self._unpack(low.param_spec, self._placed(low.param_spec, grads))
 
     def _train_buffers(self, params: Buffers, opt: Buffers, x, y, skip_nonfinite: bool = False):
         """The training step on the device layout: (params, opt) buffers of shape
@@ -182,6 +217,15 @@ class PipelineStep:
                 params, opt, loss = self._stepper.stepping_loop(
                     spec, params, opt, x, y, rows, *updates, pos
                 )
+            elif self._zero is not None:
+                loss, grads = low.tick_loop(params, x, y, rows, pos, reduce=self._zero.scatter)
+                new = self._zero.step(params, grads, opt)
+                if skip_nonfinite:  # grads are this replica's slices: any device's verdict
+                    bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grads.values())
+                    bad = lax.psum(bad + jnp.sum(~jnp.isfinite(loss)), AXES)
+                    skipped = bad > 0
+                    new = jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new, (params, opt))
+                params, opt = new
             else:
                 loss, grads = low.tick_loop(params, x, y, rows, pos)
                 new = self._stepper.optimizer_step(spec, params, grads, opt, pos)
@@ -201,7 +245,9 @@ class PipelineStep:
         out = self.topology.spec
         updates = (jnp.asarray(plan.updates),) if low.stepping else ()
         f = self._shard_map(body, 2, (out, out, PS(), PS()), n_replicated=len(updates))
+        params, opt = self._placed(low.param_spec, params), self._placed(spec, opt)
         params, opt, loss, skipped = f(params, opt, *self._device_args(x, y, plan), *updates)
+        params, opt = self._placed(low.param_spec, params), self._placed(spec, opt)
         if low.stepping and low.iterations == 1:
             loss = loss[0]
         return params, opt, loss, skipped
@@ -269,6 +315,11 @@ class PipelineStep:
         """
         if self._train is None:
             raise ValueError("train_step needs lower(..., optimizer=an optax transformation)")
+        if self._zero is not None:
+            raise ValueError(
+                "train_step on per-stage trees: with zero=True the optax state is in slices; "
+                "use device_train_step on the device layout (Pipelined.train_step does)"
+            )
         run = self._compiled_train or self._train
         return run(list(stage_params), list(opt_state), self._with_keys(x, rngs), y)
 
@@ -371,6 +422,13 @@ class PipelineStep:
         if low.weights is None:
             return 0
         return low.weights.extra_bytes(low.param_spec, (low.step_plan or low.plan).res_slots)
+
+    def device_memory_analysis(self, donate: bool = True) -> Any:
+        """XLA's memory analysis of the compiled device_train_step (compiled by
+        `compile_device_train_step` first)."""
+        if donate not in self._compiled_device:
+            raise ValueError("device_memory_analysis: call compile_device_train_step first")
+        return self._compiled_device[donate].memory_analysis()
 
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the compiled value_and_grad program."""

@@ -2,6 +2,10 @@
 
 The blocks are a list of submodules called in a loop, so pjit_pipe can cut
 between any two of them; the model itself knows nothing about pipelining.
+With `megatron=True` the blocks' weights carry Megatron's tensor-parallel
+annotations (`nn.with_partitioning` over the mesh axis 'tensor'): qkv and the
+MLP's up-projection split on their output dimension (columns), the attention
+output and the MLP's down-projection on their input dimension (rows).
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ class GPTConfig:
     n_heads: int = 4
     n_layers: int = 4
     d_ff: int = 256
+    megatron: bool = False  # tensor-parallel annotations (see the module docstring)
     dtype: Any = jnp.float32
 
     @classmethod
@@ -33,24 +38,44 @@ class GPTConfig:
         return cls(vocab=vocab, seq_len=32, d_model=64, n_heads=4, n_layers=4, d_ff=256)
 
 
+def _dense(
+    features: int, split: str | None, name: str | None = None, dtype: Any = None
+) -> nn.Dense:
+    """nn.Dense computing in `dtype`, its kernel split over 'tensor' on the output
+    ("column", with its bias) or input ("row") dimension, or not at all (None)."""
+    if split is None:
+        return nn.Dense(features, name=name, dtype=dtype)
+    kernel = nn.initializers.lecun_normal()
+    if split == "column":
+        return nn.Dense(
+            features,
+            name=name,
+            dtype=dtype,
+            kernel_init=nn.with_partitioning(kernel, (None, "tensor")),
+            bias_init=nn.with_partitioning(nn.initializers.zeros_init(), ("tensor",)),
+        )
+    kernel_init = nn.with_partitioning(kernel, ("tensor", None))
+    return nn.Dense(features, name=name, dtype=dtype, kernel_init=kernel_init)
+
+
 class CausalSelfAttention(nn.Module):
     d_model: int
     n_heads: int
+    megatron: bool = False
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         *lead, t, d = x.shape
         head = d // self.n_heads
-        qkv = nn.Dense(3 * d, dtype=self.dtype, name="qkv")(x).reshape(
-            *lead, t, 3, self.n_heads, head
-        )
+        column, row = ("column", "row") if self.megatron else (None, None)
+        qkv = _dense(3 * d, column, "qkv", self.dtype)(x).reshape(*lead, t, 3, self.n_heads, head)
         q, k, v = (qkv[..., i, :, :] for i in range(3))
         scores = jnp.einsum("...qhd,...khd->...hqk", q, k) / jnp.sqrt(head).astype(x.dtype)
         mask = jnp.tril(jnp.ones((t, t), dtype=bool))
         scores = jnp.where(mask, scores, jnp.finfo(scores.dtype).min)
         out = jnp.einsum("...hqk,...khd->...qhd", jax.nn.softmax(scores, axis=-1), v)
-        return nn.Dense(d, dtype=self.dtype, name="proj")(out.reshape(*lead, t, d))
+        return _dense(d, row, "proj", self.dtype)(out.reshape(*lead, t, d))
 
 
 class Block(nn.Module):
@@ -59,14 +84,17 @@ class Block(nn.Module):
     d_model: int
     n_heads: int
     d_ff: int
+    megatron: bool = False
     dtype: Any = jnp.float32
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
         dt = self.dtype
-        x = x + CausalSelfAttention(self.d_model, self.n_heads, dt)(nn.LayerNorm(dtype=dt)(x))
-        h = nn.gelu(nn.Dense(self.d_ff, dtype=dt)(nn.LayerNorm(dtype=dt)(x)))
-        return x + nn.Dense(self.d_model, dtype=dt)(h)
+        column, row = ("column", "row") if self.megatron else (None, None)
+        attention = CausalSelfAttention(self.d_model, self.n_heads, self.megatron, dt)
+        x = x + attention(nn.LayerNorm(dtype=dt)(x))
+        h = nn.gelu(_dense(self.d_ff, column, "Dense_0", dt)(nn.LayerNorm(dtype=dt)(x)))
+        return x + _dense(self.d_model, row, "Dense_1", dt)(h)
 
 
 class GPT(nn.Module):
@@ -80,7 +108,9 @@ class GPT(nn.Module):
             raise ValueError(f"d_model ({c.d_model}) must be divisible by n_heads ({c.n_heads})")
         self.wte = nn.Embed(c.vocab, c.d_model, dtype=c.dtype)
         self.wpe = nn.Embed(c.seq_len, c.d_model, dtype=c.dtype)
-        self.blocks = [Block(c.d_model, c.n_heads, c.d_ff, c.dtype) for _ in range(c.n_layers)]
+        self.blocks = [
+            Block(c.d_model, c.n_heads, c.d_ff, c.megatron, c.dtype) for _ in range(c.n_layers)
+        ]
         self.ln_f = nn.LayerNorm(dtype=c.dtype)
         self.head = nn.Dense(c.vocab, use_bias=False, dtype=c.dtype)
 

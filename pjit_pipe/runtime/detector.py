@@ -20,6 +20,7 @@ from typing import Protocol
 
 from jax.sharding import Mesh
 
+from pjit_pipe.frontend import worker_devices
 from pjit_pipe.ir.failures import check_failure_plan
 from pjit_pipe.ir.ops import Worker
 
@@ -144,10 +145,12 @@ class LiveDevices:
     """
 
     def __init__(self, mesh: Mesh):
+        grid = worker_devices(mesh)  # a worker is down when any device of its group is
         self.worker_of = {
-            mesh.devices[r, s]: Worker(r, s)
+            d: Worker(r, s)
             for r in range(mesh.shape["data"])
             for s in range(mesh.shape["stage"])
+            for d in grid[r, s]
         }
 
     @contextlib.contextmanager

@@ -22,7 +22,7 @@ from typing import Any
 import jax
 
 from pjit_pipe.errors import StateError
-from pjit_pipe.frontend import Pipelined, TrainState
+from pjit_pipe.frontend import Pipelined, TrainState, worker_devices
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
 from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir
@@ -189,7 +189,7 @@ class ResilientTrainer:
         start = time.perf_counter()
         variant = self.variants.get(down)
         mesh = self.pipelined.mesh
-        unavailable = {mesh.devices[w.replica, w.stage] for w in down}
+        unavailable = {d for w in down for d in worker_devices(mesh)[w.replica, w.stage]}
         state, moved = variant.step.adopt(state, batch, unavailable)
         if down != self._current:
             self._current = down

@@ -126,6 +126,20 @@ class NNXModel:
     def variables(self, params: dict) -> Any:
         return params
 
+    def sharding_names(self) -> dict[Path, tuple[Any, ...]] | None:
+        """Per parameter path (the pure dict's keys), the names of its `sharding=`
+        metadata (how it splits over mesh axes); None when nothing is annotated."""
+        out = {}
+        for path, var in nnx.to_flat_state(self._template):
+            meta = var.get_metadata()
+            names = next(
+                (meta[k] for k in ("out_sharding", "sharding_names", "sharding") if meta.get(k)),
+                None,
+            )
+            if names is not None:
+                out[tuple(path)] = tuple(names)
+        return out or None
+
     def _module(self, params: dict) -> nnx.Module:
         state = jax.tree.map(lambda a: a, self._template)  # a fresh State to fill in
         nnx.replace_by_pure_dict(state, params)

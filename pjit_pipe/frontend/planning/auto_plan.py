@@ -20,7 +20,7 @@ from jax.sharding import Mesh
 
 from pjit_pipe.errors import MeshError, OptimizerError, OptionError
 from pjit_pipe.frontend.cutter.adapters import as_model
-from pjit_pipe.frontend.mesh import AXES
+from pjit_pipe.frontend.mesh import AXES, PIPELINE_AXES
 from pjit_pipe.frontend.planning.live_plan import AutoPlan, auto_plan
 from pjit_pipe.frontend.rngs import with_step_rngs
 from pjit_pipe.frontend.train_step import TrainStep
@@ -54,7 +54,8 @@ def check_auto_options(
             "yet; run the planned pipeline's with_failures([...]) after its first step"
         )
     if mesh is not None and (
-        not isinstance(mesh, Mesh) or tuple(getattr(mesh, "axis_names", ())) != AXES
+        not isinstance(mesh, Mesh)
+        or tuple(getattr(mesh, "axis_names", ())) not in (AXES, PIPELINE_AXES)
     ):
         raise MeshError(
             f"mesh: expected a {AXES} mesh from pjit_pipe.make_mesh(data=D, stage=P), got "

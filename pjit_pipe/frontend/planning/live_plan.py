@@ -39,7 +39,7 @@ from jax.sharding import Mesh
 
 from pjit_pipe.errors import BatchError, MeshError, OptionError
 from pjit_pipe.frontend.cutter.cut import layer_cut
-from pjit_pipe.frontend.mesh import make_mesh
+from pjit_pipe.frontend.mesh import make_mesh, tensor_size, worker_devices
 from pjit_pipe.frontend.planning.measure import segment_times
 from pjit_pipe.planner import (
     CostModel,
@@ -161,13 +161,17 @@ def planned_options(
     planned = make_mesh(mapping=plan.mapping)
     if mesh is None:
         return plan.num_stages, plan.schedule, planned
-    if dict(mesh.shape) != {"data": plan.replicas, "stage": plan.num_stages}:
+    if (mesh.shape["data"], mesh.shape["stage"], tensor_size(mesh)) != (
+        plan.replicas,
+        plan.num_stages,
+        1,
+    ):
         raise MeshError(
             f"mesh: its shape {dict(mesh.shape)} differs from the plan's "
             f"{plan.replicas} x {plan.num_stages}; leave it out (the plan's mapping makes it)"
         )
-    if mesh.devices.tolist() != planned.devices.tolist():
-        ids = lambda m: [[d.id for d in row] for row in m.devices.tolist()]  # noqa: E731
+    if worker_devices(mesh).tolist() != planned.devices.tolist():
+        ids = lambda m: [[d.id for d in row] for row in worker_devices(m)[..., 0].tolist()]  # noqa: E731
         raise MeshError(
             f"mesh: its devices {ids(mesh)} differ from the plan's mapping {ids(planned)} "
             "(device ids); leave mesh out (the plan's mapping makes it)"

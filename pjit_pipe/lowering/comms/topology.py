@@ -8,6 +8,12 @@ that axis (the one collective that works over any device subset), and each
 stage's gradients are reduced over its surviving holders with a ppermute
 chain. Either way a worker's linear index is its position in `workers`, which
 is the row it owns in every per-worker array of the program.
+
+With a 'tensor' axis of size T > 1 a worker is a group of T devices: the
+program's mesh keeps 'tensor' as its last axis, the program's shard_map is
+manual over the worker axes only, and XLA partitions each stage's compute
+over 'tensor' (docs/tensor_parallel.md). With T = 1 the mesh has the worker
+axes alone, as without tensor parallelism.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from pjit_pipe.ir.ops import Worker
 
 AXES = ("data", "stage")
 SURVIVOR_AXIS = "worker"
+TENSOR = "tensor"
 
 
 @dataclass(frozen=True)
@@ -40,23 +47,52 @@ class Topology:
 
     @classmethod
     def of(cls, mesh: Mesh, failed: Sequence[Worker] = ()) -> Topology:
-        """The topology of `mesh` (axes data, stage) with `failed` workers removed."""
+        """The topology of `mesh` (axes data, stage[, tensor]) with `failed` workers removed."""
         D, P = mesh.shape["data"], mesh.shape["stage"]
         dead = {Worker(*w) for w in failed}
         workers = tuple(
             Worker(r, p) for r in range(D) for p in range(P) if Worker(r, p) not in dead
         )
+        grid = np.asarray(mesh.devices, dtype=object)
+        if grid.ndim == 2:
+            grid = grid[..., None]
+        tensor = (TENSOR,) if grid.shape[2] > 1 else ()
+        if not tensor:
+            grid = grid[..., 0]
         if not dead:
-            sub = Mesh(mesh.devices, AXES, axis_types=(AxisType.Auto,) * 2)
+            sub = Mesh(grid, AXES + tensor, axis_types=(AxisType.Auto,) * (2 + len(tensor)))
         else:
-            devices = np.array([mesh.devices[w.replica, w.stage] for w in workers], dtype=object)
-            sub = Mesh(devices, (SURVIVOR_AXIS,), axis_types=(AxisType.Auto,))
+            devices = np.array([grid[w.replica, w.stage] for w in workers], dtype=object)
+            sub = Mesh(
+                devices, (SURVIVOR_AXIS, *tensor), axis_types=(AxisType.Auto,) * (1 + len(tensor))
+            )
         return cls(D, P, workers, sub)
 
     @property
+    def tensor(self) -> int:
+        """T, the devices of one worker (its 'tensor' group)."""
+        return int(dict(self.mesh.shape).get(TENSOR, 1))
+
+    @property
+    def device_positions(self) -> np.ndarray:
+        """Pipeline position of each device of the mesh, in `mesh.devices.flat` order."""
+        return np.repeat(self.positions, self.tensor)
+
+    @property
+    def tensor_index(self) -> np.ndarray:
+        """Each device's index in its worker's tensor group, in `mesh.devices.flat` order."""
+        return np.tile(np.arange(self.tensor), len(self.workers))
+
+    def shard_map_axes(self) -> dict[str, Any]:
+        """Extra shard_map arguments: manual over the worker axes only when the mesh
+        has a 'tensor' axis, which XLA partitions (partial-manual shard_map)."""
+        return {"axis_names": set(self.axes)} if self.tensor > 1 else {}
+
+    @property
     def axes(self) -> tuple[str, ...]:
-        """Every mesh axis: collectives over all workers name these."""
-        return tuple(self.mesh.axis_names)
+        """The worker axes (every mesh axis but 'tensor'): collectives over all
+        workers name these."""
+        return tuple(a for a in self.mesh.axis_names if a != TENSOR)
 
     @property
     def spec(self) -> PS:

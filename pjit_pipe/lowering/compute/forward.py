@@ -28,6 +28,7 @@ from pjit_pipe.lowering.comms.topology import Topology
 from pjit_pipe.lowering.compute.rng import check_rngs, impls_of, microbatch_rngs
 from pjit_pipe.lowering.compute.stages import StageVjp
 from pjit_pipe.lowering.compute.tick import TickProgram
+from pjit_pipe.lowering.layout.tensor_layout import LeafSplits, any_split
 from pjit_pipe.lowering.program import _abstract, _check
 from pjit_pipe.lowering.step import PipelineStep
 
@@ -113,8 +114,10 @@ class ForwardStep(PipelineStep):
             return self._loop(params, x, y, rows, pos)[None]
 
         f = self._shard_map(body, 1, self.topology.spec)
+        spec = self._low.param_spec
         outs = f(
-            self._pack(self._low.param_spec, stage_params), *self._device_args(x, y, self._low.plan)
+            self._placed(spec, self._pack(spec, stage_params)),
+            *self._device_args(x, y, self._low.plan),
         )
         return self.outputs.unflatten(outs[self._gather])
 
@@ -132,9 +135,11 @@ def lower_forward(
     stage_params: Sequence[Any],
     x: Any,
     rngs: Any = None,
+    splits: Sequence[LeafSplits] | None = None,
 ) -> ForwardStep:
     """Compile the forward-only pipeline of `schedule` (see the module docstring);
     the arguments are those of `lower` (x an example; no labels, loss or optimizer)."""
+    splits = splits if any_split(splits) else None
     y = jnp.zeros((jax.tree.leaves(x)[0].shape[0],), jnp.float32)  # no labels: a stand-in
     _check(schedule, stage_fns, mesh, stage_params, x, y)
     n = schedule.replicas * schedule.microbatches
@@ -152,5 +157,5 @@ def lower_forward(
         stages = StageVjp(stage_fns, outputs.vector, params, x_mb, jax.tree.map(mb, y))
     fwd = forward_schedule(schedule)
     topology = Topology.of(mesh, schedule.failed)
-    program = TickProgram(fwd, stages, topology, True, loss=outputs, rng_impls=impls)
+    program = TickProgram(fwd, stages, topology, True, loss=outputs, rng_impls=impls, splits=splits)
     return ForwardStep(fwd, program, outputs, (params, _abstract(x), _abstract(y)))

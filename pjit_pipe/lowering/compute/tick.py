@@ -52,6 +52,7 @@ from pjit_pipe.lowering.compute.tick_ops import Inbox, OpGroup, StageOps
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.param_layout import ChunkLayout
 from pjit_pipe.lowering.layout.shared import SharedGrads
+from pjit_pipe.lowering.layout.tensor_layout import LeafSplits
 from pjit_pipe.lowering.tick_plan import FUSED, OpRow, TickPlan, TickRow, build_plan
 
 
@@ -74,6 +75,8 @@ class TickProgram:
         weights: AsyncWeights | None = None,
         emulate: EmulationHost | None = None,
         pairwise: bool = False,
+        splits: Sequence[LeafSplits] | None = None,
+        row_multiple: int = 1,
     ):
         self.sched = schedule
         self.st = stages
@@ -115,7 +118,10 @@ class TickProgram:
         self.step_plan: TickPlan | None = (every or self.plan) if self.stepping else None
         self.remat = remat
         self.fused = (FUSED, stages.S - 1) in self.plan.branches
-        self.param_spec = FlatSpec(stages.param_avals)
+        # Leaves split over 'tensor' get shaped buffers of their own (packing.py).
+        self.splits = splits
+        # `row_multiple`: ZeRO cuts each flat row into D slices (zero.py).
+        self.param_spec = FlatSpec(stages.param_avals, splits=splits, multiple=row_multiple)
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.post = Post(self.msg_spec, topology.axes)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]
@@ -333,11 +339,19 @@ class TickProgram:
         return self.post.end_of_tick(plan, row, msgs, act, grad, late), res, grads, loss
 
     def tick_loop(
-        self, params: Buffers, x: Any, y: Any, rows: TickRow, pos: jax.Array, with_aux: bool = False
+        self,
+        params: Buffers,
+        x: Any,
+        y: Any,
+        rows: TickRow,
+        pos: jax.Array,
+        with_aux: bool = False,
+        reduce: Callable[[Buffers], Buffers] | None = None,
     ):
         """Run every tick on this device (at pipeline position `pos`); return (the loss
         over the global batch, this device's gradient rows reduced over replicas).
-        With `with_aux` the loss is (loss, aux) (see loss.py)."""
+        With `with_aux` the loss is (loss, aux) (see loss.py). `reduce` replaces the
+        reduction over replicas (ZeRO's reduce-scatter, zero.py)."""
         params = self.chunk_params(params, pos)
 
         def tick(carry, row):
@@ -347,7 +361,7 @@ class TickProgram:
 
         (_, _, grads, loss), _ = lax.scan(tick, (*self.empty(self.plan), self.ops.no_loss()), rows)
         local = self.flat_grads(grads, pos)
-        grads = self.topo.reduce_over_replicas(local)
+        grads = (reduce or self.topo.reduce_over_replicas)(local)
         if self.shared is not None:
             grads = self.shared(local, grads)
         total = lax.psum(loss, self.topo.axes)

@@ -16,6 +16,12 @@ on one device. `relayout` moves a state to another program's layout (a
 failure variant, or back to the full mesh): a device that runs the same
 position in both keeps its buffers, a device new to a position copies the row
 from a live peer, and devices named unavailable are never read.
+
+With a 'tensor' axis (T > 1) a worker is T devices. The flat rows are
+replicated over them, and each leaf split over 'tensor' has a shaped buffer
+(packing.py) of shape (workers, v, *leaf shape) split on the leaf's own
+dimension: a device holds its slice of its stages' split weights and of their
+optax state, between steps too (docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -31,14 +37,20 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.errors import StateError
-from pjit_pipe.lowering.comms.topology import Topology
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.comms.topology import TENSOR, Topology
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
+from pjit_pipe.lowering.layout.zero import ZeroLayout
 
-HOLDER = "holder"  # the one axis of a position's sub-mesh
+HOLDER = "holder"  # a position's sub-mesh: its workers (and 'tensor', with T > 1)
 
 
 def _nbytes(spec: FlatSpec, s: int) -> int:
     return sum(int(np.prod(a.shape)) * np.dtype(a.dtype).itemsize for a in spec.avals[s])
+
+
+def leaf_splits(spec: FlatSpec, s: int) -> list[tuple]:
+    """How each leaf of tree s splits over 'tensor' (() for a replicated one)."""
+    return [spec.splits[k] if is_shaped(k) else () for k, _, _ in spec.slots[s]]
 
 
 class DeviceLayout:
@@ -56,13 +68,16 @@ class DeviceLayout:
         param_spec: FlatSpec,
         opt_spec: FlatSpec,
         optimizer: optax.GradientTransformation,
+        zero: ZeroLayout | None = None,
     ):
         self.topology = topology
+        self.zero = zero  # ZeRO: each worker's optax rows are its replica's slices (zero.py)
         self.held = [list(h) for h in held]
         self.specs = {"params": param_spec, "opt": opt_spec}
         self.optimizer = optimizer
-        self.devices = list(topology.mesh.devices.flat)  # device of each linear index
-        self.positions = [int(p) for p in topology.positions]
+        self.devices = list(topology.mesh.devices.flat)  # every device, worker-major
+        self.positions = [int(p) for p in topology.device_positions]
+        self.tensor_index = [int(t) for t in topology.tensor_index]
         self.sharding = NamedSharding(topology.mesh, topology.spec)
         self._packers: dict[tuple[int, bool], Any] = {}
         self._unpackers: dict[tuple[int, tuple], Any] = {}
@@ -71,14 +86,22 @@ class DeviceLayout:
 
     def shapes(self, part: str) -> dict[str, tuple[int, ...]]:
         """Global shape of each buffer of `part` ('params' or 'opt')."""
-        v = len(self.held[0])
-        return {k: (len(self.devices), v, n) for k, n in self.specs[part].sizes.items()}
+        v, spec = len(self.held[0]), self.specs[part]
+        return {k: (len(self.topology.workers), v, *spec.shapes[k]) for k in spec.sizes}
+
+    def sharding_of(self, part: str, key: str) -> NamedSharding:
+        """Buffer `key` of `part` on the program's mesh: its leading dimension over the
+        workers, and a shaped buffer's leaf dimension over 'tensor'."""
+        spec = self.specs[part]
+        if not is_shaped(key):
+            return self.sharding
+        return NamedSharding(self.topology.mesh, PS(self.topology.axes, None, *spec.split_of(key)))
 
     def avals(self) -> tuple[dict, dict]:
         """(params, opt) buffers as placed ShapeDtypeStructs, for AOT compilation."""
         return tuple(
             {
-                k: jax.ShapeDtypeStruct(shape, k, sharding=self.sharding)
+                k: jax.ShapeDtypeStruct(shape, dtype_of(k), sharding=self.sharding_of(part, k))
                 for k, shape in self.shapes(part).items()
             }
             for part in ("params", "opt")
@@ -106,7 +129,23 @@ class DeviceLayout:
 
     def stage_sharding(self, position: int) -> NamedSharding:
         """A stage tree's leaves on `position`'s devices, replicated there."""
-        return NamedSharding(Mesh(np.array(self.holders(position)), (HOLDER,)), PS())
+        return NamedSharding(self.position_mesh(position), PS())
+
+    def leaf_shardings(self, part: str, s: int, mesh: Mesh) -> Any:
+        """Stage s's tree of `part` as shardings on a position's mesh: a leaf split
+        over 'tensor' split there, the others replicated."""
+        spec = self.specs[part]
+        tensor = TENSOR in mesh.axis_names
+        leaves = [NamedSharding(mesh, PS(*h) if tensor else PS()) for h in leaf_splits(spec, s)]
+        return jax.tree.unflatten(spec.treedefs[s], leaves)
+
+    def position_mesh(self, position: int, skip: Collection[Any] = ()) -> Mesh:
+        """The devices of one position as a (holder[, tensor]) mesh: a row per worker."""
+        devices = np.array(self.holders(position, skip), dtype=object)
+        T = self.topology.tensor
+        if T == 1:
+            return Mesh(devices, (HOLDER,))
+        return Mesh(devices.reshape(-1, T), (HOLDER, TENSOR))
 
     # ---- per-stage trees -> device layout ----
 
@@ -121,11 +160,18 @@ class DeviceLayout:
             devices = self.holders(p)
             if not any(d.process_index == jax.process_index() for d in devices):
                 continue  # another process builds these rows
-            mesh = Mesh(np.array(devices), (HOLDER,))
-            here = NamedSharding(mesh, PS())
+            mesh = self.position_mesh(p)
             trees = [stage_params[s] for s in self.held[p]]
             opts = None if stage_opt is None else [stage_opt[s] for s in self.held[p]]
-            args = jax.tree.map(lambda a, h=here: _onto(a, h), (trees, opts))
+            where = (
+                [self.leaf_shardings("params", s, mesh) for s in self.held[p]],
+                None
+                if opts is None
+                else jax.tree.map(lambda _, m=mesh: NamedSharding(m, PS()), opts)
+                if self.zero is not None  # module-layout optax trees, not slices
+                else [self.leaf_shardings("opt", s, mesh) for s in self.held[p]],
+            )
+            args = jax.tree.map(_onto, (trees, opts), where)
             packed = self._packer(p, opts is None, mesh)(*args)
             for part, bufs in zip(("params", "opt"), packed, strict=True):
                 for k, b in bufs.items():
@@ -138,26 +184,55 @@ class DeviceLayout:
         if key not in self._packers:
             held, specs, opt = self.held[p], self.specs, self.optimizer
 
+            workers = mesh.shape[HOLDER]
+            replicas = [self.topology.workers[i].replica for i in self.topology.holders(p)]
+            zero = self.zero
+
             def pack(trees, opts):
+                if zero is not None:  # each holder: the optax state of its replica's slices
+                    rows = specs["params"]
+                    packed = [rows.pack(s, t) for s, t in zip(held, trees, strict=True)]
+                    chunks = {k: jnp.stack([r[k] for r in packed]) for k in rows.sizes}
+                    params = {
+                        k: jnp.broadcast_to(b, (workers, *b.shape)) for k, b in chunks.items()
+                    }
+                    return params, zero.holder_rows(chunks, opts, held, rows, replicas)
                 if init_opt:
                     opts = [opt.init(t) for t in trees]
                 out = []
                 for spec, parts in ((specs["params"], trees), (specs["opt"], opts)):
                     r = [spec.pack(s, t) for s, t in zip(held, parts, strict=True)]
-                    out.append({k: jnp.stack([x[k] for x in r])[None] for k in spec.sizes})
+                    out.append(
+                        {
+                            k: jnp.broadcast_to(
+                                jnp.stack([x[k] for x in r]), (workers, len(r), *spec.shapes[k])
+                            )
+                            for k in spec.sizes
+                        }
+                    )
                 return tuple(out)
 
-            self._packers[key] = jax.jit(
-                jax.shard_map(pack, mesh=mesh, in_specs=PS(), out_specs=PS(HOLDER), check_vma=False)
+            out_shardings = tuple(
+                {k: self._row_sharding(part, k, mesh) for k in self.specs[part].sizes}
+                for part in ("params", "opt")
             )
+            self._packers[key] = jax.jit(pack, out_shardings=out_shardings)
         return self._packers[key]
 
+    def _row_sharding(self, part: str, key: str, mesh: Mesh) -> NamedSharding:
+        """A buffer's rows on a position's mesh: a row per worker, a shaped buffer
+        split over 'tensor' as on the program's mesh."""
+        if TENSOR not in mesh.axis_names or not is_shaped(key):
+            return NamedSharding(mesh, PS(HOLDER))
+        return NamedSharding(mesh, PS(HOLDER, None, *self.specs[part].split_of(key)))
+
     def _assemble(self, part: str, rows: dict[str, dict[Any, jax.Array]]) -> Buffers:
-        """Global buffers from each addressable device's own (1, v, L) row."""
+        """Global buffers from each addressable device's own (1, v, ...) slice."""
         out = {}
         for k, shape in self.shapes(part).items():
             local = [rows[k][d] for d in self.devices if d.process_index == jax.process_index()]
-            out[k] = jax.make_array_from_single_device_arrays(shape, self.sharding, local)
+            sharding = self.sharding_of(part, k)
+            out[k] = jax.make_array_from_single_device_arrays(shape, sharding, local)
         return out
 
     # ---- device layout -> per-stage trees ----
@@ -175,7 +250,7 @@ class DeviceLayout:
             devices = self.holders(p, skip)
             if not devices:
                 raise StateError(f"position {p} has no live device to read its stages from")
-            mesh = Mesh(np.array(devices), (HOLDER,))
+            mesh = self.position_mesh(p, skip)
             if not any(d.process_index == jax.process_index() for d in devices):
                 # Another process holds these stages: arrays with no local shards.
                 for s in self.held[p]:
@@ -183,8 +258,10 @@ class DeviceLayout:
                         self._remote(spec, s, mesh) for spec in self.specs.values()
                     )
                 continue
-            bufs = [self._rows(b, devices, mesh) for b in (params, opt)]
-            trees, opts = self._unpacker(p, mesh)(*bufs)
+            bufs = [
+                self._rows(part, b, devices, mesh) for part, b in (("params", params), ("opt", opt))
+            ]
+            trees, opts = self._unpacker(p, mesh, self._live_replicas(p, skip))(*bufs)
             for s, t, o in zip(self.held[p], trees, opts, strict=True):
                 out_p[s], out_o[s] = t, o
         return out_p, out_o
@@ -199,39 +276,52 @@ class DeviceLayout:
         ]
         return jax.tree.unflatten(spec.treedefs[s], leaves)
 
-    def _rows(self, bufs: Buffers, devices: list[Any], mesh: Mesh) -> Buffers:
+    def _rows(self, part: str, bufs: Buffers, devices: list[Any], mesh: Mesh) -> Buffers:
         """The rows of `devices` as buffers over their own sub-mesh (no copy)."""
         out = {}
         for k, b in bufs.items():
             shards = {s.device: s for s in b.addressable_shards}
             local = [shards[d].data for d in devices if d in shards]
-            shape = (len(devices), *b.shape[1:])
+            shape = (mesh.shape[HOLDER], *b.shape[1:])
             out[k] = jax.make_array_from_single_device_arrays(
-                shape, NamedSharding(mesh, PS(HOLDER)), local
+                shape, self._row_sharding(part, k, mesh), local
             )
         return out
 
-    def _unpacker(self, p: int, mesh: Mesh):
+    def _live_replicas(self, p: int, skip: Collection[Any]) -> list[int]:
+        """The replicas of position p's workers none of whose devices is in `skip`."""
+        T, workers = self.topology.tensor, self.topology.workers
+        return [
+            workers[i].replica
+            for i in self.topology.holders(p)
+            if not any(self.devices[i * T + t] in skip for t in range(T))
+        ]
+
+    def _unpacker(self, p: int, mesh: Mesh, live: list[int]):
         key = (p, tuple(mesh.devices.flat))
         if key not in self._unpackers:
-            held, specs = self.held[p], self.specs
+            held, specs, zero = self.held[p], self.specs, self.zero
+            sources = zero.sources(live) if zero is not None else None
 
             def unpack(params, opt):
                 trees = [
                     specs["params"].unpack(s, {k: b[0, c] for k, b in params.items()})
                     for c, s in enumerate(held)
                 ]
+                if zero is not None:  # the holders' slices joined (zero.py)
+                    return trees, zero.stage_states(opt, held, specs["params"], sources)
                 opts = [
                     specs["opt"].unpack(s, {k: b[0, c] for k, b in opt.items()})
                     for c, s in enumerate(held)
                 ]
                 return trees, opts
 
-            self._unpackers[key] = jax.jit(
-                jax.shard_map(
-                    unpack, mesh=mesh, in_specs=PS(HOLDER), out_specs=PS(), check_vma=False
-                )
+            out_shardings = tuple(
+                [self.leaf_shardings(part, s, mesh) for s in held] for part in ("params", "opt")
             )
+            if zero is not None:  # replicated on the position's devices
+                out_shardings = (out_shardings[0], [NamedSharding(mesh, PS())] * len(held))
+            self._unpackers[key] = jax.jit(unpack, out_shardings=out_shardings)
         return self._unpackers[key]
 
     # ---- another program's layout -> this one ----
@@ -259,6 +349,7 @@ class DeviceLayout:
                     "two programs; go through the module layout (state.params) instead"
                 )
         where = dict(zip(source.devices, source.positions, strict=True))
+        lane = dict(zip(source.devices, source.tensor_index, strict=True))
         moved = 0
         out = []
         for part, bufs in (("params", params), ("opt", opt)):
@@ -266,13 +357,15 @@ class DeviceLayout:
             for k, b in bufs.items():
                 shards = {s.device: s for s in b.addressable_shards}
                 rows[k] = {}
-                for d, p in zip(self.devices, self.positions, strict=True):
+                for d, p, t in zip(self.devices, self.positions, self.tensor_index, strict=True):
                     if d.process_index != jax.process_index():
                         continue
-                    if where.get(d) == p and d not in unavailable:
+                    if where.get(d) == p and lane.get(d) == t and d not in unavailable:
                         rows[k][d] = shards[d].data
                         continue
-                    peers = [e for e in source.holders(p, unavailable) if e in shards]
+                    peers = [
+                        e for e in source.holders(p, unavailable) if e in shards and lane[e] == t
+                    ]
                     if not peers:
                         raise StateError(
                             f"relayout: no live device of position {p} holds its rows here"

@@ -5,6 +5,14 @@ shapes, activation shapes and residuals. A `FlatSpec` packs each of several
 pytrees into one 1-D buffer per dtype, zero-padded to the largest of them, so a
 stage's data can sit in a row of a shared buffer and be unpacked with static
 slices inside the branch that knows which stage it is.
+
+A leaf split over the mesh's 'tensor' axis (`splits`) cannot sit in a flat
+row: one row is one sharding, and leaves split on different dimensions need
+different ones (docs/tensor_parallel.md). Such a leaf gets a *shaped* buffer
+of its own, keyed by its dtype, shape, split and occurrence ("float32|64x256|
+None,tensor|0"): the buffer has the leaf's shape, so each device keeps its
+slice of it, and the stages with a leaf of the same key share the buffer (a
+stage without one leaves it at zero).
 """
 
 from __future__ import annotations
@@ -17,6 +25,17 @@ import jax.numpy as jnp
 import numpy as np
 
 Buffers = dict[str, jax.Array]
+Split = tuple[str | None, ...]  # per dimension, 'tensor' or None
+
+
+def dtype_of(key: str) -> str:
+    """The dtype name of a buffer key (flat or shaped)."""
+    return key.split("|", 1)[0]
+
+
+def is_shaped(key: str) -> bool:
+    """Whether the key names a shaped buffer (one leaf split over 'tensor')."""
+    return "|" in key
 
 
 def _leaf_aval(leaf: Any) -> jax.ShapeDtypeStruct:
@@ -28,33 +47,67 @@ class FlatSpec:
 
     With `dtype` given, every leaf is cast to that one dtype (one buffer);
     otherwise leaves are grouped by their own dtype. `sizes[key]` is the
-    buffer length (at least 1, so empty groups still have a shape).
+    buffer's elements (a flat row's length: at least 1, so empty groups still
+    have a shape), `shapes[key]` its shape and `splits[key]` how a shaped
+    buffer splits over 'tensor'. `splits` (optional): per tree, per leaf, its
+    split or None (replicated: it goes into a flat row). `multiple`: flat rows
+    are padded to a multiple of it (ZeRO's D slices, zero.py).
     """
 
-    def __init__(self, trees: Sequence[Any], dtype: Any = None):
+    def __init__(
+        self,
+        trees: Sequence[Any],
+        dtype: Any = None,
+        splits: Sequence[Sequence[Split | None]] | None = None,
+        multiple: int = 1,
+    ):
         self.treedefs = []
         self.avals: list[list[jax.ShapeDtypeStruct]] = []
         self.slots: list[list[tuple[str, int, int]]] = []
         sizes: dict[str, int] = {}
-        for tree in trees:
+        self.shapes: dict[str, tuple[int, ...]] = {}
+        self.splits: dict[str, Split] = {}
+        for i, tree in enumerate(trees):
             leaves, treedef = jax.tree.flatten(tree)
             avals = [_leaf_aval(leaf) for leaf in leaves]
+            split = splits[i] if splits is not None else [None] * len(avals)
             offsets: dict[str, int] = {}
+            seen: dict[str, int] = {}
             slots = []
-            for a in avals:
+            for a, how in zip(avals, split, strict=True):
                 key = np.dtype(dtype if dtype is not None else a.dtype).name
                 n = int(np.prod(a.shape, dtype=np.int64))
+                if how is not None and "tensor" in how:
+                    base = "|".join((key, "x".join(map(str, a.shape)), ",".join(map(str, how))))
+                    j = seen[base] = seen.get(base, -1) + 1
+                    shaped = f"{base}|{j}"
+                    slots.append((shaped, 0, n))
+                    sizes[shaped], self.shapes[shaped], self.splits[shaped] = n, a.shape, how
+                    continue
                 start = offsets.get(key, 0)
                 slots.append((key, start, n))
                 offsets[key] = start + n
             for key, n in offsets.items():
-                sizes[key] = max(sizes.get(key, 1), n)
+                sizes[key] = max(sizes.get(key, 1), -(-n // multiple) * multiple)
             self.treedefs.append(treedef)
             self.avals.append(avals)
             self.slots.append(slots)
         if dtype is not None:
-            sizes.setdefault(np.dtype(dtype).name, 1)
+            sizes.setdefault(np.dtype(dtype).name, multiple)
         self.sizes = dict(sorted(sizes.items()))
+        for key, n in self.sizes.items():
+            self.shapes.setdefault(key, (n,))
+        self.shapes = {k: self.shapes[k] for k in self.sizes}
+
+    def split_of(self, key: str) -> Split:
+        """How buffer `key` splits over 'tensor' after its leading dimensions (a flat
+        row: not at all)."""
+        return self.splits.get(key, (None,))
+
+    @property
+    def tensor_split(self) -> bool:
+        """Whether any leaf is split over 'tensor' (has a shaped buffer)."""
+        return bool(self.splits)
 
     def pack(self, i: int, tree: Any) -> Buffers:
         """Tree number `i` as flat buffers (every key of `sizes`, zero padded)."""
@@ -68,9 +121,16 @@ class FlatSpec:
         zero padded to `widths[key]` (the head of a row: the rest is written later)."""
         parts: dict[str, list[jax.Array]] = {k: [] for k in widths}
         for leaf, (key, _, _) in zip(leaves, self.slots[i][: len(leaves)], strict=True):
-            parts[key].append(jnp.ravel(leaf).astype(key))
+            if is_shaped(key):
+                parts[key].append(jnp.asarray(leaf).astype(dtype_of(key)))
+            else:
+                parts[key].append(jnp.ravel(leaf).astype(key))
         out = {}
         for key, size in widths.items():
+            if is_shaped(key):
+                got = parts[key]
+                out[key] = got[0] if got else jnp.zeros(self.shapes[key], dtype_of(key))
+                continue
             flat = jnp.concatenate(parts[key]) if parts[key] else jnp.zeros((0,), key)
             out[key] = jnp.pad(flat, (0, size - flat.shape[0]))
         return out
@@ -83,11 +143,17 @@ class FlatSpec:
     def unpack(self, i: int, bufs: Buffers) -> Any:
         """Tree number `i` back from flat buffers (static slices)."""
         leaves = [
-            bufs[key][start : start + n].reshape(a.shape).astype(a.dtype)
+            bufs[key].astype(a.dtype)
+            if is_shaped(key)
+            else bufs[key][start : start + n].reshape(a.shape).astype(a.dtype)
             for (key, start, n), a in zip(self.slots[i], self.avals[i], strict=True)
         ]
         return jax.tree.unflatten(self.treedefs[i], leaves)
 
     def zeros(self, *lead: int) -> Buffers:
         """Empty buffers with leading dimensions `lead`."""
-        return {k: jnp.zeros((*lead, n), k) for k, n in self.sizes.items()}
+        return {k: jnp.zeros((*lead, *self.shapes[k]), dtype_of(k)) for k in self.sizes}
+
+    def nbytes(self, key: str) -> int:
+        """Bytes of one (unsplit) buffer `key` without leading dimensions."""
+        return self.sizes[key] * np.dtype(dtype_of(key)).itemsize

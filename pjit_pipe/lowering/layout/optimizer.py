@@ -110,7 +110,10 @@ class StageOptimizer:
         def step(row, losses, stepper, state):
             grads, params, chunks, opt, done, wcarry = state
             mine = ((row.update >> jnp.arange(v)) & 1).astype(bool)[:, None]
-            g = {k: jnp.where(mine, b, 0) for k, b in prog.flat_grads(grads, pos).items()}
+            g = {
+                k: jnp.where(_per_chunk(mine, b), b, 0)
+                for k, b in prog.flat_grads(grads, pos).items()
+            }
             rows = [{k: b[c] for k, b in g.items()} for c in range(v)]
             if prog.topo.complete:
                 # Every holder of a stage steps it in the same tick, so the devices of
@@ -134,8 +137,8 @@ class StageOptimizer:
                 f = factor[jnp.minimum(done, iterations - 1)][:, None]
                 g = {k: b * f.astype(b.dtype) for k, b in g.items()}
             new_p, new_o = self.optimizer_step(opt_spec, params, g, opt, pos)
-            params = {k: jnp.where(mine, new_p[k], b) for k, b in params.items()}
-            opt = {k: jnp.where(mine, new_o[k], b) for k, b in opt.items()}
+            params = {k: jnp.where(_per_chunk(mine, b), new_p[k], b) for k, b in params.items()}
+            opt = {k: jnp.where(_per_chunk(mine, b), new_o[k], b) for k, b in opt.items()}
             if weights is not None:
                 wcarry = weights.after_step(wcarry, state[1], params, mine)
             else:
@@ -255,3 +258,9 @@ class StageOptimizer:
             me = lax.axis_index(topo.axes[0])
         local = jnp.where(jnp.asarray(first)[me], local, 0.0)
         return (lax.psum if combine == SUM else lax.pmax)(local, topo.axes)
+
+
+def _per_chunk(mine: jax.Array, buf: jax.Array) -> jax.Array:
+    """A (v, 1) per-chunk flag shaped to broadcast over a (v, ...) buffer (a flat
+    row, or a shaped buffer of a leaf split over 'tensor')."""
+    return mine.reshape(mine.shape[0], *([1] * (buf.ndim - 1)))

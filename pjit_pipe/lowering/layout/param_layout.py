@@ -28,6 +28,10 @@ multi-iteration and re-routed programs) re-enters its new parameters once,
 after the step. A chunk whose positions all hold stages of one layout
 (uniform chunks: the same blocks everywhere) has no overhead and needs no
 switch.
+
+A leaf split over 'tensor' already has a shaped buffer of its own in the row
+(packing.py); its class is that buffer, kept in its shape, so the loop reads
+and accumulates each device's slice of it and no reshape crosses the split.
 """
 
 from __future__ import annotations
@@ -40,8 +44,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as PS
 
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
 
 # Classes may hold at most this many times the bytes of the chunk's flat row.
 MAX_CLASS_OVERHEAD = 1.25
@@ -58,22 +63,30 @@ class ChunkLayout:
     def __init__(self, spec: FlatSpec, stages: Sequence[int], classes: bool = True):
         self.spec, self.stages = spec, list(stages)
         self.same = spec.same_shapes(self.stages)  # one layout on every position
-        # Per stage, the class buffer of each leaf; per class buffer, (elements, dtype).
+        # Per stage, the class buffer of each leaf; per class buffer, (elements, dtype),
+        # and its shape (a flat class: (elements,); a shaped buffer: its leaf's).
         self.keys: dict[int, list[str]] = {}
         self.sizes: dict[str, tuple[int, str]] = {}
+        self.shapes: dict[str, tuple[int, ...]] = {}
         for s in dict.fromkeys(self.stages):
             seen: dict[tuple[str, int], int] = {}
             keys = []
             for key, _, n in spec.slots[s]:
+                if is_shaped(key):  # its own buffer already, in its shape
+                    keys.append(key)
+                    self.sizes[key] = (n, dtype_of(key))
+                    self.shapes[key] = spec.shapes[key]
+                    continue
                 j = seen.get((key, n), 0)
                 seen[(key, n)] = j + 1
                 keys.append(f"{key}.{n}.{j}")
                 self.sizes[keys[-1]] = (n, key)
+                self.shapes[keys[-1]] = (n,)
             self.keys[s] = keys
         self.sizes = dict(sorted(self.sizes.items()))
         itemsize = lambda key: np.dtype(key).itemsize  # noqa: E731
         class_bytes = sum(n * itemsize(key) for n, key in self.sizes.values())
-        flat_bytes = sum(n * itemsize(key) for key, n in spec.sizes.items())
+        flat_bytes = sum(spec.nbytes(key) for key in spec.sizes)
         self.flat = not classes or (not self.same and class_bytes > MAX_CLASS_OVERHEAD * flat_bytes)
 
     def enter(self, row: Buffers, pos: jax.Array) -> Any:
@@ -83,8 +96,7 @@ class ChunkLayout:
             return row
         if self.same:
             return self._to_classes(self.stages[0], row)
-        branches = [functools.partial(self._to_classes, s) for s in self.stages]
-        return lax.switch(pos, branches, row)
+        return self._switch(self._to_classes, row, pos)
 
     def leave(self, carried: Any, pos: jax.Array) -> Buffers:
         """A carried gradient -> the device's flat row (the inverse of `enter`)."""
@@ -92,8 +104,25 @@ class ChunkLayout:
             return carried
         if self.same:
             return self._to_row(self.stages[0], carried)
-        branches = [functools.partial(self._to_row, s) for s in self.stages]
-        return lax.switch(pos, branches, carried)
+        return self._switch(self._to_row, carried, pos)
+
+    def _switch(self, convert: Any, bufs: Any, pos: jax.Array) -> Any:
+        """convert(stages[pos], bufs): a switch on the position. Shaped buffers (split
+        over 'tensor') are the same in both layouts and stay out of it, and the flat
+        part is pinned replicated over 'tensor' on both sides: a value resharded
+        inside a branch that one stage's devices take would put a collective there
+        (tick.py's rule; docs/tensor_parallel.md)."""
+        if not self.spec.tensor_split:
+            return lax.switch(pos, [functools.partial(convert, s) for s in self.stages], bufs)
+        shaped = {k: b for k, b in bufs.items() if is_shaped(k)}
+
+        def branch(s: int, flat: Any) -> Any:
+            out = convert(s, {**flat, **shaped})
+            return _replicated({k: b for k, b in out.items() if not is_shaped(k)})
+
+        flat = _replicated({k: b for k, b in bufs.items() if not is_shaped(k)})
+        branches = [functools.partial(branch, s) for s in self.stages]
+        return {**lax.switch(pos, branches, flat), **shaped}
 
     def unpack(self, s: int, carried: Any) -> Any:
         """Stage s's parameter tree (inside its op): reshapes, or flat slices."""
@@ -110,19 +139,27 @@ class ChunkLayout:
         stage s does not use)."""
         if self.flat:
             return self.spec.pack(s, tree)
-        got = dict(zip(self.keys[s], map(jnp.ravel, jax.tree.leaves(tree)), strict=True))
+        leaves = jax.tree.leaves(tree)
+        got = {k: a.reshape(self.shapes[k]) for k, a in zip(self.keys[s], leaves, strict=True)}
         return {
-            k: got[k] if k in got else jnp.zeros((n,), key) for k, (n, key) in self.sizes.items()
+            k: got[k] if k in got else jnp.zeros(self.shapes[k], key)
+            for k, (_, key) in self.sizes.items()
         }
 
     def zeros(self) -> Any:
         """An empty gradient accumulator in the carried layout."""
         if self.flat:
             return self.spec.zeros()
-        return {k: jnp.zeros((n,), key) for k, (n, key) in self.sizes.items()}
+        return {k: jnp.zeros(self.shapes[k], key) for k, (_, key) in self.sizes.items()}
 
     def _to_classes(self, s: int, row: Buffers) -> Any:
         return self.pack(s, self.spec.unpack(s, row))
 
     def _to_row(self, s: int, carried: Any) -> Buffers:
         return self.spec.pack(s, self.unpack(s, carried))
+
+
+def _replicated(bufs: Buffers) -> Buffers:
+    """`bufs` pinned replicated over the auto 'tensor' axis (inside the program's
+    shard_map, which is manual over the worker axes)."""
+    return {k: lax.with_sharding_constraint(b, PS()) for k, b in bufs.items()}

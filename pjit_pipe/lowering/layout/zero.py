@@ -1,0 +1,241 @@
+"""ZeRO over 'data': each stage's optimizer state sharded over its D replicas.
+
+With `zero=True` a worker (r, p) keeps the full parameters of its stages (the
+forward and backward read them every tick) but only slice r of their optax
+state. Each parameter buffer of the device layout (a flat row per dtype,
+padded to a multiple of D, or a shaped buffer of a leaf split over 'tensor';
+packing.py) is cut into D equal slices along one dimension: the row itself,
+or the first dimension of a shaped buffer that 'tensor' does not split and D
+divides (a shaped buffer with none keeps its optax state whole on every
+replica).
+
+After the tick loop the gradients are reduce-scattered over 'data'
+(`lax.psum_scatter`: replica r receives the sum of slice r), replica r runs
+the optax update on its slices only, and the updated slices are all-gathered
+over 'data' once per step. Each replica also keeps a copy of the next
+replica's slice state (sent by a ppermute over 'data' after each update), so
+a failed worker's slices survive on its neighbour: the optax state a device
+holds is 2/D of its stages' instead of 1/D. The update runs on a tree of slices, {buffer key:
+slice}, the same tree for every stage, so no switch on the pipeline position
+is needed; the optimizer must therefore be elementwise per parameter (adam,
+adamw, sgd, momentum, ...): a transformation that needs a whole parameter's
+shape or the model's tree (a mask over the parameter tree, per-leaf norms,
+factored second moments, a global-norm clip) is refused or fails when its
+state is built (docs/tensor_parallel.md).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax import lax
+
+from pjit_pipe.errors import OptimizerError, StateError
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
+from pjit_pipe.lowering.layout.global_norm import count_norm_calls
+from pjit_pipe.lowering.layout.tensor_layout import opt_state_splits
+
+DATA = "data"
+
+
+def _masked(node: Any) -> bool:
+    return isinstance(node, optax.MaskedNode)
+
+
+def _like(tree: Any):
+    """Whether a node of an optax state is shaped like the parameter tree `tree`."""
+    treedef = jax.tree.structure(tree, _masked)
+    return lambda node: jax.tree.structure(node, _masked) == treedef
+
+
+class ZeroLayout:
+    """Where each parameter buffer is cut into D slices, and the sliced optax state.
+
+    param_spec: the chunk rows' layout (flat rows padded to a multiple of D);
+    stages: the virtual stages (the optax state has one identical tree per
+    stage, so the device layout indexes it like the parameters').
+    """
+
+    def __init__(
+        self,
+        param_spec: FlatSpec,
+        replicas: int,
+        optimizer: optax.GradientTransformation,
+        stages: int,
+    ):
+        self.D, self.optimizer = replicas, optimizer
+        # Per buffer key: the dimension (of one chunk's buffer) cut into D slices, or None.
+        self.dims: dict[str, int | None] = {}
+        for k, shape in param_spec.shapes.items():
+            split = param_spec.split_of(k) if is_shaped(k) else (None,)
+            free = [d for d, n in enumerate(shape) if split[d] is None and n % replicas == 0]
+            self.dims[k] = free[0] if free else None
+        self.slices = {
+            k: jax.ShapeDtypeStruct(self._slice_shape(shape, self.dims[k]), dtype_of(k))
+            for k, shape in param_spec.shapes.items()
+        }
+        splits = [param_spec.split_of(k) if is_shaped(k) else None for k in self.slices]
+        try:
+            state = jax.eval_shape(optimizer.init, self.slices)
+        except (ValueError, TypeError) as e:
+            raise OptimizerError(
+                "zero=True: the optimizer cannot run on slices of the parameters (it needs "
+                "the parameter tree or whole leaves: a mask, per-leaf norms, factored "
+                "moments); use an elementwise optimizer (adam, adamw, sgd) or zero=False: "
+                f"{str(e).splitlines()[0]}"
+            ) from e
+        if count_norm_calls(optimizer, self.slices, state):
+            raise OptimizerError(
+                "zero=True with a global-norm clip (optax.clip_by_global_norm or another "
+                "optax.global_norm user) is not supported: each replica holds a slice of "
+                "the update; use zero=False, or a per-parameter clip (optax.clip)"
+            )
+        opt_splits = opt_state_splits(optimizer, self.slices, splits)
+        # Per chunk, (this replica's slice state, a copy of the next replica's): a
+        # failed replica's slices survive on its neighbour (the module docstring).
+        self.opt_spec = FlatSpec([(state, state)] * stages, splits=[opt_splits * 2] * stages)
+
+    def _slice_shape(self, shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
+        if dim is None:
+            return shape
+        return tuple(n // self.D if d == dim else n for d, n in enumerate(shape))
+
+    def scatter(self, grads: Buffers) -> Buffers:
+        """(v, ...) gradient buffers -> summed over 'data', each replica its slice."""
+        return {
+            k: lax.psum(g, DATA)
+            if self.dims[k] is None
+            else lax.psum_scatter(g, DATA, scatter_dimension=1 + self.dims[k], tiled=True)
+            for k, g in grads.items()
+        }
+
+    def _like_slices(self, node: Any) -> bool:
+        return jax.tree.structure(node, _masked) == jax.tree.structure(self.slices, _masked)
+
+    def holder_rows(
+        self,
+        params: Buffers,
+        stage_opts: list[Any] | None,
+        held: list[int],
+        spec: FlatSpec,
+        replicas: list[int],
+    ) -> Buffers:
+        """Optax rows (holders, v, ...) of one position: holder h (replica
+        replicas[h]) gets the state of its slices. params: the position's (v, ...)
+        parameter rows; stage_opts: per chunk the stage's module-layout optax state
+        (its parameter-shaped parts are cut into slices; other leaves are kept),
+        or None for optimizer.init of the slices."""
+        _, treedef = jax.tree.flatten(
+            jax.eval_shape(self.optimizer.init, self.slices), self._like_slices
+        )
+
+        def state_of(c: int, s: int, r: int) -> Any:
+            if stage_opts is None:
+                return self.optimizer.init({k: self._take(b[c], k, r) for k, b in params.items()})
+            like = _like(jax.tree.unflatten(spec.treedefs[s], spec.avals[s]))
+            nodes = [
+                {k: self._take(b, k, r) for k, b in spec.pack(s, node).items()}
+                if like(node)
+                else node
+                for node in jax.tree.leaves(stage_opts[c], is_leaf=like)
+            ]
+            return treedef.unflatten(nodes)
+
+        out = []
+        for r in replicas:
+            chunks = [
+                self.opt_spec.pack(0, (state_of(c, s, r), state_of(c, s, (r + 1) % self.D)))
+                for c, s in enumerate(held)
+            ]
+            out.append({k: jnp.stack([ch[k] for ch in chunks]) for k in chunks[0]})
+        return {k: jnp.stack([o[k] for o in out]) for k in out[0]}
+
+    def sources(self, live: list[int]) -> list[tuple[int, int]]:
+        """Per replica h, where its slices are read from the rows of the live
+        holders of a position (`live`: their replicas, in row order): (row, 0) its
+        own, or (row, 1) the copy its previous replica keeps."""
+        out = []
+        for h in range(self.D):
+            if h in live:
+                out.append((live.index(h), 0))
+            elif (h - 1) % self.D in live:
+                out.append((live.index((h - 1) % self.D), 1))
+            else:
+                raise StateError(
+                    f"zero=True: replicas {h} and {(h - 1) % self.D} of a stage are both "
+                    f"down, and with them both copies of replica {h}'s optimizer slice"
+                )
+        return out
+
+    def stage_states(
+        self, opt: Buffers, held: list[int], spec: FlatSpec, sources: list[tuple[int, int]]
+    ) -> list[Any]:
+        """The inverse of `holder_rows`: (live holders, v, ...) optax rows of one
+        position -> per chunk its stage's module-layout optax state
+        (`optimizer.init(stage params)`'s tree: the slices of each parameter-shaped
+        part joined, read as `sources` says, and unpacked; other leaves from
+        replica 0's)."""
+        out = []
+        for c, s in enumerate(held):
+            states = [
+                jax.tree.leaves(
+                    self.opt_spec.unpack(0, {k: b[row, c] for k, b in opt.items()})[part],
+                    is_leaf=self._like_slices,
+                )
+                for row, part in sources
+            ]
+            avals = jax.tree.unflatten(spec.treedefs[s], spec.avals[s])
+            like = _like(avals)
+            _, treedef = jax.tree.flatten(jax.eval_shape(self.optimizer.init, avals), like)
+            nodes = []
+            for i, node in enumerate(states[0]):
+                if not self._like_slices(node):
+                    nodes.append(node)
+                    continue
+                whole = {
+                    k: b
+                    if self.dims[k] is None
+                    else jnp.concatenate([st[i][k] for st in states], axis=self.dims[k])
+                    for k, b in node.items()
+                }
+                nodes.append(spec.unpack(s, whole))
+            out.append(treedef.unflatten(nodes))
+        return out
+
+    def _take(self, buf: jax.Array, k: str, replica: Any) -> jax.Array:
+        dim = self.dims[k]
+        if dim is None:
+            return buf
+        n = buf.shape[dim] // self.D
+        return lax.dynamic_slice_in_dim(buf, replica * n, n, axis=dim)
+
+    def step(self, params: Buffers, grads: Buffers, opt: Buffers) -> tuple[Buffers, Buffers]:
+        """This replica's optax update of its slices, then the all-gather of the new
+        parameters (inside the program's shard_map). params/opt: (v, ...) buffers;
+        grads: `scatter`'s slices."""
+        r = lax.axis_index(DATA)
+        v = next(iter(params.values())).shape[0]
+        new_p: dict[str, list[jax.Array]] = {k: [] for k in params}
+        new_o: list[Buffers] = []
+        for c in range(v):
+            p = {k: self._take(b[c], k, r) for k, b in params.items()}
+            g = {k: b[c] for k, b in grads.items()}
+            o, _ = self.opt_spec.unpack(0, {k: b[c] for k, b in opt.items()})
+            updates, o = self.optimizer.update(g, o, p)
+            p = optax.apply_updates(p, updates)
+            for k, b in p.items():
+                new_p[k].append(b)
+            # The copy of the next replica's new slice state, for failures.
+            shift = [(j, (j - 1) % self.D) for j in range(self.D)]
+            copy = jax.tree.map(lambda a, perm=shift: lax.ppermute(a, DATA, perm), o)
+            new_o.append(self.opt_spec.pack(0, (o, copy)))
+        gathered = {}
+        for k, parts in new_p.items():
+            b = jnp.stack(parts)
+            dim = self.dims[k]
+            gathered[k] = b if dim is None else lax.all_gather(b, DATA, axis=1 + dim, tiled=True)
+        opt = {k: jnp.stack([o[k] for o in new_o]) for k in opt}
+        return gathered, opt
