@@ -120,10 +120,11 @@ class PlotError(PjitPipeError):
 
 
 class SplitError(MeshError):
-    """A weight's annotation cannot be split over the mesh's 'tensor' axis: a
-    dimension the tensor size does not divide, a logical axis name the rules do
-    not map, or a mesh axis other than 'tensor'. The message names the weight,
-    the dimension and the fix."""
+    """Raised when a weight's annotation cannot be split over the mesh's 'tensor' axis.
+
+    A dimension the tensor size does not divide, a logical axis name the rules
+    do not map, or a mesh axis other than 'tensor'. The message names the
+    weight, the dimension and the fix."""
 
 
 __all__ = [

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import jax
 import numpy as np
 import optax
 from jax.sharding import Mesh
@@ -108,6 +109,14 @@ class PipelineOptions:
     skip_nonfinite: bool | None = None
     tick_sync: str | None = None
     zero: bool = False
+
+    def resolved_tick_sync(self) -> str:
+        """How the runtime synchronizes ticks: `tick_sync` as given, else
+        neighbour-synchronous on several processes (unless polishing), else global."""
+        if self.tick_sync is not None:
+            return self.tick_sync
+        several = jax.process_count() > 1 and not self.pack_polish
+        return "neighbor" if several else "global"
 
     def __post_init__(self) -> None:
         _positive_int("stages", self.stages)

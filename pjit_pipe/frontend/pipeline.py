@@ -107,6 +107,8 @@ def pipeline(
             packed tick table; 0 compiles the greedy's table.
         skip_nonfinite: Whether a step whose loss or gradient norm is not
             finite leaves the state as it was; None: yes, except on async-1f1b.
+        zero: Shard each stage's optimizer state over its data-parallel
+            replicas (ZeRO; docs/tensor_parallel.md).
 
     Returns:
         A `Pipelined` model for a module instance or list of layers; with

@@ -9,13 +9,11 @@ sees or checkpoints has the module's own tree structure.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-import flax.errors
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -31,10 +29,11 @@ from pjit_pipe.compiler import (
     chunks_of,
     layout_of,
 )
-from pjit_pipe.errors import BatchError, OptimizerError, OptionError, RngError
+from pjit_pipe.errors import BatchError, OptimizerError, OptionError
 from pjit_pipe.frontend.cutter.adapters import as_model
 from pjit_pipe.frontend.cutter.cut import StageCut, cut_module
 from pjit_pipe.frontend.cutter.tensor_split import rebox, stage_splits, unbox
+from pjit_pipe.frontend.inputs import explained_rng_errors, leading_dim
 from pjit_pipe.frontend.mesh import make_mesh, pipeline_mesh, tensor_size
 from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.options import PipelineOptions
@@ -52,23 +51,6 @@ if TYPE_CHECKING:
     from pjit_pipe.lowering import PipelineStep
 
 LossFn = Callable[[Any, Any], jax.Array]
-
-
-def _leading(name: str, tree: Any) -> int:
-    leaves = jax.tree.leaves(tree)
-    if not all(hasattr(a, "shape") for a in leaves):
-        kinds = sorted({type(a).__name__ for a in leaves if not hasattr(a, "shape")})
-        raise BatchError(
-            f"{name}: expected arrays (NumPy or JAX) with a leading batch dimension, got a "
-            f"{type(tree).__name__} holding {', '.join(kinds)} values; convert it with "
-            f"np.asarray({name})"
-        )
-    dims = {np.shape(a)[0] if np.ndim(a) else None for a in leaves}
-    if len(dims) != 1 or None in dims:
-        raise BatchError(
-            f"{name}: every leaf needs the same leading (global batch) dimension, got {dims}"
-        )
-    return dims.pop()
 
 
 class Pipelined:
@@ -217,9 +199,9 @@ class Pipelined:
 
     def _batch(self, x: Any, y: Any) -> int:
         n = self.replicas * self.microbatches
-        batch = _leading("x", x)
-        if _leading("y", y) != batch:
-            raise BatchError(f"y: batch size {_leading('y', y)} differs from x's {batch}")
+        batch = leading_dim("x", x)
+        if leading_dim("y", y) != batch:
+            raise BatchError(f"y: batch size {leading_dim('y', y)} differs from x's {batch}")
         if batch % n:
             raise BatchError(
                 f"x: global batch {batch} is not divisible by data*microbatches = "
@@ -229,7 +211,7 @@ class Pipelined:
 
     def cut(self, params: Any, x: Any) -> StageCut:
         """The stage cut for this parameter tree and global batch `x` (cached)."""
-        mb = _leading("x", x) // (self.replicas * self.microbatches)
+        mb = leading_dim("x", x) // (self.replicas * self.microbatches)
         x_mb = jax.tree.map(lambda a: jax.ShapeDtypeStruct((mb, *np.shape(a)[1:]), a.dtype), x)
         leaves, treedef = jax.tree.flatten(self.model.params(params))
         key = (jax.tree.structure(x_mb), tuple(jax.tree.leaves(x_mb)), treedef)
@@ -264,7 +246,7 @@ class Pipelined:
         """The stage cut and the compiled pipeline program (`lowering.PipelineStep`) for
         `loss_fn` and these shapes, from the cache of the last `max_programs` ones.
         `params` are plain; `boxed` (tensor_split.unbox) says how weights split."""
-        with _explain_rng_errors():
+        with explained_rng_errors():
             return self._program(params, x, y, loss_fn, has_aux, rngs, boxed)
 
     def leaf_splits(self, cut: StageCut, params: Any, boxed: Any) -> list[list] | None:
@@ -292,23 +274,15 @@ class Pipelined:
     def tick_table(self) -> PackedTicks:
         """The tick table the compiled program runs: the schedule's ops packed by
         their costs (an asynchronous schedule is not packed: one op per tick), for
-        the price of `tick_sync()`. Cached by pack_ticks."""
+        the price of `PipelineOptions.resolved_tick_sync()`. Cached by pack_ticks."""
         return build_table(
             self.schedule,
             self.costs,
             1,
             self.options.mem_limit,
             self.options.pack_polish,
-            sync=self.tick_sync(),
+            sync=self.options.resolved_tick_sync(),
         )
-
-    def tick_sync(self) -> str:
-        """How the runtime synchronizes ticks (`PipelineOptions.tick_sync`): as given,
-        else neighbour-synchronous on several processes (unless polishing)."""
-        if self.options.tick_sync is not None:
-            return self.options.tick_sync
-        several = jax.process_count() > 1 and not self.options.pack_polish
-        return "neighbor" if several else "global"
 
     def _program(
         self, params, x, y, loss_fn, has_aux, rngs, boxed
@@ -340,7 +314,7 @@ class Pipelined:
                     rngs=rngs,
                     shared=cut.shared,
                     async_weights=self.options.async_weights,
-                    pairwise=self.tick_sync() == "neighbor",
+                    pairwise=self.options.resolved_tick_sync() == "neighbor",
                     zero=self.options.zero,
                     splits=splits,
                 ),
@@ -388,7 +362,7 @@ class Pipelined:
         rngs = step_rngs(rngs)
         self._batch(x, x)
         params, boxed = unbox(params)
-        with _explain_rng_errors():
+        with explained_rng_errors():
             cut = self._keyed_cut(params, x, rngs)
             splits = self.leaf_splits(cut, params, boxed)
             avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), x)
@@ -419,17 +393,3 @@ class Pipelined:
             )
         check_loss_fn(loss_fn)
         return TrainStep(self, loss_fn, donate, carry)
-
-
-@contextlib.contextmanager
-def _explain_rng_errors() -> Iterator[None]:
-    """linen's InvalidRngError (a model that draws random numbers, run without keys)
-    as an error that says which argument to pass."""
-    try:
-        yield
-    except flax.errors.InvalidRngError as e:
-        raise RngError(
-            f"rngs: the model draws random numbers ({e}); pass rngs=jax.random.key(...) "
-            "(the 'dropout' stream) or a dict {stream: key} to the step, or make the "
-            "model deterministic"
-        ) from e

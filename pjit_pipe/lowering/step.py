@@ -2,16 +2,15 @@
 
 `PipelineStep` wraps a TickProgram (tick.py) in the public API: value_and_grad,
 train_step on per-stage trees, device_train_step on the device layout
-(device_state.py), AOT compilation and memory analysis. Per-stage trees are
-packed into (devices, v, L) buffers and back inside the jitted function, and
-each device gets its own batch rows, tick rows and pipeline position.
+(layout/device_state.py), AOT compilation and memory analysis. How per-stage
+trees, batches and tick rows cross the shard_map boundary is step_io.py.
 """
 
 from __future__ import annotations
 
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -19,7 +18,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax import lax
-from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.schedule import Schedule
@@ -28,14 +26,14 @@ from pjit_pipe.lowering.comms.topology import AXES
 from pjit_pipe.lowering.compute.rng import check_rngs, microbatch_key_data
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.device_state import DeviceLayout
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, is_shaped
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.optimizer import StageOptimizer
 from pjit_pipe.lowering.layout.tensor_layout import opt_state_splits
 from pjit_pipe.lowering.layout.zero import ZeroLayout
-from pjit_pipe.lowering.tick_plan import TickPlan
+from pjit_pipe.lowering.step_io import StepIO
 
 
-class PipelineStep:
+class PipelineStep(StepIO):
     """A compiled pipeline for one schedule and one set of shapes (see `lower`)."""
 
     def __init__(
@@ -96,92 +94,6 @@ class PipelineStep:
         self._compiled_device: dict[tuple[bool, bool], Any] = {}
         self._compiled_vg = None
         self._carrying: CarryingStep | None = None  # built by carry_train_step
-
-    @property
-    def mesh(self) -> Mesh:
-        """The mesh the program runs on (the survivors' one-axis mesh after failures)."""
-        return self.topology.mesh
-
-    # ---- host layout <-> device layout (traced inside jit) ----
-
-    def _pack(self, spec: FlatSpec, trees: Sequence[Any]) -> Buffers:
-        """Per-stage trees -> (devices, v, L) buffers: each live worker's held chunks."""
-        held = self._low.held
-        rows = [[spec.pack(s, trees[s]) for s in chunks] for chunks in held]
-        by_position = {
-            k: jnp.stack([jnp.stack([r[k] for r in pr]) for pr in rows]) for k in spec.sizes
-        }
-        return {k: b[self._positions] for k, b in by_position.items()}
-
-    def _unpack(self, spec: FlatSpec, bufs: Buffers) -> list[Any]:
-        """(devices, v, L) buffers -> per-stage trees, read from each position's first holder."""
-        sched = self.schedule
-        return [
-            spec.unpack(
-                s,
-                {
-                    k: b[self._first_holder[sched.layout[s]], sched.chunk_of(s)]
-                    for k, b in bufs.items()
-                },
-            )
-            for s in range(sched.num_virtual_stages)
-        ]
-
-    def _device_batch(self, x: Any, plan: TickPlan) -> Any:
-        """Batch -> (devices, L, rows, ...): each device's own microbatch list.
-
-        `x` has a leading iterations axis when the program runs several."""
-        D, m = self.schedule.replicas, self.schedule.microbatches
-        it, r, j = (plan.inputs[..., i] for i in range(3))
-
-        def split(a):
-            if self._low.iterations == 1:
-                a = a[None]
-            return a.reshape(a.shape[0], D, m, a.shape[1] // (D * m), *a.shape[2:])[it, r, j]
-
-        return jax.tree.map(split, x)
-
-    def _shard_map(self, body: Callable, n_in_bufs: int, out_specs: Any, n_replicated: int = 0):
-        """body over the program's mesh: `n_in_bufs` buffers and the four
-        `_device_args` per device, then `n_replicated` arrays every device sees whole."""
-        spec = self.topology.spec
-        return jax.shard_map(
-            body,
-            mesh=self.mesh,
-            in_specs=(spec,) * (n_in_bufs + 4) + (PS(),) * n_replicated,
-            out_specs=out_specs,
-            check_vma=False,
-            **self.topology.shard_map_axes(),
-        )
-
-    def _placed(self, spec: FlatSpec, bufs: Buffers) -> Buffers:
-        """`bufs` with each shaped buffer (a leaf split over 'tensor') constrained to
-        its split: shard_map specs name the worker axes only, so the split of the
-        state in and out of the step is set here, outside it."""
-        if not spec.tensor_split:
-            return bufs
-        axes = self.topology.axes
-        return {
-            k: jax.lax.with_sharding_constraint(
-                b, NamedSharding(self.mesh, PS(axes, None, *spec.split_of(k)))
-            )
-            if is_shaped(k)
-            else b
-            for k, b in bufs.items()
-        }
-
-    def _device_args(self, x, y, plan: TickPlan):
-        """Per-device inputs after the buffers: batch, labels, tick rows, positions."""
-        return (
-            self._device_batch(x, plan),
-            self._device_batch(y, plan),
-            jax.tree.map(jnp.asarray, plan.rows),
-            jnp.asarray(self._positions),
-        )
-
-    @staticmethod
-    def _local(*trees):
-        return tuple(jax.tree.map(lambda a: a[0], t) for t in trees)
 
     def _value_and_grad(self, stage_params, x, y):
         low = self._low
