@@ -14,6 +14,7 @@ from pjit_pipe.errors import OptionError
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.lockstep import iteration_ticks
 from pjit_pipe.ir.ops import Kind
+from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering import LoweringOptions, lower
 from pjit_pipe.lowering.async_pipeline.async_weights import AsyncWeights, staleness
 from pjit_pipe.schedules import make_schedule
@@ -69,7 +70,7 @@ def train_iterations(problem, sched, mode: str, ticks=None):
     fns, params, batches, opt, _ = problem
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
     step = lower(
-        ticks or sched,
+        ticks or PackedTicks.one_op_per_tick(sched, ITERS),
         fns,
         xent,
         mesh_of(1, P),

@@ -146,5 +146,5 @@ def test_every_python_block_of_the_doc_runs(monkeypatch, tmp_path):
     """docs/mixed_precision.md's blocks run in order as one script."""
     monkeypatch.chdir(tmp_path)
     namespace: dict = {"__name__": "mixed_precision_doc"}
-    for line, source in python_blocks(DOC.read_text()):
+    for line, source in python_blocks(DOC):
         exec(compile(source, f"docs/mixed_precision.md, block at line {line}", "exec"), namespace)
