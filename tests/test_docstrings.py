@@ -24,9 +24,9 @@ import pytest
 import pjit_pipe
 from pjit_pipe import errors
 
-# Exports whose modules are being rewritten in a separate change; their
-# docstrings land with it. Empty this set once that change is merged.
-PENDING = {"Pipelined", "PipelineOptions", "TrainState", "TrainStep", "make_mesh"}
+# Exports whose docstrings wait for room: Pipelined's Args/Returns/Raises take
+# pipelined.py past the 400-line module limit until part of it moves out.
+PENDING = {"Pipelined"}
 
 _HEADER = re.compile(r"(Args|Returns|Yields|Raises|Attributes|Examples?|Notes?):")
 _ENTRY = re.compile(r"(\*{0,2}[A-Za-z_][\w.]*)(?: \([^)]*\))?:(?:\s|$)")
@@ -147,14 +147,17 @@ def check_class(name: str, cls: type) -> list[str]:
             problems.append(f"{name}: Attributes documents {documented}, the fields are {fields}")
     elif "__init__" in cls.__dict__:  # its Args and Raises: in the class or __init__ docstring
         init = cls.__dict__["__init__"]
-        both = sections(doc + "\n" + (init.__doc__ or ""))
+        both = sections(doc)  # each docstring dedented on its own, then their sections joined
+        for section, body in sections(init.__doc__ or "").items():
+            both.setdefault(section, []).extend(body)
         params = list(inspect.signature(init).parameters)[1:]
         problems += _check_args(f"{name}()", both, params)
         problems += _check_raises(f"{name}()", both, cls.__module__)
     for attr, member in sorted(cls.__dict__.items()):
         public = not attr.startswith("_") or attr == "__call__"  # a step is called
         function = _member_function(member) if public else None
-        if function is not None:
+        # Members a library writes (flax.struct's `replace`) carry that library's docstring.
+        if function is not None and function[0].__module__.startswith("pjit_pipe"):
             problems += check_function(f"{name}.{attr}", *function)
     return problems
 
@@ -162,7 +165,7 @@ def check_class(name: str, cls: type) -> list[str]:
 @pytest.mark.parametrize("name", sorted(pjit_pipe.__all__))
 def test_export_has_structured_docstrings(name: str) -> None:
     if name in PENDING:
-        pytest.skip(f"{name}: its module is being rewritten (PENDING)")
+        pytest.skip(f"{name}: its docstrings wait for room in its module (PENDING)")
     value = getattr(pjit_pipe, name)
     if isinstance(value, type):
         problems = check_class(name, value)
@@ -235,6 +238,25 @@ def test_the_checks_catch_bad_docstrings() -> None:
         a: int
         b: int
 
+    class MadeFrom:
+        """A thing made from a number."""
+
+        def __init__(self, a: int):
+            """Checked when made.
+
+            Args:
+                a: A number.
+
+            Raises:
+                OptionError: a is negative.
+            """
+
+    class MadeFromUndocumented:
+        """A thing made from a number."""
+
+        def __init__(self, a: int):
+            """Checked when made."""
+
     assert check_function("f", undocumented, False) == ["f: no docstring"]
     assert [p.split(":")[1].strip() for p in check_function("f", no_sections, False)] == [
         "no Args section for ['x']",
@@ -244,3 +266,7 @@ def test_the_checks_catch_bad_docstrings() -> None:
     assert "NoSuchError" in check_function("f", unknown_raise, False)[0]
     assert check_function("f", good, False) == []
     assert "the fields are ['a', 'b']" in check_class("Undocumented", Undocumented)[0]
+    assert check_class("MadeFrom", MadeFrom) == []  # __init__'s sections count
+    assert check_class("MadeFromUndocumented", MadeFromUndocumented) == [
+        "MadeFromUndocumented(): no Args section for ['a']"
+    ]

@@ -28,14 +28,30 @@ def make_mesh(
     devices: Sequence[jax.Device] | None = None,
     mapping: Sequence[Sequence[int]] | None = None,
 ) -> Mesh:
-    """A (data, stage, tensor) mesh over the first data*stage*tensor of `devices`
-    (default: jax.devices()); `tensor` defaults to 1.
+    """A (data, stage, tensor) mesh over the first data*stage*tensor of `devices`.
 
-    `mapping`: a planner's D x P device mapping instead (`Plan.mapping`):
-    mapping[r][p] is the index in `devices` of the device that runs stage p of
-    replica r; data and stage, if given, must match its shape (tensor = 1).
     Axis types are Auto so that inputs need no explicit sharding, and so that
     XLA partitions a stage's compute over 'tensor' (docs/design.md section 5).
+
+    Args:
+        data: D, the data-parallel replicas; None: 1, or the mapping's rows.
+        stage: P, the pipeline stages; None: 1, or the mapping's columns.
+        tensor: T, the devices that split each stage's annotated weights;
+            None: 1.
+        devices: the devices to build the mesh from; None: jax.devices().
+        mapping: a planner's D x P device mapping instead (`Plan.mapping`):
+            mapping[r][p] is the index in `devices` of the device that runs
+            stage p of replica r; data and stage, if given, must match its
+            shape (tensor = 1).
+
+    Returns:
+        The Mesh with axes ('data', 'stage', 'tensor') and shape (D, P, T).
+
+    Raises:
+        MeshError: data, stage or tensor is not a positive integer, more devices
+            are needed than `devices` has, or a mapping comes with tensor > 1.
+        ValueError: `mapping` is not D rows of P distinct device indices in
+            range, or its shape differs from the data or stage given.
     """
     if mapping is not None:
         if tensor not in (None, 1):

@@ -35,59 +35,70 @@ IN_LOOP_OPTIMIZER = ("async-1f1b",)  # kinds whose stages step inside the tick l
 class PipelineOptions:
     """How a model is pipelined (see `pjit_pipe.pipeline`).
 
-    stages: P, pipeline stages (the mesh's 'stage' axis).
-    microbatches: m, microbatches per data replica per step.
-    schedule: the schedule kind, one of `pjit_pipe.schedules.KINDS`.
-    mesh: a (data, stage) mesh from `make_mesh`; None: one replica on the
-        first P devices.
-    chunks: v, virtual stages per device; None takes the kind's own
-        (`schedules.DEFAULT_CHUNKS`: 2 for zb-v and interleaved-1f1b, else 1).
-    mem_limit: bound on each worker's in-flight activations, in units of one
-        microbatch's activations on one stage (docs/design.md section 3); None:
-        the kind's own.
-    costs: per-stage F/B/W times that steer zb-v and auto, or "measure": time
-        each stage on the devices at first use (the default for "auto").
-    optimizer: an optax transformation, for `train_step`.
-    remat: recompute each stage's forward in its backward (less memory).
-    balance: what the stage cut evens out: "flops", "params" or measured "time".
-    failed: the (replica, stage) workers that are down; see `with_failures`.
-    search_time: seconds for the search of a re-routed schedule when workers
-        are down.
-    max_programs: compiled programs kept per pipeline (least recently used
-        go first); each is one (loss function, shapes) combination.
-    layers: the stage cut as inclusive (first, last) ranges of the model's
-        layers (its clean cut segments), e.g. a planner's `Plan.stages`; None:
-        the cutter balances by `balance`.
-    pack_polish: seconds HiGHS may spend on each window of ticks when it
-        polishes the packed tick table of a schedule (not async-1f1b)
-        (`pack_ticks(..., polish=)`: 1-9% off the zero-bubble kinds' priced
-        step at P=4, up to about 10 s per compile there); 0, the default,
-        compiles the greedy's table. A polished table stays within the same
-        memory bound (activation units, and each residual pool's rows:
-        `ir.memory.MemoryBound`). HiGHS stops at its time limit, so the
-        polished table can differ between machines: leave it off on a
-        multi-host mesh, where every process must compile the same program.
-    skip_nonfinite: whether a training step whose loss or global gradient norm
-        is not finite (a NaN or inf batch, an overflow) leaves the parameters and
-        optimizer state as they were (see docs/faults.md). None, the default:
-        yes, except on async-1f1b, whose stages step inside the tick loop
-        before the step's loss is known (there the update is applied); True
-        there is refused. False: apply every update.
-    tick_sync: the price the tick table is packed for, as the runtime that
-        runs it synchronizes ticks (simulator/tick_sync.py): "global" (one
-        process: its collectives meet in a rendezvous of every device) or
-        "neighbor" (one process per device: each ppermute a send/recv between
-        its pairs, which the program then names one by one, each tick only its
-        own: `lower(..., pairwise=True)`); None: "neighbor" when
-        jax.process_count() > 1 and pack_polish is 0, else "global".
-    async_weights: schedule="async-1f1b" only: the weights its stale forwards
-        read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
-        weight stashing) or "latest"; None: "predict" for async-1f1b.
-    zero: ZeRO over 'data': each stage's optax state sharded over its D
-        replicas, gradients reduce-scattered and the updated parameters
-        all-gathered once per step (lowering/layout/zero.py); an elementwise
-        optimizer and an unstaggered schedule. Failure variants run without it,
-        each lost slice read from the copy its neighbour keeps.
+    Attributes:
+        stages: P, pipeline stages (the mesh's 'stage' axis).
+        microbatches: m, microbatches per data replica per step.
+        schedule: the schedule kind, one of `pjit_pipe.schedules.KINDS`.
+        mesh: a (data, stage, tensor) mesh from `make_mesh`; None: one replica on the
+            first P devices.
+        chunks: v, virtual stages per device; None takes the kind's own
+            (`schedules.DEFAULT_CHUNKS`: 2 for zb-v and interleaved-1f1b, else 1).
+        mem_limit: bound on each worker's in-flight activations, in units of one
+            microbatch's activations on one stage (docs/design.md section 3); None:
+            the kind's own.
+        costs: per-stage F/B/W times that steer zb-v and auto, or "measure": time
+            each stage on the devices at first use (the default for "auto").
+        optimizer: an optax transformation, for `train_step`.
+        remat: recompute each stage's forward in its backward (less memory).
+        balance: what the stage cut evens out: "flops", "params" or measured "time".
+        failed: the (replica, stage) workers that are down; see `with_failures`.
+        search_time: seconds for the search of a re-routed schedule when workers
+            are down.
+        max_programs: compiled programs kept per pipeline (least recently used
+            go first); each is one (loss function, shapes) combination.
+        layers: the stage cut as inclusive (first, last) ranges of the model's
+            layers (its clean cut segments), e.g. a planner's `Plan.stages`; None:
+            the cutter balances by `balance`.
+        pack_polish: seconds HiGHS may spend on each window of ticks when it
+            polishes the packed tick table of a schedule (not async-1f1b)
+            (`pack_ticks(..., polish=)`: 1-9% off the zero-bubble kinds' priced
+            step at P=4, up to about 10 s per compile there); 0, the default,
+            compiles the greedy's table. A polished table stays within the same
+            memory bound (activation units, and each residual pool's rows:
+            `ir.memory.MemoryBound`). HiGHS stops at its time limit, so the
+            polished table can differ between machines: leave it off on a
+            multi-host mesh, where every process must compile the same program.
+        skip_nonfinite: whether a training step whose loss or global gradient norm
+            is not finite (a NaN or inf batch, an overflow) leaves the parameters and
+            optimizer state as they were (see docs/faults.md). None, the default:
+            yes, except on async-1f1b, whose stages step inside the tick loop
+            before the step's loss is known (there the update is applied); True
+            there is refused. False: apply every update.
+        tick_sync: the price the tick table is packed for, as the runtime that
+            runs it synchronizes ticks (simulator/tick_sync.py): "global" (one
+            process: its collectives meet in a rendezvous of every device) or
+            "neighbor" (one process per device: each ppermute a send/recv between
+            its pairs, which the program then names one by one, each tick only its
+            own: `lower(..., pairwise=True)`); None: "neighbor" when
+            jax.process_count() > 1 and pack_polish is 0, else "global".
+        async_weights: schedule="async-1f1b" only: the weights its stale forwards
+            read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
+            weight stashing) or "latest"; None: "predict" for async-1f1b.
+        zero: ZeRO over 'data': each stage's optax state sharded over its D
+            replicas, gradients reduce-scattered and the updated parameters
+            all-gathered once per step (lowering/layout/zero.py); an elementwise
+            optimizer and an unstaggered schedule. Failure variants run without it,
+            each lost slice read from the copy its neighbour keeps.
+
+    Raises:
+        OptionError: an option outside its values (each names the option, the
+            values it takes and the fix), skip_nonfinite=True or async_weights
+            on a schedule they do not apply to, tick_sync="neighbor" with
+            pack_polish, or `layers` without one range per stage and one chunk.
+        MeshError: `mesh` is no Mesh, its axes are not ('data', 'stage'[,
+            'tensor']), or its 'stage' axis is not `stages` long.
+        FailurePlanError: `failed` is not a collection of (replica, stage)
+            pairs inside the mesh, or leaves a stage without a survivor.
     """
 
     stages: int
@@ -111,8 +122,12 @@ class PipelineOptions:
     zero: bool = False
 
     def resolved_tick_sync(self) -> str:
-        """How the runtime synchronizes ticks: `tick_sync` as given, else
-        neighbour-synchronous on several processes (unless polishing), else global."""
+        """How the runtime synchronizes ticks.
+
+        Returns:
+            `tick_sync` as given, else "neighbor" on several processes (unless
+            polishing), else "global".
+        """
         if self.tick_sync is not None:
             return self.tick_sync
         several = jax.process_count() > 1 and not self.pack_polish
@@ -233,7 +248,11 @@ class PipelineOptions:
 
     @property
     def replicas(self) -> int:
-        """D, the data-parallel replicas: the mesh's 'data' axis (1 without a mesh)."""
+        """D, the data-parallel replicas.
+
+        Returns:
+            The mesh's 'data' axis size (1 without a mesh).
+        """
         return 1 if self.mesh is None else int(self.mesh.shape["data"])
 
 

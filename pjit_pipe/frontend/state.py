@@ -89,19 +89,20 @@ class StateView:
 class TrainState:
     """Training state of a pipelined model, in the device layout.
 
-    device_params: per dtype, a (devices, v, L) buffer sharded by its leading
-        axis: row i holds device i's chunks' parameters, flattened and padded.
-    device_opt: the same for each chunk's optax state.
-    step: number of optimizer steps taken (asynchronous schedules: batches fed);
-        a skipped non-finite step counts as taken (it used its batch).
-    view: how to read the buffers as the module's trees (static).
-    in_flight: the microbatches still in flight after a carrying step of an
-        asynchronous schedule (lowering/async_pipeline/async_carry.py), None when none are:
-        `params` then lacks their updates until `TrainStep.flush`.
-    skipped: how many of those steps were skipped because their loss or global
-        gradient norm was not finite (see docs/faults.md).
-
     `params` and `opt_state` give the module-layout view (see the module doc).
+
+    Attributes:
+        device_params: per dtype, a (devices, v, L) buffer sharded by its leading
+            axis: row i holds device i's chunks' parameters, flattened and padded.
+        device_opt: the same for each chunk's optax state.
+        step: number of optimizer steps taken (asynchronous schedules: batches fed);
+            a skipped non-finite step counts as taken (it used its batch).
+        view: how to read the buffers as the module's trees (static).
+        in_flight: the microbatches still in flight after a carrying step of an
+            asynchronous schedule (lowering/async_pipeline/async_carry.py), None
+            when none are: `params` then lacks their updates until `TrainStep.flush`.
+        skipped: how many of those steps were skipped because their loss or global
+            gradient norm was not finite (see docs/faults.md).
     """
 
     device_params: Buffers
@@ -112,8 +113,16 @@ class TrainState:
     skipped: int = flax.struct.field(pytree_node=False, default=0)
 
     def check_alive(self, where: str) -> None:
-        """Raise StateError when a step consumed (donated) this state's buffers:
-        reading them would crash the process on some backends."""
+        """Raise StateError when a step consumed (donated) this state's buffers.
+
+        Reading them would crash the process on some backends.
+
+        Args:
+            where: what is being read, the start of the error message.
+
+        Raises:
+            StateError: a step consumed (donated) this state's buffers.
+        """
         leaves = jax.tree.leaves((self.device_params, self.device_opt, self.in_flight))
         if any(isinstance(a, jax.Array) and a.is_deleted() for a in leaves):
             raise StateError(
@@ -124,20 +133,46 @@ class TrainState:
 
     @property
     def params(self) -> Any:
-        """The module's parameters ({'params': ...} in linen), leaves on their stage's
-        devices, in the boxes (nn.Partitioned, ...) that `init` was given."""
+        """The module's parameters, derived from the device layout on each read.
+
+        Returns:
+            The module's parameter tree ({'params': ...} in linen), leaves on their
+            stage's devices, in the boxes (nn.Partitioned, ...) that `init` was given.
+
+        Raises:
+            StateError: a step consumed (donated) this state's buffers.
+        """
         return rebox(self.view.to_module(self)[0], self.view.boxed)
 
     @property
     def opt_state(self) -> Any:
-        """`optimizer.init(params)`'s tree with the current values, leaves on their stage's devices."""
+        """The optax state in the module layout, derived from the device layout.
+
+        Returns:
+            `optimizer.init(params)`'s tree with the current values, leaves on
+            their stage's devices.
+
+        Raises:
+            StateError: a step consumed (donated) this state's buffers.
+        """
         return self.view.to_module(self)[1]
 
     def module_state(self) -> dict[str, Any]:
-        """{'params', 'opt_state', 'step'} in the module layout: what a checkpoint stores."""
+        """What a checkpoint stores.
+
+        Returns:
+            {'params', 'opt_state', 'step'} in the module layout.
+
+        Raises:
+            StateError: a step consumed (donated) this state's buffers.
+        """
         params, opt_state = self.view.to_module(self)
         return {"params": params, "opt_state": opt_state, "step": self.step}
 
     def device_bytes(self) -> dict[Any, int]:
-        """Bytes of this state on each device."""
+        """Bytes of this state on each device.
+
+        Returns:
+            Per device, the bytes of its parameter and optax-state rows.
+        """
         return device_bytes(self.device_params, self.device_opt)

@@ -48,6 +48,17 @@ class TrainStep:
     def __init__(
         self, pipelined: Pipelined, loss_fn: LossFn, donate: bool = True, carry: bool = False
     ):
+        """Usually made by `Pipelined.train_step`, which checks the optimizer and loss.
+
+        Args:
+            pipelined: the pipeline whose programs and optax optimizer step.
+            loss_fn: loss_fn(outputs, y_mb), as in `Pipelined.value_and_grad`.
+            donate: whether each step consumes the state it is given.
+            carry: async-1f1b only: steps do not drain the pipeline.
+
+        Raises:
+            OptionError: `carry` on a synchronous schedule or with failed workers.
+        """
         self.pipelined = pipelined
         self.loss_fn = loss_fn
         self.donate = donate
@@ -73,9 +84,20 @@ class TrainStep:
         return self._program(state.view.variables, batch, rngs, state.view.boxed)
 
     def view(self, params: Any, batch: tuple[Any, Any]) -> StateView:
-        """The state view (module layout <-> this step's device layout) for parameters
-        shaped like `params` (arrays or ShapeDtypeStructs, boxed or not) and batches
-        like `batch`."""
+        """The state view (module layout <-> this step's device layout).
+
+        Args:
+            params: parameters shaped like the state's (arrays or
+                ShapeDtypeStructs, boxed or not).
+            batch: an (x, y) pair shaped like the batches to come.
+
+        Returns:
+            The StateView of the program for these shapes.
+
+        Raises:
+            BatchError: `batch` is not the pair (x, y), x and y differ in batch
+                size, or it is not divisible by data*microbatches.
+        """
         model = self.pipelined.model
         params, boxed = unbox(params)
         return self._program(model.variables(model.params(params)), batch, boxed=boxed)[1]
@@ -89,11 +111,25 @@ class TrainStep:
         rngs: Any = None,
         skipped: int = 0,
     ) -> TrainState:
-        """A TrainState from module-layout `params` (and `opt_state`, default a fresh
-        `optimizer.init`; `step`, e.g. from a checkpoint); `batch` is an example
-        (x, y) that fixes the stage cut, and `rngs` an example key for a model that
-        draws random numbers; `skipped`, the non-finite steps skipped so far. Each
-        stage's rows are built on its devices."""
+        """A TrainState from module-layout parameters; each stage's rows are built on
+        its devices.
+
+        Args:
+            params: the module-layout parameters (boxed or not).
+            batch: an example (x, y) that fixes the stage cut.
+            opt_state: the module-layout optax state; None: a fresh `optimizer.init`.
+            step: the steps taken so far, e.g. from a checkpoint.
+            rngs: an example key for a model that draws random numbers.
+            skipped: the non-finite steps skipped so far.
+
+        Returns:
+            The state in this step's device layout.
+
+        Raises:
+            BatchError: `batch` is not the pair (x, y), x and y differ in batch
+                size, or it is not divisible by data*microbatches.
+            OptimizerError: the optimizer cannot be split over the stages.
+        """
         model = self.pipelined.model
         params, boxed = unbox(params)  # annotated weights: how they split over 'tensor'
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
@@ -104,10 +140,25 @@ class TrainStep:
     def adopt(
         self, state: TrainState, batch: tuple[Any, Any], unavailable: Collection[Any] = ()
     ) -> tuple[TrainState, int]:
-        """`state` in this step's device layout, and the bytes that moved to get it
-        there. Devices that run the same stages keep their rows; a device new to
-        its stages copies them from a live peer; `unavailable` devices (failed
-        ones) are never read."""
+        """`state` moved into this step's device layout.
+
+        Devices that run the same stages keep their rows; a device new to its
+        stages copies them from a live peer.
+
+        Args:
+            state: a TrainState of this model, from any pipeline of it.
+            batch: an (x, y) pair shaped like the batches to come.
+            unavailable: devices (failed ones) that are never read.
+
+        Returns:
+            (the state in this layout, the bytes that moved to get it there).
+
+        Raises:
+            StateError: `state` is no live TrainState of this model, holds another
+                optimizer's state, or has microbatches in flight in another layout.
+            BatchError: `batch` is not the pair (x, y), x and y differ in batch
+                size, or it is not divisible by data*microbatches.
+        """
         _, view = self._state_program(state, batch)
         return self._into(view, state, unavailable)
 
@@ -167,8 +218,25 @@ class TrainStep:
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
     ) -> tuple[TrainState, jax.Array]:
-        """One step; `rngs` (a key or {stream: key}) for a model that draws random
-        numbers, as in `Pipelined.value_and_grad`."""
+        """One optimizer step.
+
+        Args:
+            state: the TrainState the last step returned (or `init` made).
+            batch: the global batch, the pair (x, y).
+            rngs: a key or {stream: key} for a model that draws random numbers,
+                as in `Pipelined.value_and_grad`.
+
+        Returns:
+            (the new state, the loss before the update).
+
+        Raises:
+            StateError: `state` is no live TrainState of this model, or has
+                microbatches in flight for a step without carry.
+            BatchError: `batch` is not the pair (x, y), x and y differ in batch
+                size, or it is not divisible by data*microbatches.
+            RngError: `rngs` with carry.
+            OptionError: skip_nonfinite=True on a schedule that steps in its loop.
+        """
         rngs = step_rngs(rngs)
         step, view = self._state_program(state, batch, rngs)
         state, _ = self._into(view, state)
@@ -215,9 +283,18 @@ class TrainStep:
         return wanted is not False and not step.steps_in_loop
 
     def flush(self, state: TrainState) -> tuple[TrainState, jax.Array | None]:
-        """Finish the microbatches in flight (a carrying step's drain): (the state
-        with exact parameters and nothing in flight, the mean loss of the last
-        step's batch); (state, None) when nothing is in flight."""
+        """Finish the microbatches in flight (a carrying step's drain).
+
+        Args:
+            state: the state a carrying step of this TrainStep returned.
+
+        Returns:
+            (the state with exact parameters and nothing in flight, the mean loss
+            of the last step's batch); (state, None) when nothing is in flight.
+
+        Raises:
+            StateError: `state` was consumed, or another TrainStep carried it.
+        """
         if state.in_flight is None:
             return state, None
         state.check_alive("flush")
@@ -233,8 +310,21 @@ class TrainStep:
         return TrainState(params, opt, state.step, state.view, skipped=state.skipped), loss
 
     def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
-        """Compile ahead of time for states like this one and batches shaped like
-        `batch` (arrays or ShapeDtypeStructs); returns the seconds it took."""
+        """Compile ahead of time.
+
+        Args:
+            state: a TrainState like the ones the step will take.
+            batch: (x, y) shaped like the batches to come (arrays or
+                ShapeDtypeStructs).
+
+        Returns:
+            The seconds the compile took.
+
+        Raises:
+            StateError: a carrying step, or `state` is no live TrainState of this model.
+            BatchError: `batch` is not the pair (x, y), x and y differ in batch
+                size, or it is not divisible by data*microbatches.
+        """
         if self.carry:
             raise StateError(
                 "compile: a carrying step (carry=True) compiles on its first call; "
