@@ -78,11 +78,6 @@ class TrainStep:
         cut, step = self.pipelined.program(params, *batch, self.loss_fn, rngs=rngs, boxed=boxed)
         return step, self.pipelined.state_view(cut, step, boxed)
 
-    def _state_program(
-        self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
-    ) -> tuple[Any, StateView]:
-        return self._program(state.view.variables, batch, rngs, state.view.boxed)
-
     def view(self, params: Any, batch: tuple[Any, Any]) -> StateView:
         """The state view (module layout <-> this step's device layout).
 
