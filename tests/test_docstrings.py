@@ -24,10 +24,6 @@ import pytest
 import pjit_pipe
 from pjit_pipe import errors
 
-# Exports whose docstrings wait for room: Pipelined's Args/Returns/Raises take
-# pipelined.py past the 400-line module limit until part of it moves out.
-PENDING = {"Pipelined"}
-
 _HEADER = re.compile(r"(Args|Returns|Yields|Raises|Attributes|Examples?|Notes?):")
 _ENTRY = re.compile(r"(\*{0,2}[A-Za-z_][\w.]*)(?: \([^)]*\))?:(?:\s|$)")
 _ITERATOR = re.compile(r"^(?:typing\.|collections\.abc\.)?(?:Async)?(?:Iterator|Generator)\b")
@@ -164,19 +160,12 @@ def check_class(name: str, cls: type) -> list[str]:
 
 @pytest.mark.parametrize("name", sorted(pjit_pipe.__all__))
 def test_export_has_structured_docstrings(name: str) -> None:
-    if name in PENDING:
-        pytest.skip(f"{name}: its docstrings wait for room in its module (PENDING)")
     value = getattr(pjit_pipe, name)
     if isinstance(value, type):
         problems = check_class(name, value)
     else:
         problems = check_function(name, value, bound=False)
     assert not problems, "\n".join(problems)
-
-
-def test_pending_names_are_exports() -> None:
-    """A name dropped from `__all__` must leave PENDING too, or the set hides nothing."""
-    assert PENDING.issubset(pjit_pipe.__all__)
 
 
 def test_the_checks_catch_bad_docstrings() -> None:
