@@ -479,15 +479,3 @@ def test_sigkill_during_checkpointed_training_resumes_with_identical_losses(tmp_
     resumed = [json.loads(line) for line in again.stdout.splitlines()]
     assert resumed and resumed[0]["step"] >= seen[-1]["step"] - 1 and resumed[-1]["step"] == 11
     assert all(r["loss"] == losses[r["step"]] for r in resumed)
-
-
-@pytest.mark.slow
-def test_every_python_block_of_the_faults_doc_runs(tmp_path, monkeypatch):
-    import re
-
-    text = (ROOT / "docs" / "faults.md").read_text()
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "faults_doc"}
-    for match in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M):
-        line = text.count("\n", 0, match.start()) + 1
-        exec(compile(match[1], f"docs/faults.md, block at line {line}", "exec"), namespace)

@@ -6,7 +6,6 @@ float32 run."""
 
 import dataclasses
 import re
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -17,9 +16,6 @@ import pytest
 import pjit_pipe as pp
 from pjit_pipe.models.char_corpus import CharCorpus
 from pjit_pipe.models.gpt import GPT, GPTConfig, lm_loss
-from tests.test_readme import python_blocks
-
-DOC = Path(__file__).resolve().parents[1] / "docs" / "mixed_precision.md"
 
 _HLO_DTYPES = {"f32": jnp.float32, "bf16": jnp.bfloat16, "f16": jnp.float16, "s32": jnp.int32}
 _PERMUTE = re.compile(r"= (\w+)\[([\d,]*)\]\S* collective-permute\(")
@@ -105,25 +101,25 @@ def _norm_error(a, b) -> float:
 
 @pytest.mark.slow
 def test_bf16_training_tracks_float32_over_200_steps():
-    """Adam on the character corpus, 2x4 1f1b: the bf16-compute run's loss stays
-    within 1% of the float32 run's at every step (measured: 0.3% at most, 0.04%
+    """Adam on the character corpus, 2x2 1f1b: the bf16-compute run's loss stays
+    within 1% of the float32 run's at every step (measured: 0.32% at most, 0.07%
     on average), over a curve that falls by more than 40%; the last 20 steps' means agree
     within 0.5%. 1% is five bf16 roundoffs (2^-9 each): enough for the rounding of
     activations to drift over 200 updates, and far below the curve's fall, so a run
     that stopped learning or trained on rounded parameters would leave the band."""
     corpus = CharCorpus.load()
     rng = np.random.default_rng(0)
-    batches = [corpus.batch(rng, 16, 32) for _ in range(200)]
+    batches = [corpus.batch(rng, 8, 32) for _ in range(200)]
     curves = {}
     for dtype in (jnp.float32, jnp.bfloat16):
         model = GPT(dataclasses.replace(GPTConfig.tiny(vocab=corpus.vocab), dtype=dtype))
         params = jax.jit(model.init)(jax.random.key(0), batches[0][0])
         pm = pp.pipeline(
             model,
-            stages=4,
-            microbatches=4,
+            stages=2,
+            microbatches=2,
             schedule="1f1b",
-            mesh=pp.make_mesh(data=2, stage=4),
+            mesh=pp.make_mesh(data=2, stage=2),
             optimizer=optax.adam(3e-3),
         )
         step = pm.train_step(lm_loss)
@@ -139,12 +135,3 @@ def test_bf16_training_tracks_float32_over_200_steps():
     assert np.any(bf16 != f32)  # and the bf16 run did compute in bf16
     assert np.max(np.abs(bf16 - f32) / f32) < 1e-2
     assert abs(bf16[-20:].mean() - f32[-20:].mean()) < 5e-3 * f32[-20:].mean()
-
-
-@pytest.mark.slow
-def test_every_python_block_of_the_doc_runs(monkeypatch, tmp_path):
-    """docs/mixed_precision.md's blocks run in order as one script."""
-    monkeypatch.chdir(tmp_path)
-    namespace: dict = {"__name__": "mixed_precision_doc"}
-    for line, source in python_blocks(DOC):
-        exec(compile(source, f"docs/mixed_precision.md, block at line {line}", "exec"), namespace)
