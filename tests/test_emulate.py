@@ -59,24 +59,6 @@ def test_emulated_1f1b_costs_its_runtimes_price():
     assert abs(measured / neighbor - 1) < 0.10, (measured, neighbor)
 
 
-@pytest.mark.slow
-def test_the_runtimes_pay_different_prices_for_one_table():
-    """1F1B at P=4 m=8 under 1,2,1,0 packed for neighbour-synchronous ticks: its
-    global price is 1.3x its neighbour price, and each runtime pays its own: the
-    closer of the two, within 15% (the machinery of a tick adds a few percent
-    at U = 50 ms, more on a loaded machine; the prices are 30% apart)."""
-    costs = Costs.parse("1,2,1,0")
-    table = pack_ticks(make_schedule("1f1b", 4, 8, costs=costs), costs, 3, sync="neighbor")
-    lockstep, neighbor = prices(table, costs)
-    assert lockstep > 1.2 * neighbor
-    in_process = emulate_in_process(table, costs, 50.0)
-    apart = emulate_processes(table, costs, 50.0)
-    assert abs(in_process / lockstep - 1) < 0.15, (in_process, lockstep)
-    assert abs(apart / neighbor - 1) < 0.15, (apart, neighbor)
-    assert abs(in_process - lockstep) < abs(in_process - neighbor)
-    assert abs(apart - neighbor) < abs(apart - lockstep)
-
-
 @pytest.mark.parametrize("kind", [k for k in KINDS if k not in ("auto", "async-1f1b")])
 def test_neighbor_price_is_at_most_global_and_global_matches_the_pricer(kind):
     """The timeline's global lockstep is the TickPricer's price, and waiting only for

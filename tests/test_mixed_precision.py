@@ -101,8 +101,8 @@ def _norm_error(a, b) -> float:
 
 @pytest.mark.slow
 def test_bf16_training_tracks_float32_over_200_steps():
-    """Adam on the character corpus, 2x2 1f1b: the bf16-compute run's loss stays
-    within 1% of the float32 run's at every step (measured: 0.32% at most, 0.07%
+    """Adam on the character corpus, 1x2 1f1b: the bf16-compute run's loss stays
+    within 1% of the float32 run's at every step (measured: 0.29% at most, 0.08%
     on average), over a curve that falls by more than 40%; the last 20 steps' means agree
     within 0.5%. 1% is five bf16 roundoffs (2^-9 each): enough for the rounding of
     activations to drift over 200 updates, and far below the curve's fall, so a run
@@ -119,7 +119,7 @@ def test_bf16_training_tracks_float32_over_200_steps():
             stages=2,
             microbatches=2,
             schedule="1f1b",
-            mesh=pp.make_mesh(data=2, stage=2),
+            mesh=pp.make_mesh(data=1, stage=2),
             optimizer=optax.adam(3e-3),
         )
         step = pm.train_step(lm_loss)
