@@ -13,8 +13,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import sys
 
+from pjit_pipe.cli.device_choice import ensure_host_devices
 from pjit_pipe.cli.schedule_command import costs_arg, positive_float, positive_int
 from pjit_pipe.compiler import ScheduleSpec, build_schedule, build_table
 from pjit_pipe.errors import OptionError
@@ -116,19 +116,6 @@ def build(args: argparse.Namespace) -> Schedule:
         raise ScheduleError(str(e).replace("mem_limit ", "--mem-limit ", 1)) from None
 
 
-def _devices_for(count: int) -> None:
-    """Give this process `count` CPU devices, if JAX has not started yet."""
-    if "jax" in sys.modules:
-        return  # emulate_in_process says so if it has too few
-    flags = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    os.environ["XLA_FLAGS"] = " ".join([*flags, f"--xla_force_host_platform_device_count={count}"])
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
-
-
 def run(args: argparse.Namespace) -> int:
     """Build, pack, price and run the emulated program; print the figures."""
     schedule = build(args)
@@ -145,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
         measured = emulate_processes(table, costs, args.unit_ms)
         runtime = "multi-controller"
     else:
-        _devices_for(schedule.replicas * schedule.stages)
+        ensure_host_devices(schedule.replicas * schedule.stages)
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the ops sleep on host devices
         from pjit_pipe.runtime import emulate_in_process
 
         measured = emulate_in_process(table, costs, args.unit_ms)
