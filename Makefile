@@ -1,10 +1,12 @@
-# The README's set-up commands: each target creates .venv when it is missing.
+# The README's set-up commands: each target creates the venv when it is missing.
+# PYTHON picks the interpreter and VENV its folder, so one checkout tests several
+# JAX releases side by side: `make test PYTHON=python3.13 VENV=.venv-3.13`.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick bench lint format clean
+.PHONY: demo test test-quick versions bench lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -15,11 +17,15 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/python -m pjit_pipe demo
 
-test: $(STAMP)
+# The interpreter and the JAX stack a test run uses, printed before it runs.
+versions: $(STAMP)
+	@$(BIN)/python -c "import sys, jax, jaxlib, flax, optax, orbax.checkpoint as ocp; print(f'python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, optax {optax.__version__}, orbax-checkpoint {ocp.__version__}')"
+
+test: versions
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # The inner loop: everything but the tests marked slow.
-test-quick: $(STAMP)
+test-quick: versions
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 bench: $(STAMP)
@@ -34,4 +40,4 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf .venv .venv-* build *.egg-info .pytest_cache

@@ -541,7 +541,11 @@ def _hf_blocks_lm():
     """HF transformers' own Flax GPT-2 block (attention mask, causal attention) in a
     root that keeps the blocks at the top level, with the head tied to wte."""
     transformers = pytest.importorskip("transformers")
-    from transformers.models.gpt2.modeling_flax_gpt2 import FlaxGPT2Block
+    hf_gpt2 = pytest.importorskip(
+        "transformers.models.gpt2.modeling_flax_gpt2",
+        reason="transformers 5 has no Flax modules: pip install -e '.[hf]' for transformers 4",
+    )
+    FlaxGPT2Block = hf_gpt2.FlaxGPT2Block
 
     class HFBlocksLM(nn.Module):
         config: transformers.GPT2Config
