@@ -14,7 +14,8 @@ A fence's info string says what a block is and how it is checked:
   benchmarks/NAME.py ...` or `python -m benchmarks.NAME ...`) is checked, not
   run (benchmarks take minutes): the script must exist and define every
   `--flag` the line gives it. A `make
-  TARGET` line must name a Makefile target. Any other command fails the test.
+  TARGET [VAR=value]` line must name a Makefile target and variables it
+  lets the command line set. Any other command fails the test.
   A `\\` at the end of a line continues it; `#` starts a comment.
 - ```python no-run and ```sh no-run: shown, not run. Only for what cannot run
   here: commands that need a GPU or several processes.
@@ -150,8 +151,12 @@ def _check_benchmark_line(where: str, script: Path, args: list[str]) -> None:
 
 def _check_make_line(where: str, argv: list[str]) -> None:
     makefile = (ROOT / "Makefile").read_text()
-    for target in argv[1:]:
-        assert re.search(rf"^{re.escape(target)}:", makefile, re.M), f"{where}: make {target}"
+    for arg in argv[1:]:
+        if "=" in arg:  # VAR=value: the Makefile must let the command line set VAR
+            var = arg.split("=", 1)[0]
+            assert re.search(rf"^{re.escape(var)} \?=", makefile, re.M), f"{where}: {var}"
+        else:
+            assert re.search(rf"^{re.escape(arg)}:", makefile, re.M), f"{where}: make {arg}"
 
 
 @pytest.mark.parametrize("path", _params("shell"))
