@@ -1,7 +1,9 @@
 """Every combination of schedule kind, (data, stage, tensor) mesh, ZeRO and a
 global-norm clip, on three models written the way people write them, trains like
-optax for three steps, or is refused before its step runs by a PjitPipeError
-that names the combination.
+optax for three steps. None is refused: what stays refused (the optimizer
+staggered into the tick loop with ZeRO, failure variants of async-1f1b) is not
+reachable from these options, and is refused by name elsewhere (README,
+limitations).
 
 The models: the bundled Llama (an `nn.scan` stack under `nn.remat`, grouped-query
 attention, Megatron annotations), the bundled GPT-2 (embedding tied to the head,
@@ -151,35 +153,22 @@ def optax_run(model: str, clip: bool) -> tuple[list[float], Any]:
     return losses, params
 
 
-def refused(case: Case) -> bool:
-    """Whether the README's limitations refuse the combination up front."""
-    return case.zero and case.kind == "zb-h2"
-
-
 def check(case: Case) -> None:
-    """Three pipelined steps equal optax's, or a refusal that names the combination."""
+    """Three pipelined steps equal optax's (no combination here is refused)."""
     module, boxed, loss_fn, batches = model_problem(case.model)
     D, P, T = MESHES[case.mesh]
-    try:
-        pm = pp.pipeline(
-            module,
-            stages=P,
-            microbatches=BATCH // D // 2,
-            schedule=case.kind,
-            chunks=KINDS[case.kind],
-            mesh=pp.make_mesh(data=D, stage=P, tensor=T),
-            optimizer=optimizer(case.clip),
-            zero=case.zero,
-        )
-        step = pm.train_step(loss_fn)
-        state = step.init(boxed, batches[0])
-    except pp.PjitPipeError as refusal:
-        # The one combination left refused: ZeRO's sliced optimizer state with an
-        # optimizer step staggered across the iteration boundary (zb-h2).
-        assert refused(case), (case.id, str(refusal))
-        assert "zero" in str(refusal).lower() and case.kind in str(refusal), str(refusal)
-        return
-    assert not refused(case), f"{case.id}: expected a refusal"
+    pm = pp.pipeline(
+        module,
+        stages=P,
+        microbatches=BATCH // D // 2,
+        schedule=case.kind,
+        chunks=KINDS[case.kind],
+        mesh=pp.make_mesh(data=D, stage=P, tensor=T),
+        optimizer=optimizer(case.clip),
+        zero=case.zero,
+    )
+    step = pm.train_step(loss_fn)
+    state = step.init(boxed, batches[0])
     losses = []
     for batch in batches:
         state, loss = step(state, batch)
