@@ -201,3 +201,56 @@ def test_cli_json_adds_the_bound_and_both_periods(capsys, tmp_path):
     assert plot.stat().st_size > 0
     assert main(["schedule", *argv, "--json"]) == 0
     assert "slow_bound" not in json.loads(capsys.readouterr().out)
+
+
+def test_emulated_slow_workers_sleep_their_factor_longer():
+    """The host of an emulated run (runtime/emulation.py) plans each op of worker 0:1 at
+    twice its healthy price, every other worker's at its price."""
+    from pjit_pipe.runtime.emulation import SleepingHost
+    from pjit_pipe.tick_packing import pack_ticks
+
+    slow = {(0, 1): 2.0}
+    priced = Costs(slow=slow)
+    for schedule in (
+        make_schedule("1f1b", 2, 4, replicas=2),
+        make_schedule("1f1b", 2, 4, replicas=2, slow=slow),
+    ):
+        table = pack_ticks(schedule, priced, 2)
+        host = SleepingHost.of(table, priced, 0.001)
+        healthy = Costs().duration_fn(schedule)
+        planned = 0
+        for device, worker in enumerate(schedule.alive_workers):
+            factor = 2.0 if worker == Worker(0, 1) else 1.0
+            for tick in host.shares[device]:
+                for p in tick.ops:
+                    assert p.duration == factor * healthy(worker, p.op)
+                    planned += 1
+        compute = [op for prog in schedule.programs.values() for op in prog if op.kind != Kind.OPT]
+        assert planned == 2 * len(compute)  # every compute op of both iterations
+
+
+@pytest.mark.slow
+def test_cli_emulate_runs_the_mitigated_and_the_fault_free_table():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    argv = ["-P", "2", "-m", "2", "-D", "2", "--costs", "1,1,1,0", "--slow", "0:1:2"]
+    argv += ["--iterations", "2", "--unit-ms", "5", "--json"]
+    priced = Costs(slow={(0, 1): 2.0})
+    for extra, schedule in (
+        ([], make_schedule("1f1b", 2, 2, replicas=2, slow={(0, 1): 2.0})),
+        (["--unmitigated"], make_schedule("1f1b", 2, 2, replicas=2)),
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "pjit_pipe", "emulate", "1f1b", *argv, *extra],
+            capture_output=True,
+            text=True,
+            cwd=Path(__file__).resolve().parents[1],
+            timeout=300,
+        )
+        assert done.returncode == 0, done.stderr
+        out = json.loads(done.stdout)
+        assert out["kind"] == schedule.kind and out["unmitigated"] == bool(extra)
+        assert out["event_period"] == simulate(schedule, priced, 2).steady_period
+        assert out["measured_period"] > 0
