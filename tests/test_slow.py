@@ -254,3 +254,33 @@ def test_cli_emulate_runs_the_mitigated_and_the_fault_free_table():
         assert out["kind"] == schedule.kind and out["unmitigated"] == bool(extra)
         assert out["event_period"] == simulate(schedule, priced, 2).steady_period
         assert out["measured_period"] > 0
+
+
+def test_mitigated_pipeline_computes_the_fault_free_loss_and_gradients():
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import pjit_pipe as pp
+
+    model = nn.Sequential([nn.Dense(6), nn.Dense(5), nn.Dense(4), nn.Dense(2)])
+    x = np.asarray(jax.random.normal(jax.random.key(0), (16, 3)))
+    y = np.asarray(jax.random.normal(jax.random.key(1), (16, 2)))
+    params = model.init(jax.random.key(2), x)
+
+    def mse(out, target):
+        return jnp.mean((out - target) ** 2)
+
+    pm = pp.pipeline(model, stages=2, microbatches=4, mesh=pp.make_mesh(2, 2))
+    mitigated = pm.with_slow({(0, 1): 2.0})
+    programs = mitigated.schedule.programs
+    assert any(op.replica != w.replica for w, prog in programs.items() for op in prog)
+    assert mitigated.cuts is pm.cuts
+    loss, grads = mitigated.value_and_grad(mse)(params, x, y)
+    want, want_grads = jax.value_and_grad(lambda p: mse(model.apply(p, x), y))(params)
+    np.testing.assert_allclose(loss, want, rtol=1e-6)
+    for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads), strict=True):
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+    with pytest.raises(pp.FailurePlanError, match="slow: worker 0:1 is also failed"):
+        pm.with_failures([(0, 1)]).with_slow({(0, 1): 2.0})
