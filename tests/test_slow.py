@@ -284,3 +284,99 @@ def test_mitigated_pipeline_computes_the_fault_free_loss_and_gradients():
         np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
     with pytest.raises(pp.FailurePlanError, match="slow: worker 0:1 is also failed"):
         pm.with_failures([(0, 1)]).with_slow({(0, 1): 2.0})
+
+
+def test_slow_detector_marks_a_worker_after_confirm_probes_in_a_row():
+    from pjit_pipe.runtime import FACTORS, SlowDetector, quantize
+
+    assert [quantize(r) for r in (0.9, 1.2, 1.3, 1.8, 2.4, 2.6, 3.6, 9.0)] == [
+        1.0,
+        1.0,
+        1.5,
+        2.0,
+        2.0,
+        3.0,
+        4.0,
+        4.0,
+    ]
+    assert set(map(quantize, FACTORS)) == set(FACTORS)
+    slow_w, other = Worker(0, 1), Worker(1, 1)
+    timings = iter(
+        [
+            {slow_w: 2.0, other: 1.0, Worker(0, 0): 1.0},  # 2x: seen once
+            {slow_w: 1.9, other: 1.0, Worker(0, 0): 1.0},  # 2x twice: marked
+            {slow_w: 1.0, other: 1.0, Worker(0, 0): 1.0},  # back once: still slow
+            {slow_w: 1.1, other: 1.0, Worker(0, 0): 1.0},  # back twice: recovered
+        ]
+    )
+    detector = SlowDetector(lambda: next(timings), every=5, confirm=2)
+    seen = [detector.observe(step) for step in range(20)]
+    assert seen[0] == seen[4] == {}  # probes at steps 0, 5, 10, 15
+    assert seen[5] == seen[14] == {slow_w: 2.0}
+    assert seen[15] == seen[19] == {}
+
+
+@pytest.mark.slow
+def test_trainer_switches_to_the_mitigated_program_and_back_with_the_same_losses():
+    import jax
+    import numpy as np
+    import optax
+
+    import pjit_pipe as pp
+    from pjit_pipe.models import ResidualMLP, mse_loss
+    from pjit_pipe.runtime import InjectedSlowdowns, ResilientTrainer
+
+    model = ResidualMLP(d_model=16, hidden=16, n_layers=4, d_out=4)
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(6):
+        x = rng.normal(size=(16, 8)).astype(np.float32)
+        data.append((x, np.sin(x[:, :4])))
+    params = model.init(jax.random.key(0), data[0][0])
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def plain(p, s, x, y):
+        loss, g = jax.value_and_grad(lambda q: mse_loss(model.apply(q, x), y))(p)
+        upd, s = opt.update(g, s, p)
+        return optax.apply_updates(p, upd), s, loss
+
+    p, s, want = params, opt.init(params), []
+    for x, y in data:
+        p, s, loss = plain(p, s, x, y)
+        want.append(float(loss))
+    pm = pp.pipeline(
+        model, stages=2, microbatches=4, mesh=pp.make_mesh(data=2, stage=2), optimizer=opt
+    )
+    plan = {2: {(0, 1): 2.0}, 4: {(0, 1): 1.0}}
+    tr = ResilientTrainer(pm, mse_loss, speeds=InjectedSlowdowns(plan))
+    state = tr.init(params, data[0], precompile=False)
+    got, slow_during = [], []
+    for batch in data:
+        state, loss = tr.step(state, batch)
+        got.append(float(loss))
+        slow_during.append(tr.slow)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    assert slow_during == [{}, {}, {Worker(0, 1): 2.0}, {Worker(0, 1): 2.0}, {}, {}]
+    switches = [(e.step, e.slow) for e in tr.events if e.kind == "switch"]
+    assert switches == [(2, ((Worker(0, 1), 2.0),)), (4, ())]
+    assert "slow = 0:1 x2" in next(e for e in tr.events if e.kind == "switch").describe()
+
+
+@pytest.mark.parametrize("value", ["1:0:1", "1:0:1:0.5", "x:0:1:2", "1:0:1:2,1:0:1:3"])
+def test_cli_train_bad_slow_fails_with_one_line(capsys, value):
+    assert main(["train", "--model", "mlp", "--mesh", "2x2", "--slow", value]) != 0
+    out, err = capsys.readouterr()
+    assert out == "" and err.count("\n") == 1 and "--slow" in err
+
+
+@pytest.mark.slow
+def test_cli_train_logs_the_switch_to_the_mitigated_program_and_back(capsys):
+    argv = ["train", "--model", "mlp", "--mesh", "2x2", "--microbatches", "4", "--steps", "4"]
+    assert main([*argv, "--json"]) == 0
+    plain = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert main([*argv, "--slow", "1:0:1:2,3:0:1:1", "--json"]) == 0
+    slowed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["loss"] for r in slowed] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
+    events = [e for r in slowed for e in r["events"]]
+    assert len(events) == 2 and "slow = 0:1 x2" in events[0] and "slow" not in events[1]
