@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.slow import check_factor
 
 
 def _per_position(name: str, value: float | Sequence[float], stages: int) -> tuple[float, ...]:
@@ -87,11 +87,8 @@ class Costs:
         pairs = self.slow.items() if isinstance(self.slow, Mapping) else self.slow
         speeds = {}
         for key, factor in pairs:
-            if not 1.0 <= float(factor) < math.inf:
-                raise ScheduleError(
-                    f"slow: the factor of worker {key} must be a finite number >= 1, got {factor!r}"
-                )
-            speeds[Worker(*key)] = float(factor)
+            worker = Worker(*key)
+            speeds[worker] = check_factor(factor, f"worker {worker}")
         object.__setattr__(self, "slow", tuple(sorted(speeds.items())))
 
     def factors(self) -> dict[Worker, float]:
