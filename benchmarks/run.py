@@ -11,6 +11,7 @@ BENCHMARKS = [
     "bench_schedules",
     "bench_exact",
     "bench_failures",
+    "bench_slow",
     "bench_lowering",
     "bench_variants",
     "bench_memory",

@@ -6,6 +6,10 @@ with every op's compute replaced by a host callback that sleeps cost x
 D*P CPU devices of this process, or with --processes on D*P processes of one
 device each over gloo (runtime/emulate_processes.py). It prints the three
 prices of the table and the measured steady period, in cost units.
+
+With --slow R:S:FACTOR the ops of worker R:S sleep FACTOR times longer; the
+table is the mitigated one (part of the slow workers' microbatches moved to
+peers, packed at those speeds), or with --unmitigated the fault-free table.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from pjit_pipe.errors import OptionError
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.slow import parse_slow
 from pjit_pipe.schedules import KINDS
 from pjit_pipe.simulator import SYNCS, simulate
 
@@ -57,6 +62,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--chunks", "-v", type=positive_int, default=None, metavar="V")
     p.add_argument("--replicas", "-D", type=positive_int, default=1, metavar="D")
     p.add_argument("--failed", default="", metavar="R:S[,R:S...]", help="failed workers")
+    p.add_argument(
+        "--slow",
+        default="",
+        metavar="R:S:FACTOR[,...]",
+        help="slow workers: each op of worker R:S sleeps FACTOR (>= 1) times longer",
+    )
+    p.add_argument(
+        "--unmitigated",
+        action="store_true",
+        help="with --slow: run the fault-free table, not the one that moves work off slow workers",
+    )
     p.add_argument("--stagger", action="store_true", help="stagger the optimizer steps")
     p.add_argument(
         "--iterations",
@@ -93,8 +109,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def build(args: argparse.Namespace) -> Schedule:
     """The (possibly staggered) schedule the arguments ask for, validated, by the
-    compile path every other caller uses (`compiler.build_schedule`)."""
+    compile path every other caller uses (`compiler.build_schedule`): with --slow,
+    the mitigated one unless --unmitigated."""
     failed = FailurePattern.parse(args.failed, args.replicas, args.stages)
+    slow = parse_slow(args.slow, args.replicas, args.stages, failed.failed)
+    if args.unmitigated and not slow:
+        raise OptionError(
+            "--unmitigated runs the fault-free table at the speeds of --slow; give --slow "
+            "R:S:FACTOR too, or drop --unmitigated"
+        )
     spec = ScheduleSpec(
         args.kind,
         args.stages,
@@ -104,6 +127,7 @@ def build(args: argparse.Namespace) -> Schedule:
         failed,
         args.mem_limit,
         args.stagger,
+        slow=None if args.unmitigated else slow,
     )
     if spec.kind == "async-1f1b":
         raise OptionError(
@@ -119,10 +143,14 @@ def build(args: argparse.Namespace) -> Schedule:
 def run(args: argparse.Namespace) -> int:
     """Build, pack, price and run the emulated program; print the figures."""
     schedule = build(args)
-    costs: Costs = args.costs
+    slow = parse_slow(args.slow, args.replicas, args.stages, schedule.failed)
+    # The unmitigated table is packed as if every worker were healthy; both run
+    # (and are priced) at the slow workers' speeds.
+    packed_for: Costs = args.costs if args.unmitigated else args.costs.with_slow(slow)
+    costs: Costs = args.costs.with_slow(slow)
     n = args.iterations
     sync = args.pack_for or ("neighbor" if args.processes else "global")
-    table = build_table(schedule, costs, n, args.mem_limit, sync=sync)
+    table = build_table(schedule, packed_for, n, args.mem_limit, sync=sync)
     event = simulate(schedule, costs, n).steady_period
     lockstep = simulate(schedule, costs, n, mode="lockstep", ticks=table).steady_period
     neighbor = simulate(schedule, costs, n, mode="lockstep", ticks=table, sync="neighbor")
@@ -149,6 +177,8 @@ def run(args: argparse.Namespace) -> int:
         "iterations": n,
         "unit_ms": args.unit_ms,
         "ticks": len(table),
+        "slow": {str(w): f for w, f in costs.slow},
+        "unmitigated": args.unmitigated,
     }
     if args.json:
         print(json.dumps(out))

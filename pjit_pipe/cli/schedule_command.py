@@ -13,8 +13,9 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.serialize import to_json, to_text
+from pjit_pipe.ir.slow import parse_slow
 from pjit_pipe.schedules import KINDS
-from pjit_pipe.simulator import SimResult, lockstep_lower_bound, simulate
+from pjit_pipe.simulator import SimResult, lockstep_lower_bound, simulate, slow_bound
 
 DEFAULT_ITERATIONS = 4
 PLOT_SUFFIXES = (".png", ".svg")
@@ -175,6 +176,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help="failed workers (replica:stage); their microbatches are re-routed to peers",
     )
     p.add_argument(
+        "--slow",
+        default="",
+        metavar="R:S:FACTOR[,...]",
+        help=(
+            "slow workers: each op of worker R:S takes FACTOR (>= 1) times as long; part of "
+            "their microbatches move to peers of their stage (--json adds slow_bound and "
+            "unmitigated_period, the fault-free schedule's period at these speeds)"
+        ),
+    )
+    p.add_argument(
         "--iterations",
         type=positive_int,
         default=DEFAULT_ITERATIONS,
@@ -238,9 +249,20 @@ def _summary_line(kind: str, result: SimResult) -> str:
     )
 
 
+def _slow_figures(spec: ScheduleSpec, costs, iterations: int) -> dict:
+    """`slow_bound`, and `unmitigated_period`: the schedule built as if no worker were
+    slow (the fault-free one, or re-routed around the failed workers only), priced
+    at the slow workers' speeds."""
+    unmitigated = build_schedule(dataclasses.replace(spec, slow=None), costs.with_slow({}))
+    period = simulate(unmitigated, costs, iterations=iterations).steady_period
+    bound = slow_bound(spec.stages, spec.microbatches, spec.replicas, None, spec.failed, costs)
+    return {"slow_bound": round(bound, 9), "unmitigated_period": round(period, 9)}
+
+
 def run(args: argparse.Namespace) -> int:
     """Build the schedule, validate it, simulate it, then print/draw/trace it."""
     failed = FailurePattern.parse(args.failed, args.replicas, args.stages)
+    slow = parse_slow(args.slow, args.replicas, args.stages, failed.failed)
     if args.fused_costs is not None:
         f_fused, bw, *fbw = args.fused_costs
         args.costs = dataclasses.replace(
@@ -256,11 +278,13 @@ def run(args: argparse.Namespace) -> int:
         args.mem_limit,
         args.stagger,
         exact_time_limit=args.exact,
+        slow=slow,
     )
     try:
         schedule = build_schedule(spec, args.costs)
     except ScheduleError as e:
         raise ScheduleError(str(e).replace("mem_limit ", "--mem-limit ", 1)) from None
+    args.costs = args.costs.with_slow(slow)  # every price below is at the workers' speeds
     result = simulate(schedule, args.costs, iterations=args.iterations)
     if args.plot:
         from pjit_pipe.simulator import gantt
@@ -268,6 +292,7 @@ def run(args: argparse.Namespace) -> int:
         gantt(
             result,
             args.plot,
+            args.costs,
             title=f"{schedule.kind} P={schedule.stages} m={schedule.microbatches}",
         )
     if args.trace:
@@ -300,6 +325,8 @@ def run(args: argparse.Namespace) -> int:
             "valid": True,
             "schedule": to_json(schedule),
         }
+        if args.slow.strip():
+            out.update(_slow_figures(spec, args.costs, args.iterations))
         print(json.dumps(out))
     else:
         print(to_text(schedule), end="")

@@ -22,6 +22,7 @@ from pjit_pipe.cli.train_args import (
     add_failure_args,
     add_training_args,
     check_failure_plan,
+    check_slow_plan,
 )
 
 
@@ -126,7 +127,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     import optax
 
     import pjit_pipe as pp
-    from pjit_pipe.runtime import Checkpoints, InjectedFailures, ResilientTrainer
+    from pjit_pipe.runtime import Checkpoints, InjectedFailures, InjectedSlowdowns, ResilientTrainer
 
     directory = getattr(args, "checkpoint_dir", None)
     checkpoints = Checkpoints(directory, args.checkpoint_every) if directory else None
@@ -176,6 +177,8 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     start = start_from.step if isinstance(start_from, pp.TrainState) else 0
     check_failure_plan(fail, rejoin, data, stages, args.steps, down, start)
     events: list[str] = []
+    slow = getattr(args, "slow", {})
+    check_slow_plan(slow, data, stages, args.steps)
     trainer = ResilientTrainer(
         pm,
         task.loss_fn,
@@ -183,6 +186,7 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         max_failures=precompile,
         cache_dir=getattr(args, "cache_dir", None),
         on_event=lambda e: events.append(e.describe()),
+        speeds=InjectedSlowdowns(slow) if slow else None,
     )
     if getattr(args, "show_costs", False):
         params = start_from.params if isinstance(start_from, pp.TrainState) else start_from

@@ -138,6 +138,37 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def slow_events_arg(text: str) -> dict:
+    """Parse STEP:R:S:FACTOR[,...] (worker (R, S) runs FACTOR times slower from step
+    STEP on; FACTOR 1: it recovers) into {step: {Worker: factor}}."""
+    from pjit_pipe.errors import FailurePlanError
+    from pjit_pipe.ir.slow import parse_slow_events
+
+    try:
+        return parse_slow_events(text)
+    except FailurePlanError as e:
+        raise argparse.ArgumentTypeError(str(e).removeprefix("--slow: ")) from None
+
+
+def check_slow_plan(plan: dict, data: int, stages: int, steps: int) -> None:
+    """Refuse, before anything compiles, a --slow plan with a worker outside the
+    mesh or a step past the last, as a UsageError naming the flag."""
+    from pjit_pipe.cli import UsageError
+
+    for step, workers in sorted(plan.items()):
+        for r, s in workers:
+            if not (0 <= r < data and 0 <= s < stages):
+                raise UsageError(
+                    f"--slow: worker {r}:{s} at step {step} is outside the mesh {data}x{stages} "
+                    f"(R < {data}, S < {stages})"
+                )
+        if step >= steps:
+            raise UsageError(
+                f"--slow: step {step} is past the last step ({steps} steps run steps "
+                f"0-{steps - 1}); use a step below {steps} or raise --steps"
+            )
+
+
 def add_failure_args(parser: argparse.ArgumentParser) -> None:
     """Injected failures and rejoins, and how many failures to precompile for."""
     from pjit_pipe.cli.schedule_command import nonneg_int
@@ -155,6 +186,16 @@ def add_failure_args(parser: argparse.ArgumentParser) -> None:
         default={},
         metavar="STEP:R:S[,...]",
         help="worker (R, S) is back before step STEP",
+    )
+    parser.add_argument(
+        "--slow",
+        type=slow_events_arg,
+        default={},
+        metavar="STEP:R:S:FACTOR[,...]",
+        help=(
+            "worker (R, S) runs FACTOR (>= 1) times slower from step STEP on (1: it has "
+            "recovered); the program that moves part of its microbatches to peers runs then"
+        ),
     )
     parser.add_argument(
         "--precompile",

@@ -15,7 +15,7 @@ steers the schedule search and packs its ticks.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from pjit_pipe.ir.costs import Costs
@@ -47,6 +47,8 @@ class ScheduleSpec:
     stagger: each stage steps its optimizer as soon as its own gradients are done.
     search_time: seconds the failure-aware search may take.
     exact_time_limit: seconds auto may hand its best schedule to the exact engine.
+    slow: {(replica, stage): factor >= 1}: slow workers, part of whose
+        microbatch-slices the failure-aware search moves to peers (ir/slow.py).
     """
 
     kind: str
@@ -59,6 +61,7 @@ class ScheduleSpec:
     stagger: bool = False
     search_time: float = 10.0
     exact_time_limit: float | None = None
+    slow: Mapping[tuple[int, int], float] | None = None
 
 
 def chunks_of(kind: str, chunks: int | None) -> int:
@@ -94,6 +97,7 @@ def build_schedule(spec: ScheduleSpec, costs: Costs | None = None) -> Schedule:
         exact_time_limit=spec.exact_time_limit,
         failed=spec.failed,
         search_time=spec.search_time,
+        slow=spec.slow,
     )
     if spec.stagger:
         schedule = stagger(schedule)

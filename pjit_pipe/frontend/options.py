@@ -22,6 +22,7 @@ from pjit_pipe.frontend.cutter.cut import BALANCE
 from pjit_pipe.frontend.mesh import AXES, PIPELINE_AXES
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
+from pjit_pipe.ir.slow import check_slow
 from pjit_pipe.schedules import KINDS
 from pjit_pipe.simulator import SYNCS
 
@@ -52,6 +53,9 @@ class PipelineOptions:
         remat: recompute each stage's forward in its backward (less memory).
         balance: what the stage cut evens out: "flops", "params" or measured "time".
         failed: the (replica, stage) workers that are down; see `with_failures`.
+        slow: the slow workers, {(replica, stage): factor >= 1} (stored as sorted
+            pairs); part of their microbatches run on peers of their stage
+            (see `with_slow`).
         search_time: seconds for the search of a re-routed schedule when workers
             are down.
         max_programs: compiled programs kept per pipeline (least recently used
@@ -98,7 +102,9 @@ class PipelineOptions:
         MeshError: `mesh` is no Mesh, its axes are not ('data', 'stage'[,
             'tensor']), or its 'stage' axis is not `stages` long.
         FailurePlanError: `failed` is not a collection of (replica, stage)
-            pairs inside the mesh, or leaves a stage without a survivor.
+            pairs inside the mesh, or leaves a stage without a survivor; a
+            `slow` worker outside the mesh or failed, or a factor that is not a
+            finite number >= 1.
     """
 
     stages: int
@@ -112,6 +118,7 @@ class PipelineOptions:
     remat: bool = False
     balance: Balance = "flops"
     failed: tuple[tuple[int, int], ...] = ()
+    slow: tuple[tuple[tuple[int, int], float], ...] = ()
     search_time: float = 2.0
     max_programs: int = 8
     layers: tuple[tuple[int, int], ...] | None = None
@@ -199,6 +206,14 @@ class PipelineOptions:
                 )
             object.__setattr__(self, "layers", layers)
         object.__setattr__(self, "failed", failed_workers(self.failed, self.replicas, self.stages))
+        try:
+            given = dict(self.slow)
+        except (TypeError, ValueError):
+            raise FailurePlanError(
+                f"slow: expected {{(replica, stage): factor}}, e.g. {{(0, 1): 2.0}}, got {self.slow!r}"
+            ) from None
+        slow = check_slow(given, self.replicas, self.stages, self.failed)
+        object.__setattr__(self, "slow", tuple(sorted((tuple(w), f) for w, f in slow.items())))
 
     def _check_skip_nonfinite(self) -> None:
         if self.skip_nonfinite not in (None, True, False):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import flax.linen as nn
@@ -95,6 +95,7 @@ class Pipelined(CompiledPrograms):
             self.failed,
             options.mem_limit,
             search_time=options.search_time,
+            slow=dict(options.slow),
         )
         self.chunks = chunks_of(options.schedule, options.chunks)
         # The costs the schedule is built and its ticks packed with, resolved once:
@@ -184,6 +185,29 @@ class Pipelined(CompiledPrograms):
         zero = self.options.zero and not failed
         options = dataclasses.replace(self.options, failed=failed, zero=zero)
         return Pipelined(self.module, options, cuts=self.cuts)  # same module and stages
+
+    def with_slow(self, slow: Mapping[tuple[int, int], float]) -> Pipelined:
+        """The same model and API with part of the slow workers' work moved to peers.
+
+        Each op of worker (replica, stage) is taken to last `factor` times as
+        long; the schedule moves part of its microbatches to peers of its stage
+        (`make_schedule(..., slow=)`). The loss and gradients are those of the
+        fault-free step on the same batch.
+
+        Args:
+            slow: {(replica, stage): factor >= 1} ({}: every worker at full speed).
+
+        Returns:
+            The Pipelined for those speeds, sharing this one's stage cuts.
+
+        Raises:
+            FailurePlanError: a worker outside the mesh or failed, or a factor
+                that is not a finite number >= 1.
+        """
+        # The mitigated program steps the optimizer inside its loop, which ZeRO does not.
+        zero = self.options.zero and not any(f > 1 for f in dict(slow).values())
+        options = dataclasses.replace(self.options, slow=slow, zero=zero)
+        return Pipelined(self.module, options, cuts=self.cuts)
 
     # ---- the plain module API ----
 

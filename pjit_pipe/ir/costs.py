@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from pjit_pipe.ir.ops import Kind, Op, Worker
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.slow import check_factor
 
 
 def _per_position(name: str, value: float | Sequence[float], stages: int) -> tuple[float, ...]:
@@ -63,6 +65,11 @@ class Costs:
             two programs cannot (1.33-1.54x on a GPU, docs/tick_packing.md).
             Only the lockstep price of a tick table counts it (`loss_fusion`);
             the event-driven simulator runs the IR's ops one by one.
+        slow: Slow workers (ir/slow.py): ((replica, stage), factor) pairs,
+            sorted; each op of such a worker takes factor (>= 1) times its
+            price, OPT included (a transfer's C does not change). A mapping
+            {(replica, stage): factor} is accepted and stored so. Empty (the
+            default): every worker runs at full speed.
     """
 
     f: float | Sequence[float] = 1.0
@@ -74,6 +81,37 @@ class Costs:
     f_fused: float | Sequence[float] | None = None
     bw: float | Sequence[float] | None = None
     fbw: float | Sequence[float] | None = None
+    slow: tuple[tuple[Worker, float], ...] | Mapping[tuple[int, int], float] = ()
+
+    def __post_init__(self) -> None:
+        pairs = self.slow.items() if isinstance(self.slow, Mapping) else self.slow
+        speeds = {}
+        for key, factor in pairs:
+            worker = Worker(*key)
+            speeds[worker] = check_factor(factor, f"worker {worker}")
+        object.__setattr__(self, "slow", tuple(sorted(speeds.items())))
+
+    def factors(self) -> dict[Worker, float]:
+        """Each slow worker's factor (workers not in it run at factor 1).
+
+        Returns:
+            {Worker: factor} of `slow`.
+        """
+        return dict(self.slow)
+
+    def with_slow(self, slow: Mapping[tuple[int, int], float]) -> Costs:
+        """These costs with `slow` as the slow workers' factors (factors of 1 dropped).
+
+        Args:
+            slow: {(replica, stage): factor >= 1}.
+
+        Returns:
+            A copy whose `slow` holds the factors above 1.
+
+        Raises:
+            ScheduleError: A factor below 1 or not finite.
+        """
+        return dataclasses.replace(self, slow={w: f for w, f in slow.items() if f != 1.0})
 
     @classmethod
     def parse(cls, text: str) -> Costs:
@@ -157,7 +195,8 @@ class Costs:
 
         A stage the schedule runs as B and W takes (f, b, w), any other
         (f_fused, bw); each is divided by the chunks, since a position's costs
-        cover all the chunks it holds. OPT takes `opt`, other ops 0.
+        cover all the chunks it holds. OPT takes `opt`, other ops 0. A slow
+        worker's ops take its factor times as long.
 
         Args:
             schedule: The schedule whose ops are timed.
@@ -172,6 +211,10 @@ class Costs:
         fused = self.fused_per_stage(schedule.stages)
         split = _split_stages(schedule)
         v = schedule.chunks
+        speeds = self.factors()
+        if speeds:
+            healthy = dataclasses.replace(self, slow=()).duration_fn(schedule)
+            return lambda worker, op: healthy(worker, op) * speeds.get(worker, 1.0)
 
         def duration(worker: Worker, op: Op) -> float:
             f, b, w = table[schedule.layout[op.stage]]
@@ -213,7 +256,7 @@ class Costs:
         if self.fbw is None:
             return 1.0
         last = schedule.num_virtual_stages - 1
-        duration = self.duration_fn(schedule)
+        duration = dataclasses.replace(self, slow=()).duration_fn(schedule)
         worker = Worker(0, schedule.layout[last])
         kinds = (Kind.F, Kind.B, Kind.W) if last in _split_stages(schedule) else (Kind.F, Kind.BW)
         apart = sum(duration(worker, Op(k, last, 0)) for k in kinds)

@@ -8,17 +8,22 @@ from pjit_pipe.passes.chain import Pass, chain, renamed
 from pjit_pipe.passes.comm import insert_comm
 from pjit_pipe.passes.defer_w import defer_w
 from pjit_pipe.passes.fuse_backward import fuse_stage, fuse_where_free
-from pjit_pipe.passes.list_scheduler import ORDERS, list_schedule
+from pjit_pipe.passes.list_scheduler import ORDERS, Placement, list_schedule
 from pjit_pipe.passes.postpone_w import postpone_w
 from pjit_pipe.passes.reroute import FailedWorkers, assign, canonically, default_limit, reroute
+from pjit_pipe.passes.shares import KEEPS, TRIMS, balanced_counts, share_placement
 from pjit_pipe.passes.split_backward import split_backward
 from pjit_pipe.passes.stagger import stagger
 
 __all__ = [
+    "KEEPS",
     "ORDERS",
+    "TRIMS",
     "FailedWorkers",
     "Pass",
+    "Placement",
     "assign",
+    "balanced_counts",
     "canonically",
     "chain",
     "default_limit",
@@ -30,6 +35,7 @@ __all__ = [
     "postpone_w",
     "renamed",
     "reroute",
+    "share_placement",
     "split_backward",
     "stagger",
 ]

@@ -118,6 +118,7 @@ class ListScheduler:
         }
         for s in range(base.num_virtual_stages):
             self.dur[(Kind.BW, s)] = self.dur[(Kind.B, s)] + self.dur[(Kind.W, s)]
+        self.speed = costs.factors()  # slow workers' factors; the others run at 1
         mine: dict[Worker, list[Slot]] = {w: [] for w in self.live}
         for slot, w in placement.items():
             mine[w].append(slot)
@@ -195,7 +196,8 @@ class ListScheduler:
             if op is None:
                 self.checked[w] = True
                 continue
-            end = t[w] + (self.opt_cost if op.kind is Kind.OPT else self.dur[(op.kind, op.stage)])
+            cost = self.opt_cost if op.kind is Kind.OPT else self.dur[(op.kind, op.stage)]
+            end = t[w] + cost * self.speed.get(w, 1.0)
             logs[st.iteration][w].append(op)
             self.times[st.iteration][w].append((t[w], end))
             self._apply(w, st, op, end)

@@ -1,22 +1,37 @@
-"""The runtime: failure detection, precompiled failure variants, a train loop through failures."""
+"""The runtime: failure and slow-worker detection, precompiled failure variants, a train loop
+through failures and slowdowns."""
 
 from pjit_pipe.runtime.checkpoint import Checkpoints
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, LiveDevices, WorkerFailure
 from pjit_pipe.runtime.emulate_processes import emulate_processes
 from pjit_pipe.runtime.emulation import emulate_in_process
+from pjit_pipe.runtime.speed import (
+    FACTORS,
+    InjectedSlowdowns,
+    SlowDetector,
+    SpeedMonitor,
+    device_probe,
+    quantize,
+)
 from pjit_pipe.runtime.trainer import ResilientTrainer, TrainerEvent
 from pjit_pipe.runtime.variants import Variant, Variants
 
 __all__ = [
+    "FACTORS",
     "Checkpoints",
     "FailureDetector",
     "InjectedFailures",
+    "InjectedSlowdowns",
     "LiveDevices",
     "ResilientTrainer",
+    "SlowDetector",
+    "SpeedMonitor",
     "TrainerEvent",
     "Variant",
     "Variants",
     "WorkerFailure",
+    "device_probe",
     "emulate_in_process",
     "emulate_processes",
+    "quantize",
 ]

@@ -10,6 +10,11 @@ survivors keep their own rows, nothing is read from a failed device, and when
 a worker is back the fault-free program runs again after the rejoined device
 copies its stage's parameters and optimizer state from a live peer. Each
 switch event records the bytes that moved.
+
+With a speed monitor (runtime/speed.py), a step also runs the program for
+the workers that are slow: part of their microbatches move to peers of their
+stage (`Pipelined.with_slow`), compiled when a pattern is first seen, and the
+fault-free program again once they recover; the numbers do not change.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from pjit_pipe.errors import StateError
 from pjit_pipe.frontend import Pipelined, TrainState, worker_devices
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
+from pjit_pipe.runtime.speed import SpeedMonitor, Speeds
 from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir
 
 
@@ -39,9 +45,12 @@ class TrainerEvent:
     failed: frozenset[Worker]
     seconds: float = 0.0
     bytes_moved: int = 0  # state bytes copied between devices by a switch
+    slow: tuple[tuple[Worker, float], ...] = ()  # slow workers' factors after a switch
 
     def describe(self) -> str:
         down = ", ".join(map(str, sorted(self.failed))) or "none"
+        if self.slow:
+            down += "; slow = " + ", ".join(f"{w} x{f:g}" for w, f in self.slow)
         if self.kind == "failure":
             return f"step {self.step}: worker(s) {down} failed; retrying the step"
         if self.kind == "skipped":
@@ -71,6 +80,8 @@ class ResilientTrainer:
             ahead, in the background.
         cache_dir: A directory for the on-disk cache of executables, or None.
         on_event: Called with each TrainerEvent as it is recorded.
+        speeds: Where slow workers come from (runtime/speed.py), or None: every
+            worker at full speed.
 
     Attributes:
         events: Every TrainerEvent so far ('failure', 'switch', 'skipped').
@@ -90,6 +101,7 @@ class ResilientTrainer:
         max_failures: int = 1,
         cache_dir: str | None = None,
         on_event: Callable[[TrainerEvent], None] | None = None,
+        speeds: SpeedMonitor | None = None,
     ):
         if cache_dir is not None:
             check_cache_dir(cache_dir)
@@ -104,6 +116,9 @@ class ResilientTrainer:
         self.events: list[TrainerEvent] = []
         self.variants: Variants | None = None
         self._current: frozenset[Worker] = frozenset()
+        self.speeds = speeds
+        self._slow: Speeds = {}  # the slow workers of the program that ran last
+        self._mitigated: dict[tuple, Variant] = {}  # (down, slow factors) -> its variant
 
     def init(
         self,
@@ -168,10 +183,11 @@ class ResilientTrainer:
         """
         if self.variants is None:
             raise StateError("ResilientTrainer.step: call init(params, batch) first")
+        slow = self.speeds.observe(state.step) if self.speeds is not None else {}
         while True:
             try:
                 with self.detector.attempt(state.step) as down:
-                    variant, state = self._switch(state, down, batch)
+                    variant, state = self._switch(state, down, batch, slow)
                     new_state, loss = variant(state, batch)
                     jax.block_until_ready(loss)
             except WorkerFailure as failure:
@@ -182,20 +198,43 @@ class ResilientTrainer:
             return new_state, loss
 
     def _switch(
-        self, state: TrainState, down: frozenset[Worker], batch: tuple[Any, Any]
+        self, state: TrainState, down: frozenset[Worker], batch: tuple[Any, Any], slow: Speeds
     ) -> tuple[Variant, TrainState]:
-        """The variant for `down`, and the state moved into its layout (the
-        devices of the down workers are never read)."""
+        """The variant for `down` and the `slow` workers, and the state moved into
+        its layout (the devices of the down workers are never read)."""
         start = time.perf_counter()
-        variant = self.variants.get(down)
+        slow = {w: f for w, f in slow.items() if w not in down}
+        variant = self._mitigated_variant(down, slow) if slow else self.variants.get(down)
         mesh = self.pipelined.mesh
         unavailable = {d for w in down for d in worker_devices(mesh)[w.replica, w.stage]}
         state, moved = variant.step.adopt(state, batch, unavailable)
-        if down != self._current:
-            self._current = down
+        if down != self._current or slow != self._slow:
+            self._current, self._slow = down, slow
             seconds = time.perf_counter() - start
-            self._record(TrainerEvent(state.step, "switch", down, seconds, moved))
+            factors = tuple(sorted(slow.items()))
+            self._record(TrainerEvent(state.step, "switch", down, seconds, moved, factors))
         return variant, state
+
+    def _mitigated_variant(self, down: frozenset[Worker], slow: Speeds) -> Variant:
+        """The step for these failed and slow workers, compiled the first time."""
+        key = (down, tuple(sorted(slow.items())))
+        if key not in self._mitigated:
+            base = self.pipelined.with_failures(sorted(down)) if down else self.pipelined
+            pv = base.with_slow(slow)
+            # Not donated: a failed attempt is retried from the state it was given.
+            step = pv.train_step(self.loss_fn, donate=False)
+            seconds = step.compile(*self.variants.example)
+            self._mitigated[key] = Variant(down, pv, step, seconds)
+        return self._mitigated[key]
+
+    @property
+    def slow(self) -> Speeds:
+        """The slow workers of the last committed step's program.
+
+        Returns:
+            {Worker: factor > 1}.
+        """
+        return dict(self._slow)
 
     @property
     def down(self) -> frozenset[Worker]:

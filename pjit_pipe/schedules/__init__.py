@@ -1,7 +1,7 @@
 """Schedule generators: build an IR schedule from (kind, P, m, v, costs, memory limit).
 
 `make_schedule` is the one entry point the CLI, the frontend and the benchmarks use;
-given failed workers it runs the failure-aware search (`failure_aware`).
+given failed or slow workers it runs the failure-aware search (`failure_aware`).
 
 Kinds, their chunk counts and what they need (m microbatches, P stages):
 
@@ -20,12 +20,13 @@ A fixed kind given a mem_limit below its own peak memory raises ScheduleError
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.memory import peak_memory
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.ir.slow import check_slow, slowed
 from pjit_pipe.passes import fuse_where_free
 from pjit_pipe.schedules.asynchronous import async_one_f_one_b
 from pjit_pipe.schedules.auto import OBJECTIVES, Objective, auto
@@ -81,8 +82,9 @@ def make_schedule(
     exact_time_limit: float | None = None,
     failed: FailurePattern | Iterable[tuple[int, int]] = (),
     search_time: float = 10.0,
+    slow: Mapping[tuple[int, int], float] | None = None,
 ) -> Schedule:
-    """Generate a schedule of `kind` (one of KINDS), re-routed around `failed` workers.
+    """Generate a schedule of `kind` (one of KINDS), re-routed around `failed` and `slow` workers.
 
     The one entry point the CLI, the frontend and the benchmarks use. It never
     returns a silently different schedule: a request no schedule of that kind
@@ -115,6 +117,12 @@ def make_schedule(
             of the failure-aware search (`pjit_pipe.schedules.failure_aware`),
             which re-routes their microbatches to surviving peers.
         search_time: At most this many seconds for that search.
+        slow: Slow workers, {(replica, stage): factor}: each op of worker
+            (replica, stage) takes factor (>= 1) times as long (ir/slow.py);
+            they join those of `costs.slow`. When some factor is above 1, the
+            failure-aware search moves part of the slow workers'
+            microbatch-slices to peers of their stage, priced at the workers'
+            speeds (with factors of 1 only, the schedule is the fault-free one).
 
     Returns:
         The schedule; its `kind` names the generator (and passes, e.g.
@@ -130,7 +138,8 @@ def make_schedule(
             requirement unmet (e.g. interleaved-1f1b's m a multiple of P).
         FailurePlanError: A failed worker outside the replicas x stages mesh,
             every replica of a stage failed, or a FailurePattern made for
-            another mesh.
+            another mesh; a slow worker outside the mesh or also failed, or a
+            factor that is not a finite number >= 1.
     """
     if kind not in KINDS:
         raise ScheduleError(f"unknown schedule kind {kind!r}; choose one of {', '.join(KINDS)}")
@@ -146,10 +155,12 @@ def make_schedule(
     if exact_time_limit is not None and kind != "auto":
         raise ScheduleError(f"exact_time_limit (--exact) applies to kind 'auto' only, not {kind!r}")
     pattern = FailurePattern.of(replicas, stages, failed)
+    speeds = check_slow({**costs.factors(), **(slow or {})}, replicas, stages, pattern.failed)
+    costs = costs.with_slow(speeds)
     schedule = _fault_free(
         kind, stages, microbatches, chunks, costs, mem_limit, replicas, objective, exact_time_limit
     )
-    if pattern.failed:
+    if pattern.failed or slowed(speeds):
         schedule = search_reroutes(schedule, pattern, costs, mem_limit, search_time)
     return fuse_where_free(schedule, costs)
 

@@ -1,11 +1,13 @@
-"""The failure-aware search: the best re-routed schedule for a failure pattern.
+"""The failure-aware search: the best re-routed schedule for failed and slow workers.
 
 The re-routing rewrite itself (`pjit_pipe.passes.reroute`) takes one
 assignment of orphaned microbatches to surviving peers and one priority order.
-This search tries several of each, prices every candidate with the simulator,
-and keeps the shortest steady iteration period under the memory limit; it
-stops early at the work-conserving lower bound. `make_schedule(...,
-failed=...)` calls it; nothing else should need to.
+A slow worker is a partial failure: part of its microbatch-slices move to the
+peers of its stage (`pjit_pipe.passes.shares`). This search tries several
+assignments and orders, prices every candidate with the simulator at the
+workers' speeds, and keeps the shortest steady iteration period under the
+memory limit; it stops early at the lower bound. `make_schedule(...,
+failed=..., slow=...)` calls it; nothing else should need to.
 """
 
 from __future__ import annotations
@@ -17,8 +19,47 @@ from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.validate import validate
-from pjit_pipe.passes import ORDERS, assign, canonically, default_limit, list_schedule
-from pjit_pipe.simulator import best_of, lower_bound
+from pjit_pipe.passes import (
+    KEEPS,
+    ORDERS,
+    TRIMS,
+    Placement,
+    assign,
+    balanced_counts,
+    canonically,
+    default_limit,
+    list_schedule,
+    share_placement,
+)
+from pjit_pipe.simulator import best_of, lower_bound, slow_bound
+
+
+def _placements(base: Schedule, pat: FailurePattern, costs: Costs) -> list[Placement]:
+    """The assignments of slices to workers the search tries, without repeats.
+
+    Failures only: every round-robin rotation and a block assignment of the
+    orphaned microbatches (`passes.assign`). With slow workers: the counts that
+    reach each position's least largest load (`passes.balanced_counts`, both
+    trims), each with every choice of the microbatches a giving worker keeps,
+    dealt round-robin or in blocks (`passes.share_placement`); then the plain
+    failure assignment.
+    """
+    found: list[Placement] = []
+    if any(f > 1.0 for w, f in costs.factors().items() if w not in pat.failed):
+        for trim in TRIMS:
+            counts = balanced_counts(base, pat, costs, trim)
+            for keep in KEEPS:
+                for blocks in (False, True):
+                    found.append(share_placement(base, pat, counts, keep, blocks))
+        found.append(assign(base, pat))
+    else:
+        spread = max(len(pat.survivors(p)) for p in range(base.stages))
+        found += [assign(base, pat, k) for k in range(spread)] + [assign(base, pat, 0, True)]
+    unique: list[Placement] = []
+    for placement in found:
+        if placement not in unique:
+            unique.append(placement)
+    return unique
 
 
 def search_reroutes(
@@ -30,35 +71,44 @@ def search_reroutes(
 ) -> Schedule:
     """The re-routed version of the fault-free `base` with the shortest steady period found.
 
-    The base's op order gives the priorities. Tries every round-robin rotation
-    and a block assignment of orphaned microbatches, each with re-routed work
-    interleaved, last or first (with chunks > 1, each also without reserving
-    memory for a microbatch's later chunks, which is faster when it does not
-    get stuck). Stops as soon as a candidate reaches the work-conserving lower
-    bound, or after `time_limit` seconds. `mem_limit` defaults to the base's
-    peak memory. Patterns equal up to a permutation of replicas get one
-    schedule, relabelled (unless the time limit cuts their searches at
-    different points).
+    The base's op order gives the priorities. Tries each assignment of
+    `_placements` (failed workers' microbatches to survivors, and with slow
+    workers in `costs.slow` part of theirs to their peers), each with
+    re-routed work interleaved, last or first (with chunks > 1, each also
+    without reserving memory for a microbatch's later chunks, which is faster
+    when it does not get stuck). With slow workers and no failure, the base
+    itself is a candidate too (moving nothing may be best). Candidates are
+    priced at the slow workers' speeds. Stops as soon as a candidate reaches
+    the lower bound (the work-conserving one, or `slow_bound`), or after
+    `time_limit` seconds. `mem_limit` defaults to the base's peak memory.
+    Patterns equal up to a permutation of replicas get one schedule,
+    relabelled (unless the time limit cuts their searches at different points,
+    or workers are slow).
     """
     if base.asynchronous:
         raise ScheduleError(
-            f"failed workers with schedule {base.kind} are not supported yet: re-routing "
-            "rebuilds a synchronous iteration; use a synchronous kind such as 1f1b or zb-h1"
+            f"failed or slow workers with schedule {base.kind} are not supported yet: "
+            "re-routing rebuilds a synchronous iteration; use a synchronous kind such as "
+            "1f1b or zb-h1"
         )
     stages, kind = base.stages, base.kind
+    slow = {w: f for w, f in costs.factors().items() if w not in pattern.failed and f > 1.0}
     target = lower_bound(stages, base.microbatches, base.replicas, pattern, costs, base.chunks)
+    if slow:
+        bound = slow_bound(stages, base.microbatches, base.replicas, slow, pattern, costs)
+        target = max(target, bound)
     limit = default_limit(base, mem_limit)
     caps = dict.fromkeys(base.workers, limit)
     deadline = time.monotonic() + time_limit
 
     def candidates(pat: FailurePattern) -> Iterator[Schedule]:
-        spread = max(len(pat.survivors(p)) for p in range(stages))
-        assignments = [(k, False) for k in range(spread)] + [(0, True)]
+        if slow and not pat.failed:
+            yield base
         name = f"{kind}+reroute"
         reserves = (False,) if base.chunks == 1 else (False, True)  # same thing when v=1
+        placements = _placements(base, pat, costs)
         for order in ORDERS:
-            for offset, blocks in assignments:
-                placement = assign(base, pat, offset, blocks)
+            for placement in placements:
                 for reserve in reserves:
                     try:
                         yield from list_schedule(
@@ -71,5 +121,8 @@ def search_reroutes(
                 if time.monotonic() > deadline:
                     return
 
-    result = canonically(base, pattern, lambda pat: best_of(candidates(pat), costs, target))
+    def build(pat: FailurePattern) -> Schedule:
+        return best_of(candidates(pat), costs, target)
+
+    result = build(pattern) if slow else canonically(base, pattern, build)
     return validate(result, mem_limit=limit)

@@ -1,6 +1,11 @@
 """The simulator: prices schedules under a cost model (`pjit_pipe.ir.Costs`) and draws them."""
 
-from pjit_pipe.simulator.bounds import lockstep_lower_bound, lower_bound
+from pjit_pipe.simulator.bounds import (
+    least_largest_load,
+    lockstep_lower_bound,
+    lower_bound,
+    slow_bound,
+)
 from pjit_pipe.simulator.chrome_trace import chrome_trace
 from pjit_pipe.simulator.simulate import (
     STEADY_ITERATIONS,
@@ -27,10 +32,12 @@ __all__ = [
     "chrome_trace",
     "draw_gantt",
     "gantt",
+    "least_largest_load",
     "lockstep_lower_bound",
     "lower_bound",
     "packed_time",
     "simulate",
+    "slow_bound",
     "steady_period",
     "tick_gantt",
 ]

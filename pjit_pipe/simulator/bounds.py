@@ -2,14 +2,15 @@
 
 `lower_bound` (work-conserving, under a failure pattern) is what re-routed
 schedules are measured against (tests, benchmarks) and where the
-failure-aware search stops early. `lockstep_lower_bound` is what no tick
+failure-aware search stops early; `slow_bound` is its counterpart with slow
+workers (whole microbatch-slices over workers of different speeds). `lockstep_lower_bound` is what no tick
 table of a schedule can beat (tick_packing/packer.py stops at it).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from graphlib import TopologicalSorter
 
 from pjit_pipe.ir.costs import Costs
@@ -54,6 +55,87 @@ def lower_bound(
         _ceil_div(total, len(pattern.survivors(p))) * sum(per_stage[p]) for p in range(stages)
     )
     return max(round_trip, busiest + steps)
+
+
+def least_largest_load(items: int, unit: Sequence[float]) -> tuple[float, list[int]]:
+    """The least possible largest load when `items` identical items are dealt to
+    workers that take unit[i] each, and how many each may then take.
+
+    Exact: the optimum is some worker's k * unit[i] (its load with k items), and
+    whether a largest load T is reachable is monotone in T (worker i fits
+    floor(T / unit[i]) items), so a binary search over those candidates finds
+    the least reachable one.
+
+    Args:
+        items: How many items (>= 0).
+        unit: Each worker's time per item (>= 0); at least one worker.
+
+    Returns:
+        (T, caps): the least largest load, and caps[i] the items worker i fits
+        within T (they add up to at least `items`).
+    """
+    if items <= 0:
+        return 0.0, [0] * len(unit)
+    if min(unit) <= 0:  # a free worker takes everything at no cost
+        free = unit.index(min(unit))
+        return 0.0, [items if i == free else 0 for i in range(len(unit))]
+
+    def caps(limit: float) -> list[int]:
+        return [math.floor(limit / u * (1 + 1e-12) + 1e-9) for u in unit]
+
+    candidates = sorted({k * u for u in unit for k in range(1, items + 1)})
+    lo, hi = 0, len(candidates) - 1  # the largest candidate always fits: one worker takes all
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if sum(caps(candidates[mid])) >= items:
+            hi = mid
+        else:
+            lo = mid + 1
+    return float(candidates[lo]), caps(candidates[lo])
+
+
+def slow_bound(
+    stages: int,
+    microbatches: int,
+    replicas: int,
+    slow: Mapping[tuple[int, int], float] | None = None,
+    failed: FailurePattern | Iterable[tuple[int, int]] = (),
+    costs: Costs | None = None,
+) -> float:
+    """What no schedule's steady period can beat with slow (and failed) workers.
+
+    Per stage, the D*m microbatch-slices of a pipeline position (all its chunks
+    of one microbatch) run on the position's live workers; a worker's load is
+    its slices' F+B+W times its factor. The bound of a stage is the least
+    possible largest load over its workers when whole slices are assigned
+    (`least_largest_load`); the bound is the largest over stages.
+
+    Args:
+        stages: P.
+        microbatches: m per replica.
+        replicas: D.
+        slow: {(replica, stage): factor >= 1}; None: `costs.slow` (or none).
+        failed: Failed workers: they take no slice.
+        costs: F, B, W per position (default unit costs).
+
+    Returns:
+        The bound, in the units of `costs`.
+
+    Raises:
+        FailurePlanError: A stage lost every replica.
+        ScheduleError: Bad costs or factors.
+    """
+    costs = costs or Costs()
+    speeds = costs.factors() if slow is None else Costs(slow=slow).factors()
+    pattern = FailurePattern.of(replicas, stages, failed)
+    work = [sum(row) for row in costs.per_stage(stages)]
+    return max(
+        least_largest_load(
+            replicas * microbatches,
+            [work[p] * speeds.get(Worker(r, p), 1.0) for r in pattern.survivors(p)],
+        )[0]
+        for p in range(stages)
+    )
 
 
 def lockstep_lower_bound(schedule: Schedule, costs: Costs | None = None) -> float:

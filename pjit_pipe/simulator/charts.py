@@ -7,6 +7,7 @@ headless and from threads.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 from matplotlib import rc_context
@@ -15,7 +16,7 @@ from matplotlib.patches import Patch
 
 from pjit_pipe.errors import PlotError
 from pjit_pipe.ir.costs import Costs
-from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind
+from pjit_pipe.ir.ops import COMPUTE_KINDS, Kind, Worker
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.simulator.simulate import SimResult, simulate
@@ -41,11 +42,19 @@ def _title(kind: str, result: SimResult) -> str:
 
 
 def draw_gantt(
-    ax, result: SimResult, title: str, width: float, fused: frozenset = frozenset()
+    ax,
+    result: SimResult,
+    title: str,
+    width: float,
+    fused: frozenset = frozenset(),
+    slow: Mapping[Worker, float] | None = None,
 ) -> None:
     """Draw `result`'s events on the matplotlib axes `ax` (`width`: the axes' inches,
     to decide which boxes have room for a label); the (worker, iteration, op) in
-    `fused` are cross-hatched: ops a tick table runs as one program."""
+    `fused` are cross-hatched: ops a tick table runs as one program. Ops of a
+    microbatch that runs away from its home replica (re-routed from a failed or
+    slow worker) are hatched; `slow` workers' rows say their factor."""
+    slow = slow or {}
     workers = sorted(result.busy)
     row = {w: i for i, w in enumerate(workers)}
     end = max((e.end for e in result.events), default=1.0) or 1.0
@@ -85,7 +94,10 @@ def draw_gantt(
             ax.text(
                 e.start + dur / 2, y, label, ha="center", va="center", fontsize=7, color="white"
             )
-    ax.set_yticks(range(len(workers)), [f"worker {w}" for w in workers])
+    ax.set_yticks(
+        range(len(workers)),
+        [f"worker {w}" + (f" (x{slow[w]:g})" if w in slow else "") for w in workers],
+    )
     ax.set_ylim(len(workers) - 0.5, -0.5)
     ax.set_xlim(0, end)
     ax.set_xlabel("time")
@@ -93,6 +105,8 @@ def draw_gantt(
     handles = [Patch(color=COLORS[k], label=k.value) for k in kinds]
     if fused:
         handles.append(Patch(facecolor="white", edgecolor="black", hatch="xx", label="one op"))
+    if any(e.op.kind in COMPUTE_KINDS and e.op.replica != e.worker.replica for e in result.events):
+        handles.append(Patch(facecolor="white", edgecolor="black", hatch="//", label="moved"))
     ax.legend(
         handles=handles,
         loc="upper left",
@@ -112,7 +126,8 @@ def gantt(
     """Draw the events of a simulation (a Schedule is simulated for one iteration first).
 
     `path` must end in .png or .svg; `title` replaces the schedule kind in the heading,
-    which always shows makespan and bubble ratio. Returns the written path.
+    which always shows makespan and bubble ratio. Slow workers of `costs` have
+    their factor beside their row. Returns the written path.
     """
     if isinstance(result_or_schedule, Schedule):
         result = simulate(result_or_schedule, costs)
@@ -120,7 +135,7 @@ def gantt(
     else:
         result = result_or_schedule
         kind = "schedule"
-    return _chart(result, path, title or kind)
+    return _chart(result, path, title or kind, slow=(costs or Costs()).factors())
 
 
 def tick_gantt(
@@ -142,7 +157,8 @@ def tick_gantt(
         t = tick_of[(e.worker, e.iteration, e.op)]
         starts[t] = min(starts.get(t, e.start), e.start)
     heading = f"{title or table.schedule.kind}, {len(table)} ticks ({', '.join(table.order)})"
-    return _chart(result, path, heading, table.fused_ops(), tuple(starts.values()))
+    slow = (costs or Costs()).factors()
+    return _chart(result, path, heading, table.fused_ops(), tuple(starts.values()), slow)
 
 
 def _chart(
@@ -151,6 +167,7 @@ def _chart(
     heading: str,
     fused: frozenset = frozenset(),
     lines: tuple[float, ...] = (),
+    slow: Mapping[Worker, float] | None = None,
 ) -> Path:
     """Write `result`'s chart to `path` (.png or .svg), with grey lines at `lines`."""
     path = Path(path)
@@ -162,7 +179,7 @@ def _chart(
     ax = fig.add_subplot()
     for x in lines:
         ax.axvline(x, color="#bbbbbb", linewidth=0.6, zorder=0)
-    draw_gantt(ax, result, heading, width, fused)
+    draw_gantt(ax, result, heading, width, fused, slow)
     with rc_context({"svg.fonttype": "none"}):  # SVG text stays text (searchable)
         fig.savefig(path, dpi=110)
     return path

@@ -1,0 +1,144 @@
+"""Shares of slow workers' work: how many microbatch-slices each live worker runs, and which move.
+
+A slow worker is a partial failure. Replicas hold identical stage parameters,
+so any of a position's D*m microbatch-slices (one microbatch's chunks of that
+position, of one home replica) can run on any live worker of that position.
+`balanced_counts` picks how many each worker runs: counts that reach the least
+possible largest load (`simulator.least_largest_load`, loads priced at each
+worker's factor). `share_placement` turns counts into a `Placement`: a worker
+with fewer slices than its own keeps some of its own microbatches and gives the
+rest (a failed worker gives all), and the given slices are dealt to the
+workers with more than their own.
+
+Which counts, which microbatches stay and how the moved ones are dealt are the
+knobs the failure-aware search (`pjit_pipe.schedules.failure_aware`) tries.
+"""
+
+from __future__ import annotations
+
+from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern
+from pjit_pipe.ir.ops import Worker
+from pjit_pipe.ir.schedule import Schedule, ScheduleError
+from pjit_pipe.passes.list_scheduler import Placement
+from pjit_pipe.simulator import least_largest_load
+
+TRIMS = ("slow", "fast")  # whose spare capacity is given up first, on ties
+KEEPS = ("early", "late", "spread")  # which of its own microbatches a giving worker keeps
+
+
+def balanced_counts(
+    schedule: Schedule, pattern: FailurePattern, costs: Costs, trim: str = "slow"
+) -> dict[Worker, int]:
+    """Per live worker, how many of its position's microbatch-slices it runs.
+
+    The counts reach the least possible largest load of each position (a
+    slice costs the position's F+B+W times the worker's factor). The workers'
+    capacities within that load add up to at least D*m; the spare is taken off
+    one slice at a time from the worker whose load is then largest, ties going
+    to the slowest worker first (`trim="slow"`) or the fastest (`"fast"`).
+
+    Args:
+        schedule: The fault-free schedule (its shape).
+        pattern: Failed workers: they run nothing.
+        costs: Per-position F, B, W and the slow workers' factors.
+        trim: One of TRIMS.
+
+    Returns:
+        {live worker: slices}; per position they add up to D*m.
+
+    Raises:
+        ScheduleError: An unknown `trim`.
+    """
+    if trim not in TRIMS:
+        raise ScheduleError(f"trim must be one of {', '.join(TRIMS)}, got {trim!r}")
+    speeds = costs.factors()
+    work = [sum(row) for row in costs.per_stage(schedule.stages)]
+    total = schedule.replicas * schedule.microbatches
+    counts: dict[Worker, int] = {}
+    for p in range(schedule.stages):
+        live = [Worker(r, p) for r in pattern.survivors(p)]
+        unit = [max(work[p], 1e-12) * speeds.get(w, 1.0) for w in live]
+        _, caps = least_largest_load(total, unit)
+        sign = 1 if trim == "slow" else -1
+        for _ in range(sum(caps) - total):
+            i = max(
+                (i for i in range(len(live)) if caps[i]),
+                key=lambda i: (caps[i] * unit[i], sign * unit[i], -i),
+            )
+            caps[i] -= 1
+        counts.update(zip(live, caps, strict=True))
+    return counts
+
+
+def _kept(microbatches: int, keep: int, how: str) -> list[int]:
+    """Which of a worker's own microbatches it keeps, `keep` of them."""
+    if how == "early":
+        return list(range(keep))
+    if how == "late":
+        return list(range(microbatches - keep, microbatches))
+    return sorted({(i * microbatches) // keep for i in range(keep)}) if keep else []
+
+
+def share_placement(
+    schedule: Schedule,
+    pattern: FailurePattern,
+    counts: dict[Worker, int],
+    keep: str = "early",
+    blocks: bool = False,
+) -> Placement:
+    """Which live worker runs each slot, given how many slices each runs (`counts`).
+
+    A worker with fewer than its m own slices keeps `keep` ones of its own
+    microbatches ("early": the first, "late": the last, "spread": evenly
+    spaced); a failed worker keeps none. The others' slices, ordered by
+    microbatch, are dealt to the workers with more than m: round-robin among
+    those still short, or in contiguous blocks (`blocks`). All chunks of one
+    microbatch on one position go to the same worker.
+
+    Args:
+        schedule: The fault-free schedule (its shape and layout).
+        pattern: Failed workers.
+        counts: {live worker: slices}, adding up to D*m per position.
+        keep: One of KEEPS.
+        blocks: Deal the moved slices in blocks rather than round-robin.
+
+    Returns:
+        The placement of every (virtual stage, microbatch, home replica).
+
+    Raises:
+        ScheduleError: An unknown `keep`, or counts that do not add up.
+    """
+    if keep not in KEEPS:
+        raise ScheduleError(f"keep must be one of {', '.join(KEEPS)}, got {keep!r}")
+    m = schedule.microbatches
+    placement: Placement = {}
+    for p in range(schedule.stages):
+        held = schedule.held_stages(p)
+        live = [Worker(r, p) for r in pattern.survivors(p)]
+        if sum(counts[w] for w in live) != schedule.replicas * m:
+            raise ScheduleError(
+                f"counts of position {p} add up to {sum(counts[w] for w in live)}, "
+                f"not replicas x microbatches = {schedule.replicas * m}"
+            )
+        moved: list[tuple[int, int]] = []  # (microbatch, home replica) of slices that move
+        for r in range(schedule.replicas):
+            worker = Worker(r, p)
+            stays = _kept(m, min(counts.get(worker, 0), m), keep)
+            moved += [(j, r) for j in range(m) if j not in stays]
+            placement.update({(s, j, r): worker for s in held for j in stays})
+        moved.sort()
+        short = {w: counts[w] - m for w in live if counts[w] > m}
+        takers = [w for w in live if w in short]
+        turn = 0
+        for j, r in moved:
+            if blocks:
+                peer = next(w for w in takers if short[w])
+            else:
+                while not short[takers[turn % len(takers)]]:
+                    turn += 1
+                peer = takers[turn % len(takers)]
+                turn += 1
+            short[peer] -= 1
+            placement.update({(s, j, r): peer for s in held})
+    return placement
