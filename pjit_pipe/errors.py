@@ -98,6 +98,16 @@ class CutError(PjitPipeError):
     """
 
 
+class JaxprError(CutError):
+    """Raised when the stage cutter cannot read an equation of the model's jaxpr.
+
+    The equation's primitive has a form the installed JAX version gives it
+    that pjit_pipe does not expect. The message names the primitive and
+    `jax.__version__`; use a supported JAX release (0.10.2 to 0.12.x) or
+    report the two.
+    """
+
+
 class StateError(PjitPipeError):
     """Raised when a training state cannot be moved into a pipeline's device layout.
 
@@ -132,6 +142,7 @@ __all__ = [
     "CheckpointError",
     "CutError",
     "FailurePlanError",
+    "JaxprError",
     "LossFnError",
     "MeshError",
     "OptimizerError",
