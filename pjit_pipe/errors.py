@@ -101,10 +101,9 @@ class CutError(PjitPipeError):
 class JaxprError(CutError):
     """Raised when the stage cutter cannot read an equation of the model's jaxpr.
 
-    The equation's primitive has a form the installed JAX version gives it
-    that pjit_pipe does not expect. The message names the primitive and
-    `jax.__version__`; use a supported JAX release (0.10.2 to 0.12.x) or
-    report the two.
+    The installed JAX gives the equation params of a form pjit_pipe does not
+    read. The message names the primitive and `jax.__version__`; use a
+    supported JAX release (0.10.2 to 0.12.x) or report the two.
     """
 
 

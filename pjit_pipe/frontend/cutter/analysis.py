@@ -2,8 +2,8 @@
 
 The stage cutter traces candidate stages with every input they might secretly
 depend on passed in as an argument. Which inputs really reach the outputs is
-answered by JAX's own dead-code elimination (`dce_jaxpr`, the pass `jit` runs
-before lowering), so the answer follows each JAX release's primitives and
+answered by JAX's own dead-code elimination (`dce_jaxpr`, with which `jit` drops
+unused inputs), so the answer follows each JAX release's primitives and
 their params without this module reading them: it looks into
 `jax.checkpoint` (nn.remat/nnx.remat), `jit` (nn.jit), `scan` (nn.scan: a
 carry is live if the final carry is, or if a live part of the body reads it)
