@@ -98,6 +98,15 @@ class CutError(PjitPipeError):
     """
 
 
+class JaxprError(CutError):
+    """Raised when the stage cutter cannot read an equation of the model's jaxpr.
+
+    The installed JAX gives the equation params of a form pjit_pipe does not
+    read. The message names the primitive and `jax.__version__`; use a
+    supported JAX release (0.10.2 to 0.12.x) or report the two.
+    """
+
+
 class StateError(PjitPipeError):
     """Raised when a training state cannot be moved into a pipeline's device layout.
 
@@ -132,6 +141,7 @@ __all__ = [
     "CheckpointError",
     "CutError",
     "FailurePlanError",
+    "JaxprError",
     "LossFnError",
     "MeshError",
     "OptimizerError",

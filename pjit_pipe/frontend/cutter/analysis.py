@@ -1,37 +1,41 @@
 """What a traced function reads and what it costs, from its jaxpr.
 
-The stage cutter traces candidate stages with every input it might secretly
-depend on passed in as an argument; walking the jaxpr backwards from the
-outputs tells which inputs really reach them (the rest is dead code that XLA
-drops) and roughly how many FLOPs the live part takes.
-
-Equations that wrap a sub-jaxpr (`jax.checkpoint` from nn.remat/nnx.remat,
-`jit` from nn.jit, custom_jvp/vjp calls, `scan`, `cond`) are looked into, so
-a remat'd block reads only what its body reads; any other equation with a
-sub-jaxpr (while loops, unknown primitives) counts as reading all its inputs
+The stage cutter traces candidate stages with every input they might secretly
+depend on passed in as an argument. Which inputs really reach the outputs is
+answered by JAX's own dead-code elimination (`dce_jaxpr`, with which `jit` drops
+unused inputs), so the answer follows each JAX release's primitives and
+their params without this module reading them: it looks into
+`jax.checkpoint` (nn.remat/nnx.remat), `jit` (nn.jit), `scan` (nn.scan: a
+carry is live if the final carry is, or if a live part of the body reads it)
+and `cond`; an equation it has no rule for (custom_jvp/vjp calls, unknown
+primitives; while loops before jax 0.12) counts as reading all its inputs
 (conservative: never misses a dependency).
+
+The FLOPs are counted on what is left, sub-jaxprs included: a `scan` body
+`length` times, the costliest branch of a `cond`. The params read there
+(`length`, `dot_general`'s and `conv_general_dilated`'s `dimension_numbers`)
+have the same names and forms in jax 0.10 to 0.12. A jaxpr this module cannot read
+raises `JaxprError`, naming the equation's primitive and the JAX version.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import traceback
 from dataclasses import dataclass
 
-from jax.extend.core import ClosedJaxpr, Jaxpr, Literal
+import jax
+from jax.extend.core import ClosedJaxpr, Jaxpr
+from jax.interpreters.partial_eval import dce_jaxpr
 
-# Primitives whose sub-jaxpr takes the equation's inputs and gives its outputs one to one.
-_CALLS = {
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "jit": "jaxpr",
-    "pjit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-}
+from pjit_pipe.errors import JaxprError
+
+# Primitives whose sub-jaxprs are alternatives (one runs), not parts that all run.
+_ALTERNATIVES = {"cond"}
+
+# What reading an equation of an unexpected form raises (a missing param, another
+# param layout).
+_READ_ERRORS = (KeyError, AttributeError, IndexError, TypeError)
 
 
 @dataclass(frozen=True)
@@ -40,10 +44,6 @@ class Liveness:
 
     used: tuple[bool, ...]
     flops: float
-
-
-def _open(j: ClosedJaxpr | Jaxpr) -> Jaxpr:
-    return j.jaxpr if isinstance(j, ClosedJaxpr) else j
 
 
 def _own_flops(eqn) -> float:
@@ -61,69 +61,61 @@ def _own_flops(eqn) -> float:
 
 
 def _sub_jaxprs(eqn) -> list[Jaxpr]:
+    """The jaxprs among an equation's params (open or closed, alone or in a tuple)."""
     subs = []
     for param in eqn.params.values():
         for sub in param if isinstance(param, tuple | list) else (param,):
-            if isinstance(sub, ClosedJaxpr | Jaxpr):
-                subs.append(_open(sub))
+            if isinstance(sub, ClosedJaxpr):
+                subs.append(sub.jaxpr)
+            elif isinstance(sub, Jaxpr):
+                subs.append(sub)
     return subs
 
 
-def _eqn(eqn, live_out: Sequence[bool]) -> tuple[list[bool], float]:
-    """(which inputs of `eqn` reach its live outputs, FLOPs of the live part)."""
-    name, n_in = eqn.primitive.name, len(eqn.invars)
-    if name in _CALLS and _CALLS[name] in eqn.params:
-        sub = _open(eqn.params[_CALLS[name]])
-        if len(sub.invars) == n_in and len(sub.outvars) == len(live_out):
-            inner = liveness(sub, live_out)
-            return list(inner.used), inner.flops
-    if name == "scan":
-        return _scan(eqn, live_out)
-    if name == "cond":
-        used, flops = [True] + [False] * (n_in - 1), 0.0
-        for branch in eqn.params["branches"]:
-            inner = liveness(_open(branch), live_out)
-            used[1:] = [a or b for a, b in zip(used[1:], inner.used, strict=True)]
-            flops = max(flops, inner.flops)
-        return used, flops
-    subs = _sub_jaxprs(eqn)
-    if subs:
-        return [True] * n_in, sum(liveness(s).flops for s in subs) * eqn.params.get("length", 1)
-    return [True] * n_in, _own_flops(eqn)
+def _flops(jaxpr: Jaxpr) -> float:
+    total = 0.0
+    for eqn in jaxpr.eqns:
+        subs = _sub_jaxprs(eqn)
+        if not subs:
+            total += _own_flops(eqn)
+        elif eqn.primitive.name in _ALTERNATIVES:
+            total += max(_flops(s) for s in subs)
+        else:
+            total += sum(_flops(s) for s in subs) * eqn.params.get("length", 1)
+    return total
 
 
-def _scan(eqn, live_out: Sequence[bool]) -> tuple[list[bool], float]:
-    """A scan's inputs are (consts, carry, xs), its outputs (carry, ys): a carry is
-    live if the final carry is, or if a live part of the body reads it."""
-    body = _open(eqn.params["jaxpr"])
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
-    live_carry = list(live_out[:n_carry])
-    while True:
-        inner = liveness(body, [*live_carry, *live_out[n_carry:]])
-        carry_in = inner.used[n_consts : n_consts + n_carry]
-        grown = [a or b for a, b in zip(live_carry, carry_in, strict=True)]
-        if grown == live_carry:
-            break
-        live_carry = grown
-    used = list(inner.used)
-    used[n_consts : n_consts + n_carry] = live_carry
-    return used, inner.flops * eqn.params["length"]
+def _primitive_at_fault(error: BaseException) -> str:
+    """The primitive of the innermost equation being read when `error` was raised.
+
+    Every frame that reads one equation, here and in JAX's dead-code rules, holds
+    it in a local named `eqn`; the innermost such frame names the culprit.
+    """
+    name = "(none found)"
+    for frame, _ in traceback.walk_tb(error.__traceback__):
+        primitive = getattr(frame.f_locals.get("eqn"), "primitive", None)
+        name = getattr(primitive, "name", name)
+    return name
 
 
-def liveness(jaxpr: Jaxpr, live_out: Sequence[bool] | None = None) -> Liveness:
-    """Backward reachability from the outputs (those flagged in `live_out`; all by default)."""
-    flags = [True] * len(jaxpr.outvars) if live_out is None else list(live_out)
-    live = {
-        v for v, f in zip(jaxpr.outvars, flags, strict=True) if f and not isinstance(v, Literal)
-    }
-    flops = 0.0
-    for eqn in reversed(jaxpr.eqns):
-        outs = [v in live for v in eqn.outvars]
-        if not any(outs):
-            continue
-        used, cost = _eqn(eqn, outs)
-        flops += cost
-        live.update(
-            v for v, u in zip(eqn.invars, used, strict=True) if u and not isinstance(v, Literal)
-        )
-    return Liveness(tuple(v in live for v in jaxpr.invars), flops)
+def liveness(jaxpr: Jaxpr) -> Liveness:
+    """Which inputs of `jaxpr` reach its outputs, and the FLOPs of the equations that do.
+
+    Args:
+        jaxpr: An open jaxpr, e.g. `jax.make_jaxpr(f)(*args).jaxpr`.
+
+    Returns:
+        `Liveness`: one flag per input, and the FLOPs of the live part.
+
+    Raises:
+        JaxprError: An equation has a form this JAX version's reader does not expect.
+    """
+    try:
+        live, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+        return Liveness(tuple(used), _flops(live))
+    except _READ_ERRORS as e:
+        raise JaxprError(
+            f"jaxpr: cannot read equation '{_primitive_at_fault(e)}' on jax {jax.__version__} "
+            f"({type(e).__name__}: {e}); pjit_pipe supports jax 0.10.2 to 0.12.x: install one "
+            "of those, or report the primitive and version"
+        ) from e

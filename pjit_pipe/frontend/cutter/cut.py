@@ -110,14 +110,15 @@ def _probe(model: Model, events, x_aval, param_avals, start, stop) -> _Segment:
 
     skip_avals = [events[i].out for i in calls_before]
     closed = jax.make_jaxpr(segment)(param_avals, x_aval, skip_avals, act_aval)
-    used = iter(liveness(closed.jaxpr).used)
+    live = liveness(closed.jaxpr)
+    used = iter(live.used)
     keys = set()
     for path, _ in jax.tree_util.tree_flatten_with_path(param_avals)[0]:
         if next(used):
             keys.add("/".join(map(str, _unit_of(tuple(map(_key, path)), model.children))))
     hidden = [next(used) for _ in jax.tree.leaves((x_aval, skip_avals))]
     clean = not (start is not None and any(hidden))
-    return _Segment(start, stop, frozenset(keys), liveness(closed.jaxpr).flops, clean)
+    return _Segment(start, stop, frozenset(keys), live.flops, clean)
 
 
 def _candidates(events: Sequence[Event]) -> list[int]:

@@ -34,13 +34,13 @@ class Eqn:
 
 
 def bind(eqn: Any, args: Sequence[Any]) -> list[Any]:
-    """Apply one jaxpr equation to `args` (as `jax.core.eval_jaxpr` does)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns: Sequence[Any] = ()
-    if isinstance(params, tuple):  # older JAX: (subfuns, params)
-        subfuns, params = params
+    """Apply one jaxpr equation to `args` (as `jax.core.eval_jaxpr` does).
+
+    `get_bind_params` turns a call's body back into what `bind` takes (a call
+    primitive's `subfuns` param); since jax 0.10 it returns one params dict.
+    """
     with eqn.ctx.manager:
-        out = eqn.primitive.bind(*subfuns, *args, **params)
+        out = eqn.primitive.bind(*args, **eqn.primitive.get_bind_params(eqn.params))
     return list(out) if eqn.primitive.multiple_results else [out]
 
 
