@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from pjit_pipe.cli.compile_cache import add_cache_args, configure_compilation_cache
 from pjit_pipe.cli.device_choice import ensure_host_devices, run_devices
 from pjit_pipe.cli.train_args import (
     add_checkpoint_args,
@@ -36,6 +37,7 @@ def register(subparsers: Any) -> None:
     add_training_args(parser)
     add_failure_args(parser)
     add_checkpoint_args(parser)
+    add_cache_args(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     parser.add_argument(
         "--show-costs",
@@ -128,6 +130,8 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     import pjit_pipe as pp
     from pjit_pipe.runtime import Checkpoints, InjectedFailures, ResilientTrainer
 
+    # Before the first compile: JAX opens its cache folder once per process.
+    configure_compilation_cache(getattr(args, "cache_dir", None), getattr(args, "no_cache", False))
     directory = getattr(args, "checkpoint_dir", None)
     checkpoints = Checkpoints(directory, args.checkpoint_every) if directory else None
 
@@ -181,7 +185,6 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         task.loss_fn,
         InjectedFailures(fail, rejoin, down),
         max_failures=precompile,
-        cache_dir=getattr(args, "cache_dir", None),
         on_event=lambda e: events.append(e.describe()),
     )
     if getattr(args, "show_costs", False):

@@ -5,7 +5,7 @@ from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, LiveDe
 from pjit_pipe.runtime.emulate_processes import emulate_processes
 from pjit_pipe.runtime.emulation import emulate_in_process
 from pjit_pipe.runtime.trainer import ResilientTrainer, TrainerEvent
-from pjit_pipe.runtime.variants import Variant, Variants
+from pjit_pipe.runtime.variants import Variant, Variants, use_disk_cache
 
 __all__ = [
     "Checkpoints",
@@ -19,4 +19,5 @@ __all__ = [
     "WorkerFailure",
     "emulate_in_process",
     "emulate_processes",
+    "use_disk_cache",
 ]

@@ -54,12 +54,24 @@ def check_cache_dir(cache_dir: str | os.PathLike) -> None:
         )
 
 
-def use_disk_cache(cache_dir: str) -> None:
-    """Keep every compiled executable in JAX's persistent cache under `cache_dir`."""
+def use_disk_cache(cache_dir: str | os.PathLike) -> None:
+    """Keep every compiled executable in JAX's persistent cache under `cache_dir`,
+    however quick its compile or small its entry (JAX keeps only compiles over one
+    second by default; a pipeline's small programs add up to several).
+
+    JAX opens the folder at its first compile in the process: call this before
+    anything compiles for every program to be kept.
+
+    Args:
+        cache_dir: the folder (created if missing).
+
+    Raises:
+        OptionError: `cache_dir` names a file.
+    """
     check_cache_dir(cache_dir)
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no floor, fixed
 
 
 class Variants:
