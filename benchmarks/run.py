@@ -13,6 +13,7 @@ BENCHMARKS = [
     "bench_failures",
     "bench_lowering",
     "bench_variants",
+    "bench_compile",
     "bench_memory",
     "bench_backward",
     "bench_param_layout",

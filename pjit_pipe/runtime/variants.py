@@ -31,6 +31,15 @@ DownWorkers = frozenset[Worker]  # the failed workers a variant is compiled for
 COMPILE_THREADS = 2  # concurrent variant compiles: tracing holds the GIL, XLA does not
 
 
+def compile_threads(background: bool) -> int:
+    """How many variants compile at once: COMPILE_THREADS, but in the background
+    no more than leaves one core to the training steps running meanwhile (on a
+    2-core machine a second compile thread slows the steps more than it gains)."""
+    if not background:
+        return COMPILE_THREADS
+    return max(1, min(COMPILE_THREADS, (os.cpu_count() or 1) - 1))
+
+
 @dataclass(frozen=True)
 class Variant:
     """The training step for one set of failed workers."""
@@ -121,14 +130,18 @@ class Variants:
         max_failures: int = 1,
         background: bool = True,
         on_done: Callable[[Variant], None] | None = None,
+        first: Iterable[Iterable[tuple[int, int]]] = (),
     ) -> None:
         """Compile the fault-free step and every recoverable pattern of up to
         `max_failures` failed workers, in a daemon thread unless `background`
-        is False. `on_done(variant)` is called after each one this call compiles."""
+        is False. `on_done(variant)` is called after each one this call compiles.
+        The failure sets in `first` (those a plan will need) go before the
+        others, whatever their size."""
         patterns = enumerate_patterns(
             self.base.replicas, self.base.stages, max_failures, canonical=False
         )
-        sets = [p.failed for p in patterns]
+        planned = [frozenset(Worker(*w) for w in f) for f in first]
+        sets = list(dict.fromkeys([*planned, *(p.failed for p in patterns)]))  # once each
 
         def compile_one(failed: DownWorkers) -> None:
             if self._stop.is_set():
@@ -142,7 +155,7 @@ class Variants:
         def work() -> None:
             # XLA compiles outside the GIL, so two compiles overlap one's tracing
             # with the other's codegen.
-            with ThreadPoolExecutor(COMPILE_THREADS, "pjit_pipe-compile") as pool:
+            with ThreadPoolExecutor(compile_threads(background), "pjit_pipe-compile") as pool:
                 list(pool.map(compile_one, sets))
 
         if not background:
