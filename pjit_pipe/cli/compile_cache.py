@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 CACHE_SUBDIR = os.path.join("pjit_pipe", "jax")
 
@@ -69,17 +70,33 @@ def configure_compilation_cache(cache_dir: str | None, no_cache: bool) -> str | 
         The folder in use, or None when the cache is off.
 
     Raises:
-        OptionError: `cache_dir` (or the default folder) names a file.
+        OptionError: `cache_dir` (or the default folder) names a file, or
+            `cache_dir` cannot be created. A default folder that cannot be
+            created turns the cache off, with a note on stderr.
     """
     import jax
 
-    from pjit_pipe.runtime import use_disk_cache
+    from pjit_pipe.errors import OptionError
+    from pjit_pipe.runtime import check_cache_dir, use_disk_cache
 
     if no_cache:
         jax.config.update("jax_enable_compilation_cache", False)
         return None
     if cache_dir is None and jax.config.jax_compilation_cache_dir:
         return jax.config.jax_compilation_cache_dir  # the user's own JAX set-up
-    cache_dir = cache_dir if cache_dir is not None else user_cache_dir()
-    use_disk_cache(cache_dir)
-    return cache_dir
+    folder = cache_dir if cache_dir is not None else user_cache_dir()
+    check_cache_dir(folder)  # refuses a file
+    try:
+        os.makedirs(folder, exist_ok=True)
+    except OSError as e:
+        if cache_dir is not None:
+            raise OptionError(
+                f"cache_dir (--cache-dir): cannot create {folder} ({e.strerror}); give a "
+                "folder you can write to, or --no-cache"
+            ) from None
+        # The default folder is a convenience: without it the run compiles as usual.
+        print(f"note: no compilation cache ({folder}: {e.strerror})", file=sys.stderr)
+        jax.config.update("jax_enable_compilation_cache", False)
+        return None
+    use_disk_cache(folder)
+    return folder

@@ -5,7 +5,7 @@ from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, LiveDe
 from pjit_pipe.runtime.emulate_processes import emulate_processes
 from pjit_pipe.runtime.emulation import emulate_in_process
 from pjit_pipe.runtime.trainer import ResilientTrainer, TrainerEvent
-from pjit_pipe.runtime.variants import Variant, Variants, use_disk_cache
+from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir, use_disk_cache
 
 __all__ = [
     "Checkpoints",
@@ -17,6 +17,7 @@ __all__ = [
     "Variant",
     "Variants",
     "WorkerFailure",
+    "check_cache_dir",
     "emulate_in_process",
     "emulate_processes",
     "use_disk_cache",

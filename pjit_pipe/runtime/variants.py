@@ -54,8 +54,15 @@ class Variant:
 
 
 def check_cache_dir(cache_dir: str | os.PathLike) -> None:
-    """Raise OptionError when `cache_dir` names a file: JAX would only warn, and
-    cache nothing, on every compile."""
+    """Refuse a cache folder that names a file: JAX would only warn, and cache
+    nothing, on every compile.
+
+    Args:
+        cache_dir: the folder for JAX's persistent compilation cache.
+
+    Raises:
+        OptionError: `cache_dir` names a file.
+    """
     if os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
         raise OptionError(
             f"cache_dir (--cache-dir): {cache_dir} is a file, not a directory; give a "
