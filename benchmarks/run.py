@@ -14,6 +14,7 @@ BENCHMARKS = [
     "bench_slow",
     "bench_lowering",
     "bench_variants",
+    "bench_compile",
     "bench_memory",
     "bench_backward",
     "bench_param_layout",

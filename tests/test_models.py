@@ -141,6 +141,8 @@ def test_train_cli_through_a_failure_matches_a_run_without(capsys):
     faulty = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["failed"] for r in faulty] == [[], ["1:0"], ["1:0"], [], []]
     assert any("failed" in e for e in faulty[1]["events"])
+    # --precompile 0: the variant compiles when the step needs it, and the step says it waits
+    assert any("not compiled yet; waiting" in e for e in faulty[1]["events"])
     np.testing.assert_allclose([r["loss"] for r in faulty], [r["loss"] for r in clean], rtol=1e-5)
 
 

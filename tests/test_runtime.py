@@ -195,3 +195,20 @@ def test_injected_failures_lose_one_attempt_then_hold():
         assert down == {Worker(1, 2)}
     with det.attempt(6) as down:
         assert down == frozenset()
+
+
+def test_the_planned_failure_sets_are_the_ones_the_attempts_meet():
+    plan = {"fail": {2: [(0, 1)], 4: [(1, 0)], 7: [(0, 0)]}, "rejoin": {5: [(0, 1)], 9: [(1, 0)]}}
+    met: list[frozenset] = []
+    det = InjectedFailures(**plan)
+    for step in range(11):
+        while True:  # each step retried until an attempt holds, as the trainer does
+            try:
+                with det.attempt(step) as down:
+                    if down and down not in met:
+                        met.append(down)
+                break
+            except WorkerFailure:
+                continue
+    assert InjectedFailures(**plan).planned() == met
+    assert met[0] == {Worker(0, 1)} and {Worker(0, 1), Worker(1, 0)} in met

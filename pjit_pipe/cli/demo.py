@@ -1,9 +1,13 @@
 """`pjit-pipe demo` (`make demo`): train the tiny GPT on 8 CPU devices and show the result.
 
-data=2 x stage=4 with the ZB-H1 schedule: a progress bar with loss and
-tokens/s. First every single-worker failure variant is compiled; a third of
-the way in, worker 1:2 fails, its microbatches move to its peer 0:2 on the
-precompiled program, and at two thirds it rejoins. Written
+data=2 x stage=4 with the ZB-H1 schedule: a progress bar with loss, tokens/s
+and the failure variants compiled so far. Training starts once the
+fault-free step is compiled; every single-worker failure variant compiles in
+the background meanwhile, the one the failure needs first. A third of the way
+in, worker 1:2 fails, its microbatches move to its peer 0:2 on the
+precompiled program (the demo says so if it has to wait for that program),
+and at two thirds it rejoins. Compiled programs are kept on disk (see
+`--cache-dir`), so a second demo compiles nothing. Written
 to files: the schedule's Gantt chart, the re-routed schedule's, and the loss
 curve with the failure and the rejoin marked. Last, a text sample.
 """
@@ -13,6 +17,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from pjit_pipe.cli.compile_cache import add_cache_args
 from pjit_pipe.cli.device_choice import ensure_host_devices, run_devices
 from pjit_pipe.cli.train_args import mesh_arg
 
@@ -47,6 +52,7 @@ def register(subparsers: Any) -> None:
         "--rerouted", default=REROUTED_FILE, help="where to save the re-routed schedule's chart"
     )
     parser.add_argument("--loss-plot", default=LOSS_FILE, help="where to save the loss curve")
+    add_cache_args(parser)
     parser.set_defaults(run=run)
 
 
@@ -73,7 +79,8 @@ def run(args: argparse.Namespace) -> int:
         fail={args.steps // 3: [FAILED_WORKER]},
         rejoin={2 * args.steps // 3: [FAILED_WORKER]},
         precompile=1,
-        cache_dir=None,
+        cache_dir=args.cache_dir,
+        no_cache=args.no_cache,
     )
     devices = run_devices(mesh[0] * mesh[1])  # too few accelerators: virtual CPU devices
     print(
@@ -87,30 +94,30 @@ def run(args: argparse.Namespace) -> int:
     )
     records: list[StepRecord] = []
     workers = mesh[0] * mesh[1]
-    compiling = tqdm(total=workers, desc="compile failure variants", unit="variant")
-    bar = None
-
-    def on_compiled(variant: Any) -> None:
-        compiling.set_postfix(last=f"{variant.compile_seconds:.1f}s")
-        compiling.update()
+    compiled: list[Any] = []  # the failure variants compiled so far (background thread)
+    bars: list[Any] = []  # the progress bar, made at the first step
+    print("Compiling the training step; the failure variants follow in the background.")
 
     def on_step(rec: StepRecord) -> None:
-        nonlocal bar
-        if bar is None:
-            compiling.close()
-            bar = tqdm(total=args.steps, desc="demo", unit="step")
+        if not bars:
+            bars.append(tqdm(total=args.steps, desc="demo", unit="step"))
         records.append(rec)
-        for line in rec.events:
-            bar.write(line)
-        bar.set_postfix(loss=f"{rec.loss:.3f}", tok_s=f"{rec.tokens / rec.seconds:,.0f}")
-        bar.update()
+        bars[0].set_postfix(
+            loss=f"{rec.loss:.3f}",
+            tok_s=f"{rec.tokens / rec.seconds:,.0f}",
+            variants=f"{len(compiled)}/{workers}",
+        )
+        bars[0].update()
+
+    def on_event(line: str) -> None:  # at once: a wait for a variant is said as it starts
+        (bars[0].write if bars else print)(line)
 
     try:
-        pm, state, task = train(options, on_step, on_compiled)
+        pm, state, task = train(options, on_step, compiled.append, on_event)
     finally:
-        compiling.close()
-        if bar is not None:
+        for bar in bars:
             bar.close()
+    print(f"{len(compiled)} of {workers} failure variants compiled in the background")
     path = gantt(pm.schedule, args.gantt)
     print(f"Schedule chart ({options.schedule}, unit costs) saved to {path}")
     variant = pm.with_failures([FAILED_WORKER])

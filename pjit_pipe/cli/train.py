@@ -16,6 +16,7 @@ import warnings
 from dataclasses import dataclass
 from typing import Any
 
+from pjit_pipe.cli.compile_cache import add_cache_args, configure_compilation_cache
 from pjit_pipe.cli.device_choice import ensure_host_devices, run_devices
 from pjit_pipe.cli.train_args import (
     add_checkpoint_args,
@@ -37,6 +38,7 @@ def register(subparsers: Any) -> None:
     add_training_args(parser)
     add_failure_args(parser)
     add_checkpoint_args(parser)
+    add_cache_args(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     parser.add_argument(
         "--show-costs",
@@ -110,13 +112,18 @@ class StepRecord:
     skipped: int = 0  # steps skipped so far because their loss or gradient was not finite
 
 
-def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tuple[Any, Any, Task]:
+def train(
+    args: argparse.Namespace, on_step: Any, on_compiled: Any = None, on_event: Any = None
+) -> tuple[Any, Any, Task]:
     """Build the pipeline and run args.steps steps through the injected failures;
     on_step(StepRecord) after each (tokens: input positions in the global batch).
     A checkpoint holds the data stream's position and the workers down, and a
     resume restores both; one already at or past args.steps runs nothing.
-    With on_compiled(variant), failure variants are compiled before training
-    starts, calling it after each; otherwise in the background. With
+    Failure variants compile in the background while training runs (the ones
+    the plan needs first), calling on_compiled(variant) after each; a step
+    that needs one not ready yet waits for it. on_event(line) is called with
+    each runtime event as it happens (failure, wait, switch, skipped step);
+    the StepRecord lists them too. With
     args.checkpoint_dir, resume from its latest checkpoint (if any) and save
     every args.checkpoint_every steps and at the end. async-1f1b without failures
     carries its microbatches from step to step (`train_carrying`)."""
@@ -129,6 +136,8 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
     import pjit_pipe as pp
     from pjit_pipe.runtime import Checkpoints, InjectedFailures, InjectedSlowdowns, ResilientTrainer
 
+    # Before the first compile: JAX opens its cache folder once per process.
+    configure_compilation_cache(getattr(args, "cache_dir", None), getattr(args, "no_cache", False))
     directory = getattr(args, "checkpoint_dir", None)
     checkpoints = Checkpoints(directory, args.checkpoint_every) if directory else None
 
@@ -176,16 +185,21 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         start_from = jax.jit(pm.init)(key, x)
     start = start_from.step if isinstance(start_from, pp.TrainState) else 0
     check_failure_plan(fail, rejoin, data, stages, args.steps, down, start)
-    events: list[str] = []
+    events: list[str] = []  # the events of the step in progress, for its StepRecord
     slow = getattr(args, "slow", {})
     check_slow_plan(slow, data, stages, args.steps)
+
+    def record_event(event: Any) -> None:
+        events.append(event.describe())
+        if on_event is not None:
+            on_event(event.describe())
+
     trainer = ResilientTrainer(
         pm,
         task.loss_fn,
         InjectedFailures(fail, rejoin, down),
         max_failures=precompile,
-        cache_dir=getattr(args, "cache_dir", None),
-        on_event=lambda e: events.append(e.describe()),
+        on_event=record_event,
         speeds=InjectedSlowdowns(slow) if slow else None,
     )
     if getattr(args, "show_costs", False):
@@ -199,7 +213,6 @@ def train(args: argparse.Namespace, on_step: Any, on_compiled: Any = None) -> tu
         start_from,
         (x, y),
         precompile=precompile > 0,
-        background=on_compiled is None,
         on_compiled=on_compiled,
     )
     try:

@@ -205,12 +205,6 @@ def add_failure_args(parser: argparse.ArgumentParser) -> None:
         help="compile variants for up to K failed workers in the background "
         "(default 1 with --fail, else 0)",
     )
-    parser.add_argument(
-        "--cache-dir",
-        default=None,
-        metavar="DIR",
-        help="keep compiled programs here, so a later run loads them instead of compiling",
-    )
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:

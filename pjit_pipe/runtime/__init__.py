@@ -14,7 +14,7 @@ from pjit_pipe.runtime.speed import (
     quantize,
 )
 from pjit_pipe.runtime.trainer import ResilientTrainer, TrainerEvent
-from pjit_pipe.runtime.variants import Variant, Variants
+from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir, use_disk_cache
 
 __all__ = [
     "FACTORS",
@@ -30,8 +30,10 @@ __all__ = [
     "Variant",
     "Variants",
     "WorkerFailure",
+    "check_cache_dir",
     "device_probe",
     "emulate_in_process",
     "emulate_processes",
     "quantize",
+    "use_disk_cache",
 ]

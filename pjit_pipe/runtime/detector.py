@@ -96,6 +96,29 @@ class InjectedFailures:
             as_pairs(self.fail), as_pairs(self.rejoin), replicas, stages, None, self.down, start
         )
 
+    def planned(self) -> list[frozenset[Worker]]:
+        """The sets of workers down that the plan goes through, from the workers
+        down now, in the order it reaches them: the variants a run will need, so
+        the runtime compiles them first.
+
+        Returns:
+            Each non-empty set once, in order of first occurrence.
+        """
+        order: list[frozenset[Worker]] = []
+
+        def reach(down: frozenset[Worker]) -> None:
+            if down and down not in order:
+                order.append(down)
+
+        down = self.down
+        reach(down)
+        for step in sorted({*self.fail, *self.rejoin}):
+            down = down - self.rejoin.get(step, frozenset())  # back before the step
+            reach(down)
+            down = down | self.fail.get(step, frozenset())  # dead during it
+            reach(down)
+        return order
+
     @contextlib.contextmanager
     def attempt(self, step: int) -> Iterator[frozenset[Worker]]:
         """Context for one attempt at `step`, with the plan's rejoins and failures applied.

@@ -36,9 +36,10 @@ from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir
 
 @dataclass(frozen=True)
 class TrainerEvent:
-    """Something the runtime did: 'failure' (an attempt lost), 'switch' (another
-    program), 'skipped' (a step whose loss or gradient norm was not finite left
-    the state as it was)."""
+    """Something the runtime did: 'failure' (an attempt lost), 'wait' (the
+    program for the workers down is not compiled yet: the step waits for it),
+    'switch' (another program; its seconds include any wait), 'skipped' (a step
+    whose loss or gradient norm was not finite left the state as it was)."""
 
     step: int
     kind: str
@@ -53,6 +54,11 @@ class TrainerEvent:
             down += "; slow = " + ", ".join(f"{w} x{f:g}" for w, f in self.slow)
         if self.kind == "failure":
             return f"step {self.step}: worker(s) {down} failed; retrying the step"
+        if self.kind == "wait":
+            return (
+                f"step {self.step}: the program for failed = {down} is not compiled yet; "
+                "waiting for it"
+            )
         if self.kind == "skipped":
             return (
                 f"step {self.step}: the loss or the global gradient norm is not finite; "
@@ -84,7 +90,7 @@ class ResilientTrainer:
             worker at full speed.
 
     Attributes:
-        events: Every TrainerEvent so far ('failure', 'switch', 'skipped').
+        events: Every TrainerEvent so far ('failure', 'wait', 'switch', 'skipped').
         variants: The compiled programs per failure pattern; None until `init`.
 
     Raises:
@@ -131,7 +137,8 @@ class ResilientTrainer:
         """The initial state, after compiling the fault-free step.
 
         Then, with `precompile`, compiles every pattern of up to `max_failures`
-        failed workers, so a switch later costs a dictionary lookup.
+        failed workers, so a switch later costs a dictionary lookup; the
+        patterns an `InjectedFailures` plan goes through compile first.
 
         Args:
             params: Module-layout parameters, or a TrainState (e.g. a restored
@@ -161,7 +168,8 @@ class ResilientTrainer:
         self.variants = Variants(self.pipelined, self.loss_fn, state, batch, self.cache_dir)
         self.variants.get(())
         if precompile:
-            self.variants.precompile(self.max_failures, background, on_compiled)
+            planned = self.detector.planned() if isinstance(self.detector, InjectedFailures) else []
+            self.variants.precompile(self.max_failures, background, on_compiled, first=planned)
         return state
 
     def step(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
@@ -204,7 +212,12 @@ class ResilientTrainer:
         its layout (the devices of the down workers are never read)."""
         start = time.perf_counter()
         slow = {w: f for w, f in slow.items() if w not in down}
-        variant = self._mitigated_variant(down, slow) if slow else self.variants.get(down)
+        if slow:
+            variant = self._mitigated_variant(down, slow)
+        else:
+            if not self.variants.ready(down):
+                self._record(TrainerEvent(state.step, "wait", down))
+            variant = self.variants.get(down)
         mesh = self.pipelined.mesh
         unavailable = {d for w in down for d in worker_devices(mesh)[w.replica, w.stage]}
         state, moved = variant.step.adopt(state, batch, unavailable)

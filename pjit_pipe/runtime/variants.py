@@ -31,6 +31,15 @@ DownWorkers = frozenset[Worker]  # the failed workers a variant is compiled for
 COMPILE_THREADS = 2  # concurrent variant compiles: tracing holds the GIL, XLA does not
 
 
+def compile_threads(background: bool) -> int:
+    """How many variants compile at once: COMPILE_THREADS, but in the background
+    no more than leaves one core to the training steps running meanwhile (on a
+    2-core machine a second compile thread slows the steps more than it gains)."""
+    if not background:
+        return COMPILE_THREADS
+    return max(1, min(COMPILE_THREADS, (os.cpu_count() or 1) - 1))
+
+
 @dataclass(frozen=True)
 class Variant:
     """The training step for one set of failed workers."""
@@ -45,8 +54,15 @@ class Variant:
 
 
 def check_cache_dir(cache_dir: str | os.PathLike) -> None:
-    """Raise OptionError when `cache_dir` names a file: JAX would only warn, and
-    cache nothing, on every compile."""
+    """Refuse a cache folder that names a file: JAX would only warn, and cache
+    nothing, on every compile.
+
+    Args:
+        cache_dir: the folder for JAX's persistent compilation cache.
+
+    Raises:
+        OptionError: `cache_dir` names a file.
+    """
     if os.path.exists(cache_dir) and not os.path.isdir(cache_dir):
         raise OptionError(
             f"cache_dir (--cache-dir): {cache_dir} is a file, not a directory; give a "
@@ -54,12 +70,24 @@ def check_cache_dir(cache_dir: str | os.PathLike) -> None:
         )
 
 
-def use_disk_cache(cache_dir: str) -> None:
-    """Keep every compiled executable in JAX's persistent cache under `cache_dir`."""
+def use_disk_cache(cache_dir: str | os.PathLike) -> None:
+    """Keep every compiled executable in JAX's persistent cache under `cache_dir`,
+    however quick its compile or small its entry (JAX keeps only compiles over one
+    second by default; a pipeline's small programs add up to several).
+
+    JAX opens the folder at its first compile in the process: call this before
+    anything compiles for every program to be kept.
+
+    Args:
+        cache_dir: the folder (created if missing).
+
+    Raises:
+        OptionError: `cache_dir` names a file.
+    """
     check_cache_dir(cache_dir)
     jax.config.update("jax_compilation_cache_dir", str(cache_dir))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # no floor, fixed
 
 
 class Variants:
@@ -109,14 +137,18 @@ class Variants:
         max_failures: int = 1,
         background: bool = True,
         on_done: Callable[[Variant], None] | None = None,
+        first: Iterable[Iterable[tuple[int, int]]] = (),
     ) -> None:
         """Compile the fault-free step and every recoverable pattern of up to
         `max_failures` failed workers, in a daemon thread unless `background`
-        is False. `on_done(variant)` is called after each one this call compiles."""
+        is False. `on_done(variant)` is called after each one this call compiles.
+        The failure sets in `first` (those a plan will need) go before the
+        others, whatever their size."""
         patterns = enumerate_patterns(
             self.base.replicas, self.base.stages, max_failures, canonical=False
         )
-        sets = [p.failed for p in patterns]
+        planned = [frozenset(Worker(*w) for w in f) for f in first]
+        sets = list(dict.fromkeys([*planned, *(p.failed for p in patterns)]))  # once each
 
         def compile_one(failed: DownWorkers) -> None:
             if self._stop.is_set():
@@ -130,7 +162,7 @@ class Variants:
         def work() -> None:
             # XLA compiles outside the GIL, so two compiles overlap one's tracing
             # with the other's codegen.
-            with ThreadPoolExecutor(COMPILE_THREADS, "pjit_pipe-compile") as pool:
+            with ThreadPoolExecutor(compile_threads(background), "pjit_pipe-compile") as pool:
                 list(pool.map(compile_one, sets))
 
         if not background:
