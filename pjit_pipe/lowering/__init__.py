@@ -5,6 +5,7 @@ from pjit_pipe.lowering.comms.topology import AXES, Topology
 from pjit_pipe.lowering.compute.emulated_ticks import KIND_CODES
 from pjit_pipe.lowering.compute.forward import lower_forward
 from pjit_pipe.lowering.compute.loss import LossLayout, check_loss_fn
+from pjit_pipe.lowering.compute.residual_policy import DEFAULT_POLICY, POLICIES
 from pjit_pipe.lowering.compute.rng import check_rngs, current_rngs, impls_of, microbatch_rngs
 from pjit_pipe.lowering.compute.stages import StageVjp
 from pjit_pipe.lowering.layout.device_state import DeviceLayout, device_bytes
@@ -14,6 +15,7 @@ from pjit_pipe.lowering.program import LoweringOptions, PipelineStep, lower
 
 __all__ = [
     "AXES",
+    "DEFAULT_POLICY",
     "KIND_CODES",
     "Buffers",
     "ChunkLayout",
@@ -21,6 +23,7 @@ __all__ = [
     "FlatSpec",
     "LossLayout",
     "LoweringOptions",
+    "POLICIES",
     "PipelineStep",
     "StageVjp",
     "Topology",
