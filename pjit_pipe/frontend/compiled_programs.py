@@ -53,7 +53,8 @@ class CompiledPrograms:
     costs: Costs | None
     stage_times: Any
     optimizer: Any
-    remat: bool
+    remat: bool | str
+    stage_policies: tuple[Any, ...] | None
     balance: Any
     cuts: dict[Any, StageCut]
     _programs: ProgramCache[Any]
@@ -113,6 +114,48 @@ class CompiledPrograms:
         """
         if self.measure and self.costs is None:
             self.costs = self.measure_costs(params, x, y, loss_fn)
+
+    def residual_policies(
+        self, params: Any, x: Any, y: Any, loss_fn: LossFn, tensor_split: bool = False
+    ) -> tuple[str, ...] | None:
+        """With remat="auto": each virtual stage's residual policy, the fastest measured
+        within the default policy's pool rows (`residual_choice.py`); the figures go
+        to `stage_policies`.
+
+        Args:
+            params: the module's parameters.
+            x: a global batch of inputs.
+            y: its targets.
+            loss_fn: as in `value_and_grad`.
+            tensor_split: weights split over 'tensor' (the lowering then splits no
+                stage's backward).
+
+        Returns:
+            One policy name per virtual stage (measured once per model, loss and
+            shapes); None unless remat="auto".
+        """
+        if self.remat != "auto":
+            return None
+        from pjit_pipe.frontend.planning.residual_choice import choose_stage_policies
+        from pjit_pipe.ir.memory import split_stages
+
+        cut = self.cut(params, x)
+        n = self.replicas * self.microbatches
+        mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), a.dtype)  # noqa: E731
+        x_mb, y_mb = jax.tree.map(mb, x), jax.tree.map(mb, y)
+        stage_params = cut.split(params)
+        key = (
+            id(self.module),
+            loss_fn,
+            str(jax.tree.map(lambda a: (a.shape, a.dtype), (x_mb, y_mb))),
+        )
+        key += (str(jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params)),)
+        split = () if tensor_split else split_stages(self.schedule)
+        choices = choose_stage_policies(
+            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, pipeline_mesh(self.mesh), split, key
+        )
+        self.stage_policies = choices
+        return tuple(c.policy for c in choices)
 
     def cut(self, params: Any, x: Any) -> StageCut:
         """The stage cut for this parameter tree and global batch (cached).
@@ -249,6 +292,7 @@ class CompiledPrograms:
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         splits = self.leaf_splits(cut, params, boxed)
+        policies = self.residual_policies(params, x, y, loss_fn, splits is not None)
         key = ProgramKey(
             loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals), str(splits))
         )
@@ -266,7 +310,8 @@ class CompiledPrograms:
                 y,
                 LoweringOptions(
                     optimizer=self.optimizer,
-                    remat=self.remat,
+                    remat=self.remat is True,
+                    policies=policies,
                     has_aux=has_aux,
                     rngs=rngs,
                     shared=cut.shared,

@@ -84,13 +84,10 @@ class StageVjp:
             self.act_avals.append(
                 jax.eval_shape(self.fns[s], self.param_avals[s], self.act_avals[s])
             )
-        self.policies = tuple(
-            check_policy(p) for p in (policies or (DEFAULT_POLICY,) * self.S)
-        )
+        self.policies = tuple(check_policy(p) for p in (policies or (DEFAULT_POLICY,) * self.S))
         if len(self.policies) != self.S:
             raise OptionError(
-                f"policies: give one residual policy per virtual stage ({self.S}), "
-                f"got {policies!r}"
+                f"policies: give one residual policy per virtual stage ({self.S}), got {policies!r}"
             )
         # The names a "names" stage saves: those its function marks.
         self.saved_names = {
