@@ -8,6 +8,7 @@ attributes it reads: the options, the schedule spec and the caches.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -86,6 +87,16 @@ class CompiledPrograms:
         """
         from pjit_pipe.frontend.planning.measure import measure_stage_times
 
+        cut, stage_params, x_mb, y_mb, key = self._microbatch_shapes(params, x, y, loss_fn)
+        times = measure_stage_times(
+            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, pipeline_mesh(self.mesh), key=key
+        )
+        self.stage_times = times
+        return times.costs(self.stages, layout_of(self.spec.kind, self.stages, self.chunks))
+
+    def _microbatch_shapes(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> tuple:
+        """(cut, stage params, microbatch x and y shapes, cache key: model, loss, shapes)
+        for the measurements, which time one microbatch's ops."""
         cut = self.cut(params, x)
         n = self.replicas * self.microbatches
         mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), a.dtype)  # noqa: E731
@@ -97,11 +108,7 @@ class CompiledPrograms:
             str(jax.tree.map(lambda a: (a.shape, a.dtype), (x_mb, y_mb))),
         )
         key += (str(jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params)),)
-        times = measure_stage_times(
-            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, pipeline_mesh(self.mesh), key=key
-        )
-        self.stage_times = times
-        return times.costs(self.stages, layout_of(self.spec.kind, self.stages, self.chunks))
+        return cut, stage_params, x_mb, y_mb, key
 
     def measure_schedule(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> None:
         """With costs="measure": measure the stage costs (once) to build the schedule under.
@@ -116,7 +123,13 @@ class CompiledPrograms:
             self.costs = self.measure_costs(params, x, y, loss_fn)
 
     def residual_policies(
-        self, params: Any, x: Any, y: Any, loss_fn: LossFn, tensor_split: bool = False
+        self,
+        params: Any,
+        x: Any,
+        y: Any,
+        loss_fn: LossFn,
+        tensor_split: bool = False,
+        rngs: dict[str, jax.Array] | None = None,
     ) -> tuple[str, ...] | None:
         """With remat="auto": each virtual stage's residual policy, the fastest measured
         within the default policy's pool rows (`residual_choice.py`); the figures go
@@ -129,6 +142,8 @@ class CompiledPrograms:
             loss_fn: as in `value_and_grad`.
             tensor_split: weights split over 'tensor' (the lowering then splits no
                 stage's backward).
+            rngs: {stream: key} for a model that draws random numbers: its
+                stages are traced and timed with keys of these streams.
 
         Returns:
             One policy name per virtual stage (measured once per model, loss and
@@ -139,21 +154,19 @@ class CompiledPrograms:
         from pjit_pipe.frontend.planning.residual_choice import choose_stage_policies
         from pjit_pipe.ir.memory import split_stages
 
-        cut = self.cut(params, x)
-        n = self.replicas * self.microbatches
-        mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), a.dtype)  # noqa: E731
-        x_mb, y_mb = jax.tree.map(mb, x), jax.tree.map(mb, y)
-        stage_params = cut.split(params)
-        key = (
-            id(self.module),
-            loss_fn,
-            str(jax.tree.map(lambda a: (a.shape, a.dtype), (x_mb, y_mb))),
-        )
-        key += (str(jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params)),)
         split = () if tensor_split else split_stages(self.schedule)
-        choices = choose_stage_policies(
-            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, pipeline_mesh(self.mesh), split, key
-        )
+        with self._rng_context(rngs):
+            cut, stage_params, x_mb, y_mb, key = self._microbatch_shapes(params, x, y, loss_fn)
+            choices = choose_stage_policies(
+                cut.stage_fns(),
+                loss_fn,
+                stage_params,
+                x_mb,
+                y_mb,
+                pipeline_mesh(self.mesh),
+                split,
+                key,
+            )
         self.stage_policies = choices
         return tuple(c.policy for c in choices)
 
@@ -260,13 +273,19 @@ class CompiledPrograms:
 
     def _keyed_cut(self, params: Any, x: Any, rngs: dict[str, jax.Array] | None) -> StageCut:
         """`cut`; the cut traces the model, so a model with rngs gets stand-in keys."""
+        with self._rng_context(rngs):
+            return self.cut(params, x)
+
+    @staticmethod
+    def _rng_context(rngs: dict[str, jax.Array] | None) -> Any:
+        """A context in which stages that draw random numbers trace: stand-in keys of
+        `rngs`' streams (none needed without rngs)."""
         from pjit_pipe.lowering import check_rngs, impls_of, microbatch_rngs
 
         if rngs is None:
-            return self.cut(params, x)
+            return contextlib.nullcontext()
         example = {k: jax.random.key_data(v) for k, v in check_rngs(rngs).items()}
-        with microbatch_rngs(example, impls_of(check_rngs(rngs))):
-            return self.cut(params, x)
+        return microbatch_rngs(example, impls_of(check_rngs(rngs)))
 
     def tick_table(self) -> PackedTicks:
         """The tick table the compiled program runs. Cached by pack_ticks.
@@ -292,7 +311,7 @@ class CompiledPrograms:
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         splits = self.leaf_splits(cut, params, boxed)
-        policies = self.residual_policies(params, x, y, loss_fn, splits is not None)
+        policies = self.residual_policies(params, x, y, loss_fn, splits is not None, rngs)
         key = ProgramKey(
             loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals), str(splits))
         )
