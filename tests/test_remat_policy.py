@@ -186,6 +186,10 @@ def test_remat_auto_pipeline_runs_the_chosen_policies(timed):
     assert [c.policy for c in pm.stage_policies] == ["nothing", "nothing"]
 
 
-def test_remat_takes_true_false_or_auto():
-    with pytest.raises(OptionError, match="remat: expected True, False or 'auto'"):
-        pp.pipeline(nn.Dense(4), stages=1, microbatches=1, remat="sometimes")
+def test_an_unknown_policy_names_the_allowed_ones():
+    params, x_mb, y_mb = stage_chain()
+    loss = LossLayout(mse).vector
+    with pytest.raises(OptionError, match="policies: expected names from all, dots"):
+        StageVjp([block] * 3, loss, params, x_mb, y_mb, policies=("dots", "fast", "dots"))
+    with pytest.raises(OptionError, match="one residual policy per virtual stage"):
+        StageVjp([block] * 3, loss, params, x_mb, y_mb, policies=("dots",))
