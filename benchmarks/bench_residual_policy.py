@@ -10,7 +10,8 @@ Printed per policy: split F+B+W over the fused vjp, F+BW over it, the bytes
 one microbatch stores (both residual pools), whether that fits the memory
 limit of `remat="auto"` (the default policy's pool rows), and the policy
 `remat="auto"` would choose from these times (`residual_choice.choose_policy`).
-Times are medians over `--rounds` rounds run round robin.
+Ratios are medians (and quartiles) over `--rounds` rounds of per-round
+ratios, the programs run round robin; the choice uses the median times.
 
 On one H200 the same comparison (bench_gpu part 4) gave 1.17-1.26x under
 `dots_saveable` and 1.23-1.40x with every residual kept; run this there with
@@ -33,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.common import round_times
+from benchmarks.common import quartiles, round_times
 from pjit_pipe.frontend.planning.measure import _stage_ops
 from pjit_pipe.frontend.planning.residual_choice import choose_policy, pool_rows, row_elements
 from pjit_pipe.lowering import DEFAULT_POLICY, POLICIES, LossLayout, StageVjp, saved_names
@@ -93,20 +94,32 @@ def main(argv: list[str] | None = None) -> None:
                 stored[policy] = row_elements(st, 1)
                 if policy == DEFAULT_POLICY:
                     rows = pool_rows(st)
-    times = {k: statistics.median(v) for k, v in round_times(programs, args.rounds).items()}
+    runs = round_times(programs, args.rounds)
+    times = {k: statistics.median(v) for k, v in runs.items()}
     base = times["vjp"]
     seconds = {p: sum(times[f"{p} split {op}"] for op in ("F", "B", "W")) for p in policies}
     fits = {p: all(n <= rows.get(k, 0) for k, n in stored[p].items()) for p in policies}
+
+    def ratio(p: str, tag: str, ops: tuple[str, ...]) -> str:
+        """Median and quartiles over rounds of the ops' sum over that round's vjp."""
+        per_round = [
+            sum(runs[f"{p} {tag} {op}"][r] for op in ops) / runs["vjp"][r]
+            for r in range(args.rounds)
+        ]
+        low, mid, high = quartiles(per_round)
+        return f"{mid:.3f} ({low:.2f}-{high:.2f})"
+
     print(
         f"one stage of {args.blocks} GPT-2 blocks, d{args.d}, {args.batch}x{args.tokens} tokens "
-        f"per microbatch, on {device.platform}; fused vjp {1e3 * base:.3f} ms"
+        f"per microbatch, on {device.platform}; fused vjp {1e3 * base:.3f} ms; per-round "
+        "ratios over the fused vjp: median (quartiles)"
     )
-    print(f"{'policy':14s} {'F+B+W/vjp':>10s} {'F+BW/vjp':>9s} {'MB stored':>10s}  fits")
+    print(f"{'policy':14s} {'F+B+W / vjp':>19s} {'F+BW / vjp':>19s} {'MB stored':>10s}  fits")
     for p in policies:
         nbytes = sum(n * np.dtype(k).itemsize for (_, k), n in stored[p].items())
-        fbw = times[f"{p} fused F"] + times[f"{p} fused BW"]
         print(
-            f"{p:14s} {seconds[p] / base:10.3f} {fbw / base:9.3f} {nbytes / 1e6:10.3f}"
+            f"{p:14s} {ratio(p, 'split', ('F', 'B', 'W')):>19s}"
+            f" {ratio(p, 'fused', ('F', 'BW')):>19s} {nbytes / 1e6:10.3f}"
             f"  {'yes' if fits[p] else 'no (over the default rows)'}"
         )
     print(f'remat="auto" would choose: {choose_policy(seconds, fits)}')
