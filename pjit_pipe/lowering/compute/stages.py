@@ -3,9 +3,10 @@
 The last stage folds the loss in, so its output is the microbatch loss; the
 first stage reads the raw microbatch and takes no input gradient. F keeps the
 vjp residuals that B and W need, those its residual policy saves (matmul outputs
-by default; residual_policy.py, one policy per stage); residuals that are the stage's own parameter
-arrays are not stored but re-read from the parameter buffer (parameters do not
-change within an iteration), so weights are never copied per microbatch.
+by default; residual_policy.py, one policy per stage); residuals that are the
+stage's own parameter arrays are not stored but re-read from the parameter
+buffer (parameters do not change within an iteration), so weights are never
+copied per microbatch.
 
 Stages listed in `split` (those the schedule runs as separate B and W, except
 the first, whose B is empty) use the split backward of `split_backward.py`.
