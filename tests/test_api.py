@@ -85,7 +85,7 @@ def test_errors_form_one_hierarchy_that_imports_nothing_from_pjit_pipe():
         (dict(mem_limit=0), pp.OptionError, "mem_limit: expected a positive number"),
         (dict(search_time=-1.0), pp.OptionError, "search_time: expected a positive number"),
         (dict(pack_polish="fast"), pp.OptionError, "pack_polish: expected a number of seconds"),
-        (dict(remat="yes"), pp.OptionError, "remat: expected True or False"),
+        (dict(remat="yes"), pp.OptionError, "remat: expected True, False or 'auto'"),
         (dict(optimizer=optax.adam), pp.OptionError, "optax GradientTransformation"),
         (dict(max_programs=0), pp.OptionError, "max_programs must be a positive integer"),
         (dict(stages=3), pp.MeshError, "'stage' axis has 2 devices, but stages=3"),

@@ -8,6 +8,7 @@ attributes it reads: the options, the schedule spec and the caches.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from typing import TYPE_CHECKING, Any
 
@@ -53,7 +54,8 @@ class CompiledPrograms:
     costs: Costs | None
     stage_times: Any
     optimizer: Any
-    remat: bool
+    remat: bool | str
+    stage_policies: tuple[Any, ...] | None
     balance: Any
     cuts: dict[Any, StageCut]
     _programs: ProgramCache[Any]
@@ -85,6 +87,16 @@ class CompiledPrograms:
         """
         from pjit_pipe.frontend.planning.measure import measure_stage_times
 
+        cut, stage_params, x_mb, y_mb, key = self._microbatch_shapes(params, x, y, loss_fn)
+        times = measure_stage_times(
+            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, pipeline_mesh(self.mesh), key=key
+        )
+        self.stage_times = times
+        return times.costs(self.stages, layout_of(self.spec.kind, self.stages, self.chunks))
+
+    def _microbatch_shapes(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> tuple:
+        """(cut, stage params, microbatch x and y shapes, cache key: model, loss, shapes)
+        for the measurements, which time one microbatch's ops."""
         cut = self.cut(params, x)
         n = self.replicas * self.microbatches
         mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), a.dtype)  # noqa: E731
@@ -96,11 +108,7 @@ class CompiledPrograms:
             str(jax.tree.map(lambda a: (a.shape, a.dtype), (x_mb, y_mb))),
         )
         key += (str(jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), stage_params)),)
-        times = measure_stage_times(
-            cut.stage_fns(), loss_fn, stage_params, x_mb, y_mb, pipeline_mesh(self.mesh), key=key
-        )
-        self.stage_times = times
-        return times.costs(self.stages, layout_of(self.spec.kind, self.stages, self.chunks))
+        return cut, stage_params, x_mb, y_mb, key
 
     def measure_schedule(self, params: Any, x: Any, y: Any, loss_fn: LossFn) -> None:
         """With costs="measure": measure the stage costs (once) to build the schedule under.
@@ -113,6 +121,54 @@ class CompiledPrograms:
         """
         if self.measure and self.costs is None:
             self.costs = self.measure_costs(params, x, y, loss_fn)
+
+    def residual_policies(
+        self,
+        params: Any,
+        x: Any,
+        y: Any,
+        loss_fn: LossFn,
+        tensor_split: bool = False,
+        rngs: dict[str, jax.Array] | None = None,
+    ) -> tuple[str, ...] | None:
+        """With remat="auto": each virtual stage's residual policy, the fastest measured
+        within the default policy's pool rows (`residual_choice.py`); the figures go
+        to `stage_policies`.
+
+        Args:
+            params: the module's parameters.
+            x: a global batch of inputs.
+            y: its targets.
+            loss_fn: as in `value_and_grad`.
+            tensor_split: weights split over 'tensor' (the lowering then splits no
+                stage's backward).
+            rngs: {stream: key} for a model that draws random numbers: its
+                stages are traced and timed with keys of these streams.
+
+        Returns:
+            One policy name per virtual stage (measured once per model, loss and
+            shapes); None unless remat="auto".
+        """
+        if self.remat != "auto":
+            return None
+        from pjit_pipe.frontend.planning.residual_choice import choose_stage_policies
+        from pjit_pipe.ir.memory import split_stages
+
+        split = () if tensor_split else split_stages(self.schedule)
+        with self._rng_context(rngs):
+            cut, stage_params, x_mb, y_mb, key = self._microbatch_shapes(params, x, y, loss_fn)
+            choices = choose_stage_policies(
+                cut.stage_fns(),
+                loss_fn,
+                stage_params,
+                x_mb,
+                y_mb,
+                pipeline_mesh(self.mesh),
+                split,
+                key,
+            )
+        self.stage_policies = choices
+        return tuple(c.policy for c in choices)
 
     def cut(self, params: Any, x: Any) -> StageCut:
         """The stage cut for this parameter tree and global batch (cached).
@@ -217,13 +273,19 @@ class CompiledPrograms:
 
     def _keyed_cut(self, params: Any, x: Any, rngs: dict[str, jax.Array] | None) -> StageCut:
         """`cut`; the cut traces the model, so a model with rngs gets stand-in keys."""
+        with self._rng_context(rngs):
+            return self.cut(params, x)
+
+    @staticmethod
+    def _rng_context(rngs: dict[str, jax.Array] | None) -> Any:
+        """A context in which stages that draw random numbers trace: stand-in keys of
+        `rngs`' streams (none needed without rngs)."""
         from pjit_pipe.lowering import check_rngs, impls_of, microbatch_rngs
 
         if rngs is None:
-            return self.cut(params, x)
+            return contextlib.nullcontext()
         example = {k: jax.random.key_data(v) for k, v in check_rngs(rngs).items()}
-        with microbatch_rngs(example, impls_of(check_rngs(rngs))):
-            return self.cut(params, x)
+        return microbatch_rngs(example, impls_of(check_rngs(rngs)))
 
     def tick_table(self) -> PackedTicks:
         """The tick table the compiled program runs. Cached by pack_ticks.
@@ -249,6 +311,7 @@ class CompiledPrograms:
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         splits = self.leaf_splits(cut, params, boxed)
+        policies = self.residual_policies(params, x, y, loss_fn, splits is not None, rngs)
         key = ProgramKey(
             loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals), str(splits))
         )
@@ -266,7 +329,8 @@ class CompiledPrograms:
                 y,
                 LoweringOptions(
                     optimizer=self.optimizer,
-                    remat=self.remat,
+                    remat=self.remat is True,
+                    policies=policies,
                     has_aux=has_aux,
                     rngs=rngs,
                     shared=cut.shared,

@@ -50,7 +50,12 @@ class PipelineOptions:
         costs: per-stage F/B/W times that steer zb-v and auto, or "measure": time
             each stage on the devices at first use (the default for "auto").
         optimizer: an optax transformation, for `train_step`.
-        remat: recompute each stage's forward in its backward (less memory).
+        remat: True: recompute each stage's forward in its backward (less memory);
+            False: store the residuals of the default policy (matmul outputs);
+            "auto": at first use, time each virtual stage's F, B, W (or F, BW)
+            under every residual policy (lowering.POLICIES) and store per stage
+            the fastest one whose pool rows fit those of the default policy
+            (frontend/planning/residual_choice.py; `Pipelined.stage_policies`).
         balance: what the stage cut evens out: "flops", "params" or measured "time".
         failed: the (replica, stage) workers that are down; see `with_failures`.
         slow: the slow workers, {(replica, stage): factor >= 1} (stored as sorted
@@ -115,7 +120,7 @@ class PipelineOptions:
     mem_limit: float | None = None
     costs: Costs | Literal["measure"] | None = None
     optimizer: optax.GradientTransformation | None = None
-    remat: bool = False
+    remat: bool | Literal["auto"] = False
     balance: Balance = "flops"
     failed: tuple[tuple[int, int], ...] = ()
     slow: tuple[tuple[tuple[int, int], float], ...] = ()
@@ -182,8 +187,8 @@ class PipelineOptions:
                 "tick_sync='neighbor' packs without polishing (pack_polish prices global "
                 "lockstep); set pack_polish=0 or tick_sync='global'"
             )
-        if not isinstance(self.remat, bool):
-            raise OptionError(f"remat: expected True or False, got {self.remat!r}")
+        if not isinstance(self.remat, bool) and self.remat != "auto":
+            raise OptionError(f"remat: expected True, False or 'auto', got {self.remat!r}")
         if self.optimizer is not None and not (
             callable(getattr(self.optimizer, "init", None))
             and callable(getattr(self.optimizer, "update", None))

@@ -55,7 +55,7 @@ def pipeline(
     mem_limit: float | None = None,
     costs: Costs | Literal["measure"] | None = None,
     optimizer: optax.GradientTransformation | None = None,
-    remat: bool = False,
+    remat: bool | Literal["auto"] = False,
     balance: Balance = "flops",
     failed: Sequence[tuple[int, int]] = (),
     search_time: float = 2.0,
@@ -90,7 +90,9 @@ def pipeline(
         costs: Per-stage F/B/W times that steer zb-v and auto, or "measure"
             (time each stage on the devices at first use).
         optimizer: An optax transformation, for `train_step`.
-        remat: Recompute each stage's forward in its backward (less memory).
+        remat: Recompute each stage's forward in its backward (less memory);
+            "auto": store per stage the residuals of the policy measured fastest
+            within the default's memory (`Pipelined.stage_policies`).
         balance: What the stage cut evens out: "flops", "params" or "time".
         failed: The (replica, stage) workers that are down.
         search_time: Seconds for the search of a re-routed schedule when

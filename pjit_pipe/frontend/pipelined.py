@@ -114,6 +114,10 @@ class Pipelined(CompiledPrograms):
         self.device_mesh: Mesh = Topology.of(self.mesh, self.failed.failed).mesh
         self.optimizer = options.optimizer
         self.remat = options.remat
+        # With remat="auto": per virtual stage, residual_choice.PolicyChoice (the
+        # residual policy chosen and every candidate's measured time and bytes),
+        # once the first program is built.
+        self.stage_policies: tuple[Any, ...] | None = None
         self.balance = options.balance
         self.cuts: dict[Any, StageCut] = {} if cuts is None else cuts  # per (x, params) shapes
         self._programs: ProgramCache[Any] = ProgramCache(options.max_programs)

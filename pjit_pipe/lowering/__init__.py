@@ -5,6 +5,11 @@ from pjit_pipe.lowering.comms.topology import AXES, Topology
 from pjit_pipe.lowering.compute.emulated_ticks import KIND_CODES
 from pjit_pipe.lowering.compute.forward import lower_forward
 from pjit_pipe.lowering.compute.loss import LossLayout, check_loss_fn
+from pjit_pipe.lowering.compute.residual_policy import (
+    DEFAULT_POLICY,
+    POLICIES,
+    saved_names,
+)
 from pjit_pipe.lowering.compute.rng import check_rngs, current_rngs, impls_of, microbatch_rngs
 from pjit_pipe.lowering.compute.stages import StageVjp
 from pjit_pipe.lowering.layout.device_state import DeviceLayout, device_bytes
@@ -14,7 +19,9 @@ from pjit_pipe.lowering.program import LoweringOptions, PipelineStep, lower
 
 __all__ = [
     "AXES",
+    "DEFAULT_POLICY",
     "KIND_CODES",
+    "POLICIES",
     "Buffers",
     "ChunkLayout",
     "DeviceLayout",
@@ -33,4 +40,5 @@ __all__ = [
     "lower",
     "lower_forward",
     "microbatch_rngs",
+    "saved_names",
 ]

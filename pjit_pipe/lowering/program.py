@@ -138,6 +138,8 @@ class LoweringOptions:
         'tensor' axis (a per-dimension tuple of 'tensor' / None) or None
         (replicated); see layout/tensor_layout.py and docs/tensor_parallel.md.
     zero: the optimizer state sharded over 'data' (ZeRO, layout/zero.py).
+    policies: per virtual stage, the residual policy its F stores under
+        (compute/residual_policy.py); None: the default policy for every stage.
     """
 
     optimizer: optax.GradientTransformation | None = None
@@ -152,6 +154,7 @@ class LoweringOptions:
     emulate: EmulationHost | None = None
     splits: Sequence[LeafSplits] | None = None
     zero: bool = False
+    policies: Sequence[str] | None = None
 
 
 def lower(
@@ -224,6 +227,7 @@ def lower(
             jax.tree.map(mb, x),
             jax.tree.map(mb, y),
             split,
+            o.policies,
         )
     topology = Topology.of(mesh, schedule.failed)
     _check_tensor(topology, splits, weights_kind=schedule.kind, shared=shared)

@@ -2,9 +2,11 @@
 
 The last stage folds the loss in, so its output is the microbatch loss; the
 first stage reads the raw microbatch and takes no input gradient. F keeps the
-vjp residuals that B and W need (matmul outputs; see SAVE_DOTS); residuals that are the stage's own parameter
-arrays are not stored but re-read from the parameter buffer (parameters do not
-change within an iteration), so weights are never copied per microbatch.
+vjp residuals that B and W need, those its residual policy saves (matmul outputs
+by default; residual_policy.py, one policy per stage); residuals that are the
+stage's own parameter arrays are not stored but re-read from the parameter
+buffer (parameters do not change within an iteration), so weights are never
+copied per microbatch.
 
 Stages listed in `split` (those the schedule runs as separate B and W, except
 the first, whose B is empty) use the split backward of `split_backward.py`.
@@ -31,15 +33,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pjit_pipe.errors import LossFnError
+from pjit_pipe.errors import LossFnError, OptionError
 from pjit_pipe.ir.memory import StoredBytes
+from pjit_pipe.lowering.compute.residual_policy import (
+    DEFAULT_POLICY,
+    check_policy,
+    checkpointed,
+    saved_names,
+)
 from pjit_pipe.lowering.compute.stage_backward import SplitBackward
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
-
-# Residuals kept from F: matmul outputs (and the stage input); B and W recompute
-# only the cheap elementwise ops from them, which is what XLA's fusion does in an
-# unpipelined step anyway, at a fraction of the memory traffic of every residual.
-SAVE_DOTS = jax.checkpoint_policies.dots_saveable
 
 
 class Residuals(NamedTuple):
@@ -55,7 +58,12 @@ class StageVjp:
 
     After `__init__` (an abstract pass over the stage chain), `act_avals[s]` is
     the input of stage s, and `b_spec` / `w_spec` the flat B-pool / W-pool rows
-    shared by all stages (a stage's tree number s in each).
+    shared by all stages (a stage's tree number s in each). `policies[s]`: the
+    residual policy stage s's F stores under (residual_policy.POLICIES); None:
+    DEFAULT_POLICY for every stage. Its default, matmul outputs (and the stage
+    input), leaves B and W only the cheap elementwise ops to recompute, which is
+    what XLA's fusion does in an unpipelined step anyway, at a fraction of the
+    memory traffic of every residual.
     """
 
     def __init__(
@@ -66,6 +74,7 @@ class StageVjp:
         x_mb: Any,
         y_mb: Any,
         split: Collection[int] = (),
+        policies: Sequence[str] | None = None,
     ):
         self.fns = list(stage_fns)
         self.loss_fn = loss_fn
@@ -76,6 +85,17 @@ class StageVjp:
             self.act_avals.append(
                 jax.eval_shape(self.fns[s], self.param_avals[s], self.act_avals[s])
             )
+        self.policies = tuple(check_policy(p) for p in (policies or (DEFAULT_POLICY,) * self.S))
+        if len(self.policies) != self.S:
+            raise OptionError(
+                f"policies: give one residual policy per virtual stage ({self.S}), got {policies!r}"
+            )
+        # The names a "names" stage saves: those its function marks.
+        self.saved_names = {
+            s: saved_names(self.fns[s], self.param_avals[s], self.act_avals[s])
+            for s in range(self.S)
+            if self.policies[s] == "names"
+        }
         self.split = frozenset(s for s in split if 0 < s < self.S)
         self.splitters = {
             s: SplitBackward(
@@ -150,7 +170,7 @@ class StageVjp:
         if s in self.split:
             sb = self.splitters[s]
             y = y if s == self.S - 1 else None
-            fwd = jax.checkpoint(lambda p, a, eps: sb.forward(p, a, y, eps), policy=SAVE_DOTS)
+            fwd = self._checkpointed(s, lambda p, a, eps: sb.forward(p, a, y, eps))
             out, pull, operands = jax.vjp(
                 lambda a, eps: fwd(p, a, eps), a, sb.zero_perturbations(), has_aux=True
             )
@@ -171,8 +191,12 @@ class StageVjp:
                 where.append(("stored", seen[id(leaf)]))
         return out, pull, where, stored
 
+    def _checkpointed(self, s: int, fn: Callable) -> Callable:
+        """`fn`, stage s's forward, under the stage's residual policy."""
+        return checkpointed(fn, self.policies[s], self.saved_names.get(s, ()))
+
     def _plain_vjp(self, s: int, p: Any, a: Any, y: Any):
-        fwd = jax.checkpoint(lambda p, a: self.forward(s, p, a, y), policy=SAVE_DOTS)
+        fwd = self._checkpointed(s, lambda p, a: self.forward(s, p, a, y))
         if s == 0:
             out, pull = jax.vjp(lambda p: fwd(p, a), p)
         else:
