@@ -49,7 +49,7 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
 
 
-def _check_tensor(topology: Topology, splits, weights_kind: str, shared) -> None:
+def _check_tensor(topology: Topology, splits, weights_kind: str) -> None:
     """Refuse, by name, what tensor parallelism does not support yet."""
     if not any_split(splits):
         return
@@ -60,14 +60,9 @@ def _check_tensor(topology: Topology, splits, weights_kind: str, shared) -> None
             "schedule='async-1f1b' with weights split over 'tensor' is not supported: its "
             "weight policies keep flat weight rows; use a synchronous schedule or tensor=1"
         )
-    if shared:
-        raise OptionError(
-            f"shared (tied) parameters {sorted(shared)} with weights split over 'tensor' are "
-            "not supported: untie them, or use tensor=1"
-        )
 
 
-def _check_zero(program: TickProgram, optimizer, shared) -> None:
+def _check_zero(program: TickProgram) -> None:
     """Refuse, by name, what ZeRO does not support yet."""
     why = None
     if not program.topo.complete:
@@ -76,8 +71,6 @@ def _check_zero(program: TickProgram, optimizer, shared) -> None:
         why = "the optimizer inside the loop (a staggered schedule, iterations > 1)"
     elif program.weights is not None:
         why = "an asynchronous schedule (async-1f1b)"
-    elif shared:
-        why = f"shared (tied) parameters {sorted(shared)}"
     if why:
         raise OptionError(f"zero=True with {why} is not supported yet; use zero=False")
 
@@ -226,7 +219,7 @@ def lower(
             split,
         )
     topology = Topology.of(mesh, schedule.failed)
-    _check_tensor(topology, splits, weights_kind=schedule.kind, shared=shared)
+    _check_tensor(topology, splits, weights_kind=schedule.kind)
     table.check()
     weights = async_weights_for(
         schedule, o.async_weights, optimizer, stages.param_avals, remat, loss, o.staleness_offset
@@ -248,7 +241,7 @@ def lower(
         row_multiple=schedule.replicas if zero else 1,
     )
     if zero:
-        _check_zero(program, optimizer, shared)
+        _check_zero(program)
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):
         raise OptimizerError(
