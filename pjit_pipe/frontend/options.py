@@ -189,6 +189,13 @@ class PipelineOptions:
         self._check_async_weights()
         if not isinstance(self.zero, bool):
             raise OptionError(f"zero: expected True or False, got {self.zero!r}")
+        if self.zero and self.schedule in IN_LOOP_OPTIMIZER:
+            raise OptionError(
+                f"zero=True with schedule={self.schedule!r}: its optimizer is staggered into "
+                "the tick loop (each stage steps after every microbatch), where ZeRO's "
+                "once-per-step reduce-scatter and all-gather do not fit; use a synchronous "
+                "schedule such as '1f1b' or 'zb-h1' with zero=True, or zero=False"
+            )
         self._check_mesh()
         if self.layers is not None:
             layers = tuple((int(a), int(b)) for a, b in self.layers)

@@ -63,16 +63,25 @@ def _check_tensor(topology: Topology, splits, weights_kind: str) -> None:
 
 
 def _check_zero(program: TickProgram) -> None:
-    """Refuse, by name, what ZeRO does not support yet."""
+    """Refuse, by name, the programs whose optimizer runs inside the tick loop:
+    ZeRO reduce-scatters the gradients and all-gathers the parameters once per
+    step, after the loop."""
     why = None
     if not program.topo.complete:
-        why = "failed workers (the re-routed program steps the optimizer in its loop)"
-    elif program.stepping:
-        why = "the optimizer inside the loop (a staggered schedule, iterations > 1)"
+        why = (
+            "failed workers: the re-routed program steps the optimizer inside its tick "
+            "loop; lower it with zero=False on the joined state (pjit_pipe.pipeline and "
+            "ResilientTrainer do so, reading lost slices from their neighbours' copies)"
+        )
     elif program.weights is not None:
-        why = "an asynchronous schedule (async-1f1b)"
+        why = "schedule 'async-1f1b' (stale weights); use a synchronous schedule or zero=False"
+    elif program.stepping:
+        why = (
+            "the optimizer inside the tick loop (a staggered schedule, or iterations > 1); "
+            "use an unstaggered table with iterations=1, or zero=False"
+        )
     if why:
-        raise OptionError(f"zero=True with {why} is not supported yet; use zero=False")
+        raise OptionError(f"zero=True with {why}")
 
 
 def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> None:
