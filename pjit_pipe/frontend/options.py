@@ -93,7 +93,8 @@ class PipelineOptions:
     Raises:
         OptionError: an option outside its values (each names the option, the
             values it takes and the fix), skip_nonfinite=True or async_weights
-            on a schedule they do not apply to, tick_sync="neighbor" with
+            on a schedule they do not apply to, zero=True with async-1f1b (its
+            optimizer steps inside the tick loop), tick_sync="neighbor" with
             pack_polish, or `layers` without one range per stage and one chunk.
         MeshError: `mesh` is no Mesh, its axes are not ('data', 'stage'[,
             'tensor']), or its 'stage' axis is not `stages` long.
