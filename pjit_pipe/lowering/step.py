@@ -63,7 +63,7 @@ class PipelineStep(StepIO):
                 optimizer,
                 schedule.num_virtual_stages,
                 lowered.held,
-                lowered.shared.holders if lowered.shared is not None else {},
+                lowered.shared,
             )
             self._opt_spec = self._zero.opt_spec
         elif optimizer is not None:

@@ -27,7 +27,7 @@ one reduction of the slices' norms (zero_norms.py).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -38,6 +38,7 @@ from jax import lax
 from pjit_pipe.errors import OptimizerError, StateError
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
 from pjit_pipe.lowering.layout.global_norm import StageNorms, count_norm_calls, stage_norms
+from pjit_pipe.lowering.layout.shared import SharedGrads
 from pjit_pipe.lowering.layout.tensor_layout import opt_state_splits
 from pjit_pipe.lowering.layout.zero_norms import SliceNorms
 
@@ -60,8 +61,8 @@ class ZeroLayout:
     param_spec: the chunk rows' layout (flat rows padded to a multiple of D);
     stages: the virtual stages (the optax state has one identical tree per
     stage, so the device layout indexes it like the parameters'); held[p][c]:
-    the virtual stage at position p, chunk c; shared: tied unit -> the virtual
-    stages holding it (their norm counts once).
+    the virtual stage at position p, chunk c; shared: the sum of tied weights'
+    gradients over their holders (shared.py), or None.
     """
 
     def __init__(
@@ -71,7 +72,7 @@ class ZeroLayout:
         optimizer: optax.GradientTransformation,
         stages: int,
         held: Sequence[Sequence[int]],
-        shared: Mapping[str, Sequence[int]],
+        shared: SharedGrads | None,
     ):
         self.D, self.optimizer = replicas, optimizer
         # Per buffer key: the dimension (of one chunk's buffer) cut into D slices, or None.
@@ -96,7 +97,9 @@ class ZeroLayout:
             ) from e
         # Norms of the whole update (a global-norm clip): calls per update, and how.
         self.norm_calls = count_norm_calls(optimizer, self.slices, state)
-        self.norms = SliceNorms(self.dims, replicas, param_spec, held, shared)
+        holders = shared.holders if shared is not None else {}
+        self.norms = SliceNorms(self.dims, replicas, param_spec, held, holders)
+        self.shared = shared
         opt_splits = opt_state_splits(optimizer, self.slices, splits)
         # Per chunk, (this replica's slice state, a copy of the next replica's): a
         # failed replica's slices survive on its neighbour (the module docstring).
@@ -108,7 +111,10 @@ class ZeroLayout:
         return tuple(n // self.D if d == dim else n for d, n in enumerate(shape))
 
     def scatter(self, grads: Buffers) -> Buffers:
-        """(v, ...) gradient buffers -> summed over 'data', each replica its slice."""
+        """(v, ...) gradient buffers -> summed over 'data', each replica its slice.
+        Tied weights' gradients are summed over their holders first (shared.py)."""
+        if self.shared is not None:
+            grads = self.shared(grads, grads, first_replica_only=True)
         return {
             k: lax.psum(g, DATA)
             if self.dims[k] is None
