@@ -46,6 +46,8 @@ class ScheduleSpec:
         section 3); None: the kind's own.
     stagger: each stage steps its optimizer as soon as its own gradients are done.
     search_time: seconds the failure-aware search may take.
+    stagger_reroutes: the re-routed schedule (with `failed`) staggers its
+        optimizer; False: every stage steps at the iteration's end.
     exact_time_limit: seconds auto may hand its best schedule to the exact engine.
     """
 
@@ -59,6 +61,7 @@ class ScheduleSpec:
     stagger: bool = False
     search_time: float = 10.0
     exact_time_limit: float | None = None
+    stagger_reroutes: bool = True
 
 
 def chunks_of(kind: str, chunks: int | None) -> int:
@@ -94,6 +97,7 @@ def build_schedule(spec: ScheduleSpec, costs: Costs | None = None) -> Schedule:
         exact_time_limit=spec.exact_time_limit,
         failed=spec.failed,
         search_time=spec.search_time,
+        stagger_reroutes=spec.stagger_reroutes,
     )
     if spec.stagger:
         schedule = stagger(schedule)

@@ -69,8 +69,8 @@ def _check_zero(program: TickProgram) -> None:
     why = None
     if not program.topo.complete:
         why = (
-            "failed workers: the re-routed program steps the optimizer inside its tick "
-            "loop; lower it with zero=False on the joined state (pjit_pipe.pipeline and "
+            "failed workers: the survivors' mesh has no 'data' axis to reduce-scatter "
+            "over; lower it with zero=False on the joined state (pjit_pipe.pipeline and "
             "ResilientTrainer do so, reading lost slices from their neighbours' copies)"
         )
     elif program.weights is not None:
