@@ -46,8 +46,9 @@ class ScheduleSpec:
         section 3); None: the kind's own.
     stagger: each stage steps its optimizer as soon as its own gradients are done.
     search_time: seconds the failure-aware search may take.
-    stagger_reroutes: the re-routed schedule (with `failed`) staggers its
-        optimizer; False: every stage steps at the iteration's end.
+    stagger_reroutes: keep the re-routed schedule's staggered optimizer (the
+        failure-aware search staggers it); False: every stage steps after the
+        iteration's last op, as in the fault-free kinds.
     exact_time_limit: seconds auto may hand its best schedule to the exact engine.
     """
 
@@ -97,10 +98,13 @@ def build_schedule(spec: ScheduleSpec, costs: Costs | None = None) -> Schedule:
         exact_time_limit=spec.exact_time_limit,
         failed=spec.failed,
         search_time=spec.search_time,
-        stagger_reroutes=spec.stagger_reroutes,
     )
     if spec.stagger:
         schedule = stagger(schedule)
+    elif not spec.stagger_reroutes and schedule.staggered and not schedule.asynchronous:
+        # Each worker's op order is one valid iteration either way; unstaggered,
+        # the iteration ends with every stage's optimizer step.
+        schedule = schedule.replace(staggered=False)
     validate(schedule)
     if spec.mem_limit is not None:
         try:

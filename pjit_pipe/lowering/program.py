@@ -258,16 +258,15 @@ def lower(
             "or another optax.tree.norm / optax.global_norm user), which needs every "
             "stage's gradients before any stage steps; a staggered schedule or "
             "iterations > 1 steps stages at different times. Use an unstaggered "
-            "table with iterations=1 (make_schedule(..., stagger_reroutes=False) for "
-            "failures), or a per-parameter clip (optax.clip)"
+            "table with iterations=1 (a re-routed one: schedule.replace(staggered=False)), "
+            "or a per-parameter clip (optax.clip)"
         )
     if stepping and shared:
         raise OptionError(
             f"shared (tied) parameters {sorted(shared)} with the optimizer inside the tick "
-            "loop (a staggered table, iterations > 1, or a table re-routed with "
-            "stagger_reroutes=True): every holder's gradient is needed before the update; "
-            "use an unstaggered table with iterations=1 (make_schedule(..., "
-            "stagger_reroutes=False) for failures), or untie them"
+            "loop (a staggered or re-routed table, iterations > 1): every holder's "
+            "gradient is needed before the update; use an unstaggered table with "
+            "iterations=1 (a re-routed one: schedule.replace(staggered=False)), or untie them"
         )
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
     return PipelineStep(schedule, program, optimizer, examples, zero=zero)

@@ -81,7 +81,6 @@ def make_schedule(
     exact_time_limit: float | None = None,
     failed: FailurePattern | Iterable[tuple[int, int]] = (),
     search_time: float = 10.0,
-    stagger_reroutes: bool = True,
 ) -> Schedule:
     """Generate a schedule of `kind` (one of KINDS), re-routed around `failed` workers.
 
@@ -116,10 +115,6 @@ def make_schedule(
             of the failure-aware search (`pjit_pipe.schedules.failure_aware`),
             which re-routes their microbatches to surviving peers.
         search_time: At most this many seconds for that search.
-        stagger_reroutes: Whether the re-routed schedule staggers the optimizer
-            (each stage steps as soon as its own gradients are done) or, False,
-            steps every stage after the iteration's last op, as the fault-free
-            kinds do (what a norm of the whole update or tied weights need).
 
     Returns:
         The schedule; its `kind` names the generator (and passes, e.g.
@@ -155,9 +150,7 @@ def make_schedule(
         kind, stages, microbatches, chunks, costs, mem_limit, replicas, objective, exact_time_limit
     )
     if pattern.failed:
-        schedule = search_reroutes(
-            schedule, pattern, costs, mem_limit, search_time, stagger_reroutes
-        )
+        schedule = search_reroutes(schedule, pattern, costs, mem_limit, search_time)
     return fuse_where_free(schedule, costs)
 
 

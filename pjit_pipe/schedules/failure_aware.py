@@ -27,7 +27,6 @@ def search_reroutes(
     costs: Costs,
     mem_limit: float | None = None,
     time_limit: float = 10.0,
-    staggered: bool = True,
 ) -> Schedule:
     """The re-routed version of the fault-free `base` with the shortest steady period found.
 
@@ -39,8 +38,7 @@ def search_reroutes(
     bound, or after `time_limit` seconds. `mem_limit` defaults to the base's
     peak memory. Patterns equal up to a permutation of replicas get one
     schedule, relabelled (unless the time limit cuts their searches at
-    different points). `staggered`: each stage steps its optimizer as soon as
-    its gradients are done; False: every stage steps at the iteration's end.
+    different points).
     """
     if base.asynchronous:
         raise ScheduleError(
@@ -64,15 +62,7 @@ def search_reroutes(
                 for reserve in reserves:
                     try:
                         yield from list_schedule(
-                            base,
-                            pat,
-                            placement,
-                            costs,
-                            caps,
-                            order,
-                            staggered=staggered,
-                            kind=name,
-                            reserve=reserve,
+                            base, pat, placement, costs, caps, order, reserve=reserve, kind=name
                         )[1:]
                     except ScheduleError:
                         if reserve:
