@@ -46,6 +46,9 @@ class ScheduleSpec:
         section 3); None: the kind's own.
     stagger: each stage steps its optimizer as soon as its own gradients are done.
     search_time: seconds the failure-aware search may take.
+    stagger_reroutes: keep the re-routed schedule's staggered optimizer (the
+        failure-aware search staggers it); False: every stage steps after the
+        iteration's last op, as in the fault-free kinds.
     exact_time_limit: seconds auto may hand its best schedule to the exact engine.
     slow: {(replica, stage): factor >= 1}: slow workers, part of whose
         microbatch-slices the failure-aware search moves to peers (ir/slow.py).
@@ -62,6 +65,7 @@ class ScheduleSpec:
     search_time: float = 10.0
     exact_time_limit: float | None = None
     slow: Mapping[tuple[int, int], float] | None = None
+    stagger_reroutes: bool = True
 
 
 def chunks_of(kind: str, chunks: int | None) -> int:
@@ -101,6 +105,10 @@ def build_schedule(spec: ScheduleSpec, costs: Costs | None = None) -> Schedule:
     )
     if spec.stagger:
         schedule = stagger(schedule)
+    elif not spec.stagger_reroutes and schedule.staggered and not schedule.asynchronous:
+        # Each worker's op order is one valid iteration either way; unstaggered,
+        # the iteration ends with every stage's optimizer step.
+        schedule = schedule.replace(staggered=False)
     validate(schedule)
     if spec.mem_limit is not None:
         try:

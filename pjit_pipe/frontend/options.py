@@ -102,7 +102,8 @@ class PipelineOptions:
     Raises:
         OptionError: an option outside its values (each names the option, the
             values it takes and the fix), skip_nonfinite=True or async_weights
-            on a schedule they do not apply to, tick_sync="neighbor" with
+            on a schedule they do not apply to, zero=True with async-1f1b (its
+            optimizer steps inside the tick loop), tick_sync="neighbor" with
             pack_polish, or `layers` without one range per stage and one chunk.
         MeshError: `mesh` is no Mesh, its axes are not ('data', 'stage'[,
             'tensor']), or its 'stage' axis is not `stages` long.
@@ -201,6 +202,13 @@ class PipelineOptions:
         self._check_async_weights()
         if not isinstance(self.zero, bool):
             raise OptionError(f"zero: expected True or False, got {self.zero!r}")
+        if self.zero and self.schedule in IN_LOOP_OPTIMIZER:
+            raise OptionError(
+                f"zero=True with schedule={self.schedule!r}: its optimizer is staggered into "
+                "the tick loop (each stage steps after every microbatch), where ZeRO's "
+                "once-per-step reduce-scatter and all-gather do not fit; use a synchronous "
+                "schedule such as '1f1b' or 'zb-h1' with zero=True, or zero=False"
+            )
         self._check_mesh()
         if self.layers is not None:
             layers = tuple((int(a), int(b)) for a, b in self.layers)

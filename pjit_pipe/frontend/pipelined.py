@@ -96,6 +96,10 @@ class Pipelined(CompiledPrograms):
             options.mem_limit,
             search_time=options.search_time,
             slow=dict(options.slow),
+            # Re-routed, every stage still steps after the iteration's last op, as in
+            # the fault-free program: a global-norm clip and tied weights need every
+            # stage's gradients before any stage steps.
+            stagger_reroutes=False,
         )
         self.chunks = chunks_of(options.schedule, options.chunks)
         # The costs the schedule is built and its ticks packed with, resolved once:
@@ -183,9 +187,10 @@ class Pipelined(CompiledPrograms):
             FailurePlanError: anything but a list of (replica, stage) pairs, or
                 (naming it) a stage with no survivor.
         """
-        # A re-routed program steps the optimizer inside its loop, which ZeRO does
-        # not: while workers are down the survivors hold their stages' whole optax
-        # state (joined from the slices and their copies; lowering/layout/zero.py).
+        # The survivors' mesh has no 'data' axis for ZeRO's reduce-scatter (a stage's
+        # live replicas sum down a ppermute chain): while workers are down they hold
+        # their stages' whole optax state (joined from the slices and their copies;
+        # lowering/layout/zero.py).
         zero = self.options.zero and not failed
         options = dataclasses.replace(self.options, failed=failed, zero=zero)
         return Pipelined(self.module, options, cuts=self.cuts)  # same module and stages

@@ -49,7 +49,7 @@ def _abstract(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tree)
 
 
-def _check_tensor(topology: Topology, splits, weights_kind: str, shared) -> None:
+def _check_tensor(topology: Topology, splits, weights_kind: str) -> None:
     """Refuse, by name, what tensor parallelism does not support yet."""
     if not any_split(splits):
         return
@@ -60,26 +60,28 @@ def _check_tensor(topology: Topology, splits, weights_kind: str, shared) -> None
             "schedule='async-1f1b' with weights split over 'tensor' is not supported: its "
             "weight policies keep flat weight rows; use a synchronous schedule or tensor=1"
         )
-    if shared:
-        raise OptionError(
-            f"shared (tied) parameters {sorted(shared)} with weights split over 'tensor' are "
-            "not supported: untie them, or use tensor=1"
-        )
 
 
-def _check_zero(program: TickProgram, optimizer, shared) -> None:
-    """Refuse, by name, what ZeRO does not support yet."""
+def _check_zero(program: TickProgram) -> None:
+    """Refuse, by name, the programs whose optimizer runs inside the tick loop:
+    ZeRO reduce-scatters the gradients and all-gathers the parameters once per
+    step, after the loop."""
     why = None
     if not program.topo.complete:
-        why = "failed workers (the re-routed program steps the optimizer in its loop)"
-    elif program.stepping:
-        why = "the optimizer inside the loop (a staggered schedule, iterations > 1)"
+        why = (
+            "failed workers: the survivors' mesh has no 'data' axis to reduce-scatter "
+            "over; lower it with zero=False on the joined state (pjit_pipe.pipeline and "
+            "ResilientTrainer do so, reading lost slices from their neighbours' copies)"
+        )
     elif program.weights is not None:
-        why = "an asynchronous schedule (async-1f1b)"
-    elif shared:
-        why = f"shared (tied) parameters {sorted(shared)}"
+        why = "schedule 'async-1f1b' (stale weights); use a synchronous schedule or zero=False"
+    elif program.stepping:
+        why = (
+            "the optimizer inside the tick loop (a staggered schedule, or iterations > 1); "
+            "use an unstaggered table with iterations=1, or zero=False"
+        )
     if why:
-        raise OptionError(f"zero=True with {why} is not supported yet; use zero=False")
+        raise OptionError(f"zero=True with {why}")
 
 
 def _check(schedule: Schedule, stage_fns, mesh: Mesh, stage_params, x, y) -> None:
@@ -230,7 +232,7 @@ def lower(
             o.policies,
         )
     topology = Topology.of(mesh, schedule.failed)
-    _check_tensor(topology, splits, weights_kind=schedule.kind, shared=shared)
+    _check_tensor(topology, splits, weights_kind=schedule.kind)
     table.check()
     weights = async_weights_for(
         schedule, o.async_weights, optimizer, stages.param_avals, remat, loss, o.staleness_offset
@@ -252,7 +254,7 @@ def lower(
         row_multiple=schedule.replicas if zero else 1,
     )
     if zero:
-        _check_zero(program, optimizer, shared)
+        _check_zero(program)
     stepping = optimizer is not None and program.stepping
     if stepping and count_norm_calls(optimizer, *stage0_avals(program, optimizer)):
         raise OptimizerError(
@@ -260,7 +262,15 @@ def lower(
             "or another optax.tree.norm / optax.global_norm user), which needs every "
             "stage's gradients before any stage steps; a staggered schedule or "
             "iterations > 1 steps stages at different times. Use an unstaggered "
-            "schedule with iterations=1, or a per-parameter clip (optax.clip)"
+            "table with iterations=1 (a re-routed one: schedule.replace(staggered=False)), "
+            "or a per-parameter clip (optax.clip)"
+        )
+    if stepping and shared:
+        raise OptionError(
+            f"shared (tied) parameters {sorted(shared)} with the optimizer inside the tick "
+            "loop (a staggered or re-routed table, iterations > 1): every holder's "
+            "gradient is needed before the update; use an unstaggered table with "
+            "iterations=1 (a re-routed one: schedule.replace(staggered=False)), or untie them"
         )
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
     return PipelineStep(schedule, program, optimizer, examples, zero=zero)

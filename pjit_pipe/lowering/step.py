@@ -58,7 +58,12 @@ class PipelineStep(StepIO):
         self._zero = None
         if optimizer is not None and zero:
             self._zero = ZeroLayout(
-                lowered.param_spec, schedule.replicas, optimizer, schedule.num_virtual_stages
+                lowered.param_spec,
+                schedule.replicas,
+                optimizer,
+                schedule.num_virtual_stages,
+                lowered.held,
+                lowered.shared,
             )
             self._opt_spec = self._zero.opt_spec
         elif optimizer is not None:
@@ -131,7 +136,7 @@ class PipelineStep(StepIO):
                 )
             elif self._zero is not None:
                 loss, grads = low.tick_loop(params, x, y, rows, pos, reduce=self._zero.scatter)
-                new = self._zero.step(params, grads, opt)
+                new = self._zero.step(params, grads, opt, pos)
                 if skip_nonfinite:  # grads are this replica's slices: any device's verdict
                     bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grads.values())
                     bad = lax.psum(bad + jnp.sum(~jnp.isfinite(loss)), AXES)

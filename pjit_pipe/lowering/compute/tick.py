@@ -362,7 +362,7 @@ class TickProgram:
         (_, _, grads, loss), _ = lax.scan(tick, (*self.empty(self.plan), self.ops.no_loss()), rows)
         local = self.flat_grads(grads, pos)
         grads = (reduce or self.topo.reduce_over_replicas)(local)
-        if self.shared is not None:
+        if self.shared is not None and reduce is None:  # ZeRO's `reduce` sums them first
             grads = self.shared(local, grads)
         total = lax.psum(loss, self.topo.axes)
         count = self.sched.replicas * self.sched.microbatches

@@ -66,12 +66,15 @@ class StageNorms:
         known: list[jax.Array],
         record: int | None,
         uncounted: frozenset[str] = frozenset(),
+        mask: Callable[[Any], Any] | None = None,
     ):
         self.known = known
         self.record = record
         # Units (top-level keys of the stage's tree) this stage holds a copy of
         # but another stage counts: a tied weight enters the whole model's norm once.
         self.uncounted = uncounted
+        # Zeroes what another device counts in a tree of ZeRO slices (zero_norms.py).
+        self.mask = mask
         self.calls = 0
         self.recorded: jax.Array | None = None
         self.combine: str | None = None  # SUM or MAX, for the recorded call
@@ -79,6 +82,8 @@ class StageNorms:
     def __call__(self, tree: Any, ord: Any, squared: bool) -> jax.Array:
         if self.uncounted and isinstance(tree, dict) and self.uncounted <= tree.keys():
             tree = {k: v for k, v in tree.items() if k not in self.uncounted}
+        if self.mask is not None:
+            tree = self.mask(tree)
         leaves = [jnp.asarray(a) for a in jax.tree.leaves(tree)]
         dtype = jnp.result_type(*leaves) if leaves else jnp.float32
         f32 = [a.astype(jnp.float32) for a in leaves]

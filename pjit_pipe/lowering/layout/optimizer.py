@@ -75,13 +75,6 @@ class StageOptimizer:
         loss vectors) and returns (params, opt state, those four at its end).
         """
         prog = self.prog
-        if prog.shared is not None:
-            raise ValueError(
-                f"shared parameters {sorted(prog.shared.units)} (tied weights) need every "
-                "holder's gradient before the update: a training step with the optimizer "
-                "inside the loop (a staggered or re-routed schedule, iterations > 1) does "
-                "not support them yet; untie them or train on an unstaggered schedule"
-            )
         plan = prog.step_plan if plan is None else plan
         v, iterations = prog.sched.chunks, prog.iterations
         count = prog.sched.replicas * prog.sched.microbatches

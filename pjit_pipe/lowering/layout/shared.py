@@ -9,6 +9,16 @@ parameters into one small buffer laid out by parameter, a psum over every
 worker adds all contributions (every microbatch's W runs on exactly one
 worker, also after re-routing), and each holder writes the total back over
 its replica-reduced rows. One unconditional collective, whatever holds what.
+
+A leaf of a shared unit split over 'tensor' sits in a shaped buffer of its own
+(flat_buffers.py), whose key may differ between the holding stages (its
+occurrence among same-shaped leaves): its total is a whole buffer, summed from
+and written back to whichever key each holder keeps it under.
+
+Under ZeRO (zero.py) the rows are reduce-scattered over 'data' after this sum,
+not before: replica 0 of each holder writes the total into its local rows and
+the other replicas write zeros, so the reduce-scatter hands every slice the
+total exactly.
 """
 
 from __future__ import annotations
@@ -22,10 +32,21 @@ import numpy as np
 from jax import lax
 
 from pjit_pipe.errors import CutError
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
 
 
-def _unit_range(spec: FlatSpec, s: int, unit: str, key: str) -> tuple[int, int] | None:
+def unit_keys(spec: FlatSpec, s: int, unit: str) -> list[str]:
+    """The buffer key of each leaf of `unit` in stage s's parameters, in leaf order."""
+    tree = spec.treedefs[s].unflatten(spec.avals[s])
+    paths = [p for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+    return [
+        key
+        for path, (key, _, _) in zip(paths, spec.slots[s], strict=True)
+        if getattr(path[0], "key", None) == unit
+    ]
+
+
+def unit_range(spec: FlatSpec, s: int, unit: str, key: str) -> tuple[int, int] | None:
     """(start, length) of `unit`'s leaves of dtype `key` in stage s's flat row, or None."""
     treedef = spec.treedefs[s]
     paths = [
@@ -64,45 +85,78 @@ class SharedGrads:
         self.holders = {unit: tuple(sorted(stages)) for unit, stages in shared.items()}
         self.axes = axes
         self.positions = positions
-        self.sizes: dict[str, int] = {}
-        # (dtype key, offset in the shared buffer, length, start table (P, v), holds (P, v))
-        self.entries: list[tuple[str, int, int, np.ndarray, np.ndarray]] = []
+        # Per total buffer: its shape and dtype. A dtype's flat leaves share one
+        # 1-D total; a shaped leaf (split over 'tensor') has one of its own.
+        self.totals: dict[str, tuple[tuple[int, ...], str]] = {}
+        # (total key, buffer key, offset in the total, length or None for a whole
+        # shaped buffer, start table (P, v), holds (P, v))
+        self.entries: list[tuple[str, str, int, int | None, np.ndarray, np.ndarray]] = []
         P, v = len(held), len(held[0])
+        flat_sizes: dict[str, int] = {}
         for unit, stages in sorted(shared.items()):
             for key in spec.sizes:
+                if is_shaped(key):
+                    continue
                 starts = np.zeros((P, v), np.int32)
                 holds = np.zeros((P, v), bool)
                 length = None
                 for p in range(P):
                     for c in range(v):
                         s = held[p][c]
-                        r = _unit_range(spec, s, unit, key) if s in stages else None
+                        r = unit_range(spec, s, unit, key) if s in stages else None
                         if r is not None:
                             starts[p, c], length = r
                             holds[p, c] = True
                 if length:
-                    offset = self.sizes.get(key, 0)
-                    self.entries.append((key, offset, length, starts, holds))
-                    self.sizes[key] = offset + length
+                    offset = flat_sizes.get(key, 0)
+                    self.entries.append((key, key, offset, length, starts, holds))
+                    flat_sizes[key] = offset + length
+            # (leaf of the unit, shaped key) -> which (position, chunk) keep it there
+            shaped: dict[tuple[int, str], np.ndarray] = {}
+            for p in range(P):
+                for c in range(v):
+                    if held[p][c] not in stages:
+                        continue
+                    for i, key in enumerate(unit_keys(spec, held[p][c], unit)):
+                        if is_shaped(key):
+                            shaped.setdefault((i, key), np.zeros((P, v), bool))[p, c] = True
+            for (i, key), holds in sorted(shaped.items()):
+                total = f"{unit}|{i}"
+                self.totals[total] = (spec.shapes[key], dtype_of(key))
+                self.entries.append((total, key, 0, None, np.zeros((P, v), np.int32), holds))
+        self.totals.update({k: ((n,), k) for k, n in flat_sizes.items()})
 
-    def __call__(self, local: Buffers, reduced: Buffers) -> Buffers:
+    def __call__(
+        self, local: Buffers, reduced: Buffers, first_replica_only: bool = False
+    ) -> Buffers:
         """local, reduced: this device's (v, L) gradient rows before and after the
-        replica reduction -> `reduced` with every shared slice replaced by its total."""
+        replica reduction -> `reduced` with every shared slice replaced by its total.
+        With `first_replica_only` (ZeRO: `reduced` is `local`, reduce-scattered
+        afterwards) replica 0 writes the totals and the other replicas zeros."""
         pos = jnp.asarray(self.positions)[lax.axis_index(self.axes)]
-        total = {k: jnp.zeros((n,), k) for k, n in self.sizes.items()}
-        for key, offset, n, starts, holds in self.entries:
+        total = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in self.totals.items()}
+        for t, key, offset, n, starts, holds in self.entries:
             for c in range(starts.shape[1]):
                 start, mine = jnp.asarray(starts[:, c])[pos], jnp.asarray(holds[:, c])[pos]
+                if n is None:
+                    total[t] = total[t] + jnp.where(mine, local[key][c], 0)
+                    continue
                 piece = lax.dynamic_slice(local[key][c], (start,), (n,))
-                total[key] = total[key].at[offset : offset + n].add(jnp.where(mine, piece, 0))
+                total[t] = total[t].at[offset : offset + n].add(jnp.where(mine, piece, 0))
         total = lax.psum(total, self.axes)
+        if first_replica_only:
+            first = lax.axis_index("data") == 0
+            total = {k: jnp.where(first, b, 0) for k, b in total.items()}
         out = dict(reduced)
-        for key, offset, n, starts, holds in self.entries:
+        for t, key, offset, n, starts, holds in self.entries:
             for c in range(starts.shape[1]):
                 start, mine = jnp.asarray(starts[:, c])[pos], jnp.asarray(holds[:, c])[pos]
                 row = out[key][c]
+                if n is None:
+                    out[key] = out[key].at[c].set(jnp.where(mine, total[t], row))
+                    continue
                 old = lax.dynamic_slice(row, (start,), (n,))
-                new = jnp.where(mine, total[key][offset : offset + n], old)
+                new = jnp.where(mine, total[t][offset : offset + n], old)
                 out[key] = out[key].at[c].set(lax.dynamic_update_slice(row, new, (start,)))
         return out
 

@@ -20,12 +20,14 @@ slice}, the same tree for every stage, so no switch on the pipeline position
 is needed; the optimizer must therefore be elementwise per parameter (adam,
 adamw, sgd, momentum, ...): a transformation that needs a whole parameter's
 shape or the model's tree (a mask over the parameter tree, per-leaf norms,
-factored second moments, a global-norm clip) is refused or fails when its
-state is built (docs/tensor_parallel.md).
+factored second moments) is refused or fails when its state is built
+(docs/tensor_parallel.md). A norm of the whole update (a global-norm clip) is
+one reduction of the slices' norms (zero_norms.py).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -35,8 +37,10 @@ from jax import lax
 
 from pjit_pipe.errors import OptimizerError, StateError
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
-from pjit_pipe.lowering.layout.global_norm import count_norm_calls
+from pjit_pipe.lowering.layout.global_norm import StageNorms, count_norm_calls, stage_norms
+from pjit_pipe.lowering.layout.shared import SharedGrads
 from pjit_pipe.lowering.layout.tensor_layout import opt_state_splits
+from pjit_pipe.lowering.layout.zero_norms import SliceNorms
 
 DATA = "data"
 
@@ -56,7 +60,9 @@ class ZeroLayout:
 
     param_spec: the chunk rows' layout (flat rows padded to a multiple of D);
     stages: the virtual stages (the optax state has one identical tree per
-    stage, so the device layout indexes it like the parameters').
+    stage, so the device layout indexes it like the parameters'); held[p][c]:
+    the virtual stage at position p, chunk c; shared: the sum of tied weights'
+    gradients over their holders (shared.py), or None.
     """
 
     def __init__(
@@ -65,6 +71,8 @@ class ZeroLayout:
         replicas: int,
         optimizer: optax.GradientTransformation,
         stages: int,
+        held: Sequence[Sequence[int]],
+        shared: SharedGrads | None,
     ):
         self.D, self.optimizer = replicas, optimizer
         # Per buffer key: the dimension (of one chunk's buffer) cut into D slices, or None.
@@ -87,12 +95,11 @@ class ZeroLayout:
                 "moments); use an elementwise optimizer (adam, adamw, sgd) or zero=False: "
                 f"{str(e).splitlines()[0]}"
             ) from e
-        if count_norm_calls(optimizer, self.slices, state):
-            raise OptimizerError(
-                "zero=True with a global-norm clip (optax.clip_by_global_norm or another "
-                "optax.global_norm user) is not supported: each replica holds a slice of "
-                "the update; use zero=False, or a per-parameter clip (optax.clip)"
-            )
+        # Norms of the whole update (a global-norm clip): calls per update, and how.
+        self.norm_calls = count_norm_calls(optimizer, self.slices, state)
+        holders = shared.holders if shared is not None else {}
+        self.norms = SliceNorms(self.dims, replicas, param_spec, held, holders)
+        self.shared = shared
         opt_splits = opt_state_splits(optimizer, self.slices, splits)
         # Per chunk, (this replica's slice state, a copy of the next replica's): a
         # failed replica's slices survive on its neighbour (the module docstring).
@@ -104,7 +111,10 @@ class ZeroLayout:
         return tuple(n // self.D if d == dim else n for d, n in enumerate(shape))
 
     def scatter(self, grads: Buffers) -> Buffers:
-        """(v, ...) gradient buffers -> summed over 'data', each replica its slice."""
+        """(v, ...) gradient buffers -> summed over 'data', each replica its slice.
+        Tied weights' gradients are summed over their holders first (shared.py)."""
+        if self.shared is not None:
+            grads = self.shared(grads, grads, first_replica_only=True)
         return {
             k: lax.psum(g, DATA)
             if self.dims[k] is None
@@ -212,19 +222,31 @@ class ZeroLayout:
         n = buf.shape[dim] // self.D
         return lax.dynamic_slice_in_dim(buf, replica * n, n, axis=dim)
 
-    def step(self, params: Buffers, grads: Buffers, opt: Buffers) -> tuple[Buffers, Buffers]:
+    def step(
+        self, params: Buffers, grads: Buffers, opt: Buffers, pos: jax.Array
+    ) -> tuple[Buffers, Buffers]:
         """This replica's optax update of its slices, then the all-gather of the new
         parameters (inside the program's shard_map). params/opt: (v, ...) buffers;
-        grads: `scatter`'s slices."""
+        grads: `scatter`'s slices; pos: this device's pipeline position."""
         r = lax.axis_index(DATA)
         v = next(iter(params.values())).shape[0]
+        args = [
+            (
+                {k: b[c] for k, b in grads.items()},
+                self.opt_spec.unpack(0, {k: b[c] for k, b in opt.items()})[0],
+                {k: self._take(b[c], k, r) for k, b in params.items()},
+            )
+            for c in range(v)
+        ]
+        known = self.norms.known(
+            self.norm_calls, lambda c: self.optimizer.update(*args[c]), v, pos, r
+        )
         new_p: dict[str, list[jax.Array]] = {k: [] for k in params}
         new_o: list[Buffers] = []
         for c in range(v):
-            p = {k: self._take(b[c], k, r) for k, b in params.items()}
-            g = {k: b[c] for k, b in grads.items()}
-            o, _ = self.opt_spec.unpack(0, {k: b[c] for k, b in opt.items()})
-            updates, o = self.optimizer.update(g, o, p)
+            g, o, p = args[c]
+            with stage_norms(StageNorms(known, None)):
+                updates, o = self.optimizer.update(g, o, p)
             p = optax.apply_updates(p, updates)
             for k, b in p.items():
                 new_p[k].append(b)
