@@ -89,13 +89,20 @@ class SharedGrads:
         """local, reduced: this device's (v, L) gradient rows before and after the
         replica reduction -> `reduced` with every shared slice replaced by its total."""
         pos = jnp.asarray(self.positions)[lax.axis_index(self.axes)]
-        total = {k: jnp.zeros((n,), k) for k, n in self.sizes.items()}
-        for key, offset, n, starts, holds in self.entries:
+        # The buffer is concatenated from its entries (appended in offset order),
+        # not scattered into: `.at[a:b].add` over a whole row lowers to a scatter
+        # with a zero-size index constant, which shard_map passes in as an operand,
+        # and a zero-size operand crashes jax 0.11's compiler (see
+        # benchmarks/repro_tied_xla_segfault.py).
+        pieces: dict[str, list[jax.Array]] = {k: [] for k in self.sizes}
+        for key, _, n, starts, holds in self.entries:
+            summed = jnp.zeros((n,), key)
             for c in range(starts.shape[1]):
                 start, mine = jnp.asarray(starts[:, c])[pos], jnp.asarray(holds[:, c])[pos]
                 piece = lax.dynamic_slice(local[key][c], (start,), (n,))
-                total[key] = total[key].at[offset : offset + n].add(jnp.where(mine, piece, 0))
-        total = lax.psum(total, self.axes)
+                summed = summed + jnp.where(mine, piece, 0)
+            pieces[key].append(summed)
+        total = lax.psum({k: jnp.concatenate(p) for k, p in pieces.items()}, self.axes)
         out = dict(reduced)
         for key, offset, n, starts, holds in self.entries:
             for c in range(starts.shape[1]):
