@@ -11,6 +11,7 @@ from pjit_pipe.lowering.layout.device_state import DeviceLayout, device_bytes
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.param_layout import ChunkLayout
 from pjit_pipe.lowering.program import LoweringOptions, PipelineStep, lower
+from pjit_pipe.lowering.shard_map_operands import shard_map_without_empty_operands
 
 __all__ = [
     "AXES",
@@ -33,4 +34,5 @@ __all__ = [
     "lower",
     "lower_forward",
     "microbatch_rngs",
+    "shard_map_without_empty_operands",
 ]
