@@ -461,13 +461,20 @@ def test_a_resume_restores_the_failed_workers(tmp_path, capsys):
     assert code == 0 and [r["failed"] for r in resumed] == [["0:1"], []]
 
 
+def _finished(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    """Run a CLI child to its end; a failure shows the child's stderr."""
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    assert done.returncode == 0, f"exit {done.returncode}: {done.stderr[-3000:]}"
+    return done
+
+
 @pytest.mark.slow
 def test_sigkill_during_checkpointed_training_resumes_with_identical_losses(tmp_path):
     """A run killed (SIGKILL) while it saves every step resumes from the newest
     complete checkpoint and its losses are those of a run never killed."""
     argv = [sys.executable, "-m", "pjit_pipe", *CLI, "--steps", "12"]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    reference = subprocess.run(argv, env=env, capture_output=True, text=True, check=True)
+    reference = _finished(argv, env)
     losses = {r["step"]: r["loss"] for r in map(json.loads, reference.stdout.splitlines())}
     ck = ["--checkpoint-dir", str(tmp_path), "--checkpoint-every", "1"]
     with subprocess.Popen([*argv, *ck], env=env, stdout=subprocess.PIPE, text=True) as run:
@@ -475,7 +482,7 @@ def test_sigkill_during_checkpointed_training_resumes_with_identical_losses(tmp_
         time.sleep(0.05)  # into the next step's save
         run.send_signal(signal.SIGKILL)
     assert run.returncode == -signal.SIGKILL
-    again = subprocess.run([*argv, *ck], env=env, capture_output=True, text=True, check=True)
+    again = _finished([*argv, *ck], env)
     resumed = [json.loads(line) for line in again.stdout.splitlines()]
     assert resumed and resumed[0]["step"] >= seen[-1]["step"] - 1 and resumed[-1]["step"] == 11
     assert all(r["loss"] == losses[r["step"]] for r in resumed)

@@ -16,6 +16,7 @@ from pjit_pipe.lowering.layout.device_state import DeviceLayout, device_bytes
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.param_layout import ChunkLayout
 from pjit_pipe.lowering.program import LoweringOptions, PipelineStep, lower
+from pjit_pipe.lowering.shard_map_operands import shard_map_without_empty_operands
 
 __all__ = [
     "AXES",
@@ -41,4 +42,5 @@ __all__ = [
     "lower_forward",
     "microbatch_rngs",
     "saved_names",
+    "shard_map_without_empty_operands",
 ]

@@ -22,6 +22,7 @@ from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.comms.topology import Topology
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, is_shaped
+from pjit_pipe.lowering.shard_map_operands import shard_map_without_empty_operands
 from pjit_pipe.lowering.tick_plan import TickPlan
 
 
@@ -82,7 +83,7 @@ class StepIO:
         """body over the program's mesh: `n_in_bufs` buffers and the four
         `_device_args` per device, then `n_replicated` arrays every device sees whole."""
         spec = self.topology.spec
-        return jax.shard_map(
+        return shard_map_without_empty_operands(
             body,
             mesh=self.mesh,
             in_specs=(spec,) * (n_in_bufs + 4) + (PS(),) * n_replicated,

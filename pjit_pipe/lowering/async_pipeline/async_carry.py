@@ -59,6 +59,7 @@ from pjit_pipe.lowering.compute.stages import Residuals
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.optimizer import StageOptimizer
+from pjit_pipe.lowering.shard_map_operands import shard_map_without_empty_operands
 from pjit_pipe.lowering.tick_plan import TickRow
 
 
@@ -200,7 +201,7 @@ class CarryingStep:
             return (*(jax.tree.map(lambda a: a[None], t) for t in out), done)
 
         spec = low.topo.spec
-        f = jax.shard_map(
+        f = shard_map_without_empty_operands(
             body,
             mesh=low.topo.mesh,
             in_specs=(spec,) * 13 + (PS(), PS()),

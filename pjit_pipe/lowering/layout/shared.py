@@ -125,6 +125,7 @@ class SharedGrads:
                 self.totals[total] = (spec.shapes[key], dtype_of(key))
                 self.entries.append((total, key, 0, None, np.zeros((P, v), np.int32), holds))
         self.totals.update({k: ((n,), k) for k, n in flat_sizes.items()})
+        self.flat_totals = set(flat_sizes)  # the 1-D totals, one per dtype
 
     def __call__(
         self, local: Buffers, reduced: Buffers, first_replica_only: bool = False
@@ -134,15 +135,26 @@ class SharedGrads:
         With `first_replica_only` (ZeRO: `reduced` is `local`, reduce-scattered
         afterwards) replica 0 writes the totals and the other replicas zeros."""
         pos = jnp.asarray(self.positions)[lax.axis_index(self.axes)]
-        total = {k: jnp.zeros(shape, dtype) for k, (shape, dtype) in self.totals.items()}
-        for t, key, offset, n, starts, holds in self.entries:
+        # A shaped total sums its entries whole; a flat total is concatenated from
+        # its entries (appended in offset order), not scattered into: `.at[a:b].add`
+        # over a whole row lowers to a scatter with a zero-size index constant, which
+        # shard_map passes in as an operand, and a zero-size operand crashes jax
+        # 0.11's compiler (see benchmarks/repro_tied_xla_segfault.py).
+        pieces: dict[str, list[jax.Array]] = {k: [] for k in self.totals}
+        for t, key, _, n, starts, holds in self.entries:
+            shape, dtype = self.totals[t] if n is None else ((n,), self.totals[t][1])
+            summed = jnp.zeros(shape, dtype)
             for c in range(starts.shape[1]):
                 start, mine = jnp.asarray(starts[:, c])[pos], jnp.asarray(holds[:, c])[pos]
-                if n is None:
-                    total[t] = total[t] + jnp.where(mine, local[key][c], 0)
-                    continue
-                piece = lax.dynamic_slice(local[key][c], (start,), (n,))
-                total[t] = total[t].at[offset : offset + n].add(jnp.where(mine, piece, 0))
+                piece = (
+                    local[key][c] if n is None else lax.dynamic_slice(local[key][c], (start,), (n,))
+                )
+                summed = summed + jnp.where(mine, piece, 0)
+            pieces[t].append(summed)
+        total = {
+            k: jnp.concatenate(p) if k in self.flat_totals else sum(p[1:], p[0])
+            for k, p in pieces.items()
+        }
         total = lax.psum(total, self.axes)
         if first_replica_only:
             first = lax.axis_index("data") == 0
