@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.schedule import Schedule
@@ -139,7 +138,7 @@ class PipelineStep(StepIO):
                 new = self._zero.step(params, grads, opt)
                 if skip_nonfinite:  # grads are this replica's slices: any device's verdict
                     bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grads.values())
-                    bad = lax.psum(bad + jnp.sum(~jnp.isfinite(loss)), AXES)
+                    bad = low.topo.psum(bad + jnp.sum(~jnp.isfinite(loss)), AXES)
                     skipped = bad > 0
                     new = jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new, (params, opt))
                 params, opt = new
