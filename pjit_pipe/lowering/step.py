@@ -17,12 +17,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from jax import lax
 from jax.sharding import PartitionSpec as PS
 
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.async_pipeline.async_carry import CarryingStep, InFlight
 from pjit_pipe.lowering.comms.topology import AXES
+from pjit_pipe.lowering.compute.branch_permutes import BranchSafeJit
 from pjit_pipe.lowering.compute.rng import check_rngs, microbatch_key_data
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.device_state import DeviceLayout
@@ -77,8 +77,10 @@ class PipelineStep(StepIO):
                     opt_state_splits(optimizer, a, h) for a, h in zip(avals, splits, strict=True)
                 ],
             )
-        self._vg = jax.jit(self._value_and_grad)
-        self._train = jax.jit(self._train_step) if optimizer is not None else None
+        # Each entry point's first compile is checked for reshards inside a stage's
+        # branch, which would deadlock (branch_permutes.py).
+        self._vg = BranchSafeJit(jax.jit(self._value_and_grad))
+        self._train = BranchSafeJit(jax.jit(self._train_step)) if optimizer is not None else None
         self._compiled_train = None
         # The training state between steps: each device's rows of its own stages.
         self.layout: DeviceLayout | None = None
@@ -89,9 +91,11 @@ class PipelineStep(StepIO):
         # The device-layout step per (donate, skip_nonfinite): consuming its state
         # buffers or not, keeping them where the step is not finite or not.
         self._device_steps = {
-            (donate, skip): jax.jit(
-                functools.partial(self._train_buffers, skip_nonfinite=skip),
-                donate_argnums=(0, 1) if donate else (),
+            (donate, skip): BranchSafeJit(
+                jax.jit(
+                    functools.partial(self._train_buffers, skip_nonfinite=skip),
+                    donate_argnums=(0, 1) if donate else (),
+                )
             )
             for donate in (True, False)
             for skip in (True, False)
@@ -139,7 +143,7 @@ class PipelineStep(StepIO):
                 new = self._zero.step(params, grads, opt, pos)
                 if skip_nonfinite:  # grads are this replica's slices: any device's verdict
                     bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grads.values())
-                    bad = lax.psum(bad + jnp.sum(~jnp.isfinite(loss)), AXES)
+                    bad = low.topo.psum(bad + jnp.sum(~jnp.isfinite(loss)), AXES)
                     skipped = bad > 0
                     new = jax.tree.map(lambda n, o: jnp.where(skipped, o, n), new, (params, opt))
                 params, opt = new
@@ -255,7 +259,7 @@ class PipelineStep(StepIO):
             )
         start = time.perf_counter()
         args = jax.tree.map(_abstract_placed, (list(stage_params), list(opt_state), x, y))
-        self._compiled_train = self._train.lower(*args).compile()
+        self._compiled_train = self._train.check(self._train.lower(*args).compile())
         return time.perf_counter() - start
 
     def device_train_step(
@@ -300,7 +304,7 @@ class PipelineStep(StepIO):
         batch = jax.tree.map(_abstract_placed, (x, y))
         key = (donate, skip_nonfinite)
         lowered = self._device_steps[key].lower(*self.layout.avals(), *batch)
-        self._compiled_device[key] = lowered.compile()
+        self._compiled_device[key] = self._device_steps[key].check(lowered.compile())
         return time.perf_counter() - start
 
     def carry_train_step(
@@ -350,7 +354,7 @@ class PipelineStep(StepIO):
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the compiled value_and_grad program."""
         if self._compiled_vg is None:
-            self._compiled_vg = self._vg.lower(*self._examples).compile()
+            self._compiled_vg = self._vg.check(self._vg.lower(*self._examples).compile())
         return self._compiled_vg.memory_analysis()
 
 

@@ -116,6 +116,20 @@ class Topology:
         """Linear indices of the live workers of one pipeline position."""
         return [i for i, w in enumerate(self.workers) if w.stage == position]
 
+    def psum(self, tree: Any, axes: Sequence[str]) -> Any:
+        """`lax.psum` of `tree` over the mesh axes `axes` that have more than one
+        device (inside shard_map).
+
+        A sum over one device is the value itself, so the size-one axes are
+        dropped, and with none left no collective is emitted. That is more
+        than a saving: with one worker (a 1 x 1 x T mesh) the partial-manual
+        region's manual group has one device, XLA treats the region as not
+        manual, and its SPMD partitioner refuses any cross-partition
+        all-reduce in it.
+        """
+        kept = tuple(a for a in axes if self.mesh.shape[a] > 1)
+        return lax.psum(tree, kept) if kept else tree
+
     def reduce_over_replicas(self, tree: Any, positions: Sequence[int] | None = None) -> Any:
         """Sum over the live replicas of each worker's stage (inside shard_map).
 
@@ -128,7 +142,7 @@ class Topology:
         device's tree comes back as it was.
         """
         if self.complete:
-            return lax.psum(tree, "data")
+            return self.psum(tree, ("data",))
         positions = range(self.stages) if positions is None else positions
         groups = [self.holders(p) for p in positions]
         if not groups:

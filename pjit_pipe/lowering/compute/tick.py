@@ -364,7 +364,7 @@ class TickProgram:
         grads = (reduce or self.topo.reduce_over_replicas)(local)
         if self.shared is not None and reduce is None:  # ZeRO's `reduce` sums them first
             grads = self.shared(local, grads)
-        total = lax.psum(loss, self.topo.axes)
+        total = self.topo.psum(loss, self.topo.axes)
         count = self.sched.replicas * self.sched.microbatches
         factor = self.loss.grad_factor(total, count)
         if factor is not None:  # a weighted loss: divide by the global batch's weight

@@ -122,7 +122,15 @@ class ChunkLayout:
 
         flat = _replicated({k: b for k, b in bufs.items() if not is_shaped(k)})
         branches = [functools.partial(branch, s) for s in self.stages]
-        return {**lax.switch(pos, branches, flat), **shaped}
+        # A shaped buffer that no stage of this chunk holds (the head, say, held
+        # by another chunk's stage) is absent from the carried gradient and zero
+        # in the row, as `FlatSpec.pack` makes it.
+        absent = {
+            k: jnp.zeros(self.spec.shapes[k], dtype_of(k))
+            for k in self.spec.sizes
+            if is_shaped(k) and k not in shaped
+        }
+        return {**absent, **lax.switch(pos, branches, flat), **shaped}
 
     def unpack(self, s: int, carried: Any) -> Any:
         """Stage s's parameter tree (inside its op): reshapes, or flat slices."""

@@ -1,0 +1,88 @@
+"""Tensor parallelism on the meshes and schedules beyond 1f1b on (D, P, T):
+one stage (1x1xT), a tensor group of four (1x2x4, the tiny Llama) and the
+chunked kinds. Each trains three SGD-momentum steps like plain
+jax.value_and_grad + optax, or is refused with a PjitPipeError."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import pjit_pipe as pp
+from pjit_pipe.models.gpt import GPT, GPTConfig, lm_loss
+from pjit_pipe.models.llama import Llama, LlamaConfig
+
+GPT_MODEL = GPT(dataclasses.replace(GPTConfig.tiny(), megatron=True))
+# Four query and four key/value heads: a tensor group of four holds whole heads.
+LLAMA_MHA = Llama(LlamaConfig.tiny(n_kv_heads=4, n_layers=2))
+# Two key/value heads over four devices: each device would hold half a head.
+LLAMA_GQA = Llama(LlamaConfig.tiny(n_kv_heads=2, n_layers=2))
+STEPS = 3
+
+
+def batch(vocab: int, seq_len: int, n: int = 8):
+    tokens = jax.random.randint(jax.random.key(0), (n, seq_len + 1), 0, vocab)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def rel_err(got, want) -> float:
+    """Largest over leaves of max|got - want| / max|want|."""
+    return max(
+        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
+    )
+
+
+def trains_like_optax(model, vocab: int, seq_len: int, mesh, **options) -> None:
+    """Three pipelined SGD-momentum steps give optax's losses and parameters."""
+    x, y = batch(vocab, seq_len)
+    boxed = model.init(jax.random.key(1), x)
+    opt = optax.sgd(0.1, momentum=0.9)
+    pm = pp.pipeline(
+        model, stages=mesh.shape["stage"], microbatches=4, mesh=mesh, optimizer=opt, **options
+    )
+    step = pm.train_step(lm_loss)
+    state = step.init(boxed, (x, y))
+    params = nn.meta.unbox(boxed)
+    opt_state = opt.init(params)
+    for _ in range(STEPS):
+        state, loss = step(state, (x, y))
+        want, grads = jax.value_and_grad(lambda p: lm_loss(model.apply(p, x), y))(params)
+        updates, opt_state = opt.update(grads, opt_state, params)
+        params = optax.apply_updates(params, updates)
+        assert abs(float(loss) - float(want)) <= 1e-5 * abs(float(want))
+    assert rel_err(nn.meta.unbox(state.params), params) <= 1e-5
+
+
+@pytest.mark.parametrize("tensor", [2, 4])
+def test_one_stage_split_over_tensor_trains_like_optax(tensor):
+    c = GPT_MODEL.config
+    trains_like_optax(GPT_MODEL, c.vocab, c.seq_len, pp.make_mesh(1, 1, tensor))
+
+
+def test_llama_on_1x2x4_trains_like_optax():
+    c = LLAMA_MHA.config
+    trains_like_optax(LLAMA_MHA, c.vocab, c.seq_len, pp.make_mesh(1, 2, 4))
+
+
+def test_llama_halving_its_heads_is_refused_not_deadlocked():
+    c = LLAMA_GQA.config
+    x, y = batch(c.vocab, c.seq_len)
+    boxed = LLAMA_GQA.init(jax.random.key(1), x)
+    pm = pp.pipeline(LLAMA_GQA, stages=2, microbatches=4, mesh=pp.make_mesh(1, 2, 4))
+    with pytest.raises(pp.SplitError, match="whole attention heads"):
+        pm.value_and_grad(lm_loss)(boxed, x, y)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-v"])
+def test_chunked_kinds_split_over_tensor_train_like_optax(kind):
+    # The Llama's head is split over 'tensor' and held by one chunk only.
+    model = Llama(LlamaConfig.tiny(n_layers=4))
+    c = model.config
+    trains_like_optax(model, c.vocab, c.seq_len, pp.make_mesh(1, 2, 2), schedule=kind, chunks=2)
