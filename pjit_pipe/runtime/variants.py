@@ -15,9 +15,10 @@ with its replica rows reordered to match (`reorder_replicas`): worker 1:2 slow
 runs the program of worker 0:2 slow, with replica 1's devices as row 0. All
 devices are live and replicas hold the same stage parameters, so the state
 stays where it is, and the lowered program is the same text for every
-replica permutation. An executable is bound to its devices' order, so each
-permutation is still compiled; on GPU JAX's persistent cache keys programs
-without that order, so a permutation loads the one compiled first.
+replica permutation. An executable is bound to its devices' order, so on
+CPU each permutation still compiles; on GPU JAX's persistent cache leaves
+that order out of its key, so a permutation finds the executable compiled
+first.
 """
 
 from __future__ import annotations
