@@ -42,9 +42,9 @@ from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir
 class TrainerEvent:
     """Something the runtime did: 'failure' (an attempt lost), 'wait' (the
     program for the workers down and slow is not compiled yet: the step waits
-    for it),
-    'switch' (another program; its seconds include any wait), 'skipped' (a step
-    whose loss or gradient norm was not finite left the state as it was)."""
+    for it), 'switch' (another program; its seconds include any wait),
+    'skipped' (a step whose loss or gradient norm was not finite left the
+    state as it was)."""
 
     step: int
     kind: str
@@ -106,9 +106,8 @@ class ResilientTrainer:
 
     Raises:
         OptionError: `cache_dir` names a file.
-        FailurePlanError: A factor of `slow_factors` below 1.
         FailurePlanError: An `InjectedFailures` plan cannot run on the
-            pipeline's mesh.
+            pipeline's mesh, or a factor of `slow_factors` is below 1.
     """
 
     def __init__(
