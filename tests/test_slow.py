@@ -361,6 +361,9 @@ def test_trainer_switches_to_the_mitigated_program_and_back_with_the_same_losses
     assert slow_during == [{}, {}, {Worker(0, 1): 2.0}, {Worker(0, 1): 2.0}, {}, {}]
     switches = [(e.step, e.slow) for e in tr.events if e.kind == "switch"]
     assert switches == [(2, ((Worker(0, 1), 2.0),)), (4, ())]
+    # Nothing compiled ahead (precompile=False): the step waits for the mitigated program.
+    waits = [(e.step, e.slow) for e in tr.events if e.kind == "wait"]
+    assert waits == [(2, ((Worker(0, 1), 2.0),))]
     assert "slow = 0:1 x2" in next(e for e in tr.events if e.kind == "switch").describe()
 
 
@@ -380,4 +383,7 @@ def test_cli_train_logs_the_switch_to_the_mitigated_program_and_back(capsys):
     slowed = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["loss"] for r in slowed] == pytest.approx([r["loss"] for r in plain], rel=1e-5)
     events = [e for r in slowed for e in r["events"]]
-    assert len(events) == 2 and "slow = 0:1 x2" in events[0] and "slow" not in events[1]
+    switches = [e for e in events if "switched" in e]
+    assert len(switches) == 2 and "slow = 0:1 x2" in switches[0] and "slow" not in switches[1]
+    # The plan's program compiles in the background: a step that reaches it first waits.
+    assert all("slow = 0:1 x2 is not compiled yet" in e for e in events if e not in switches)

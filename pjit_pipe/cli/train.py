@@ -212,7 +212,7 @@ def train(
     state = trainer.init(
         start_from,
         (x, y),
-        precompile=precompile > 0,
+        precompile=precompile > 0 or bool(slow),  # a --slow plan's programs, ahead
         on_compiled=on_compiled,
     )
     try:

@@ -203,7 +203,8 @@ def add_failure_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="K",
         help="compile variants for up to K failed workers in the background "
-        "(default 1 with --fail, else 0)",
+        "(default 1 with --fail, else 0); with --slow, the plan's slow workers and "
+        "each single slow worker at factor 2 compile there too",
     )
 
 

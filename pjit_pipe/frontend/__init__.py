@@ -2,7 +2,7 @@
 
 from pjit_pipe.frontend.cutter.cut import StageCut, cut_module
 from pjit_pipe.frontend.cutter.trace import boundary
-from pjit_pipe.frontend.mesh import make_mesh, worker_devices
+from pjit_pipe.frontend.mesh import make_mesh, reorder_replicas, worker_devices
 from pjit_pipe.frontend.pipeline import PipelinedClass, pipeline
 from pjit_pipe.frontend.pipelined import Pipelined
 from pjit_pipe.frontend.state import TrainState
@@ -18,5 +18,6 @@ __all__ = [
     "cut_module",
     "make_mesh",
     "pipeline",
+    "reorder_replicas",
     "worker_devices",
 ]

@@ -93,6 +93,22 @@ def worker_devices(mesh: Mesh) -> np.ndarray:
     return devices if devices.ndim == 3 else devices[..., None]
 
 
+def reorder_replicas(mesh: Mesh, order: Sequence[int]) -> Mesh:
+    """The mesh whose replica row r holds `mesh`'s row order[r]: the same devices
+    and stages, the replicas relabelled (replicas hold the same stage parameters,
+    so a program for one pattern of workers serves its replica permutations).
+
+    Args:
+        mesh: A (data, stage[, tensor]) mesh.
+        order: A permutation of range(data).
+
+    Returns:
+        The mesh with its rows reordered, axes and axis types kept.
+    """
+    rows = np.asarray(mesh.devices, dtype=object)[list(order)]
+    return Mesh(rows, mesh.axis_names, axis_types=mesh.axis_types)
+
+
 def pipeline_mesh(mesh: Mesh) -> Mesh:
     """The (data, stage) mesh of each worker's first device: one device per worker,
     where a program's per-worker arrays live (measurements, failure detection)."""

@@ -91,15 +91,31 @@ class FailurePattern:
     def _stages_of(self, replica: int) -> tuple[int, ...]:
         return tuple(sorted(w.stage for w in self.failed if w.replica == replica))
 
-    def canonical(self) -> tuple[FailurePattern, tuple[int, ...]]:
+    def canonical(
+        self, slow: Mapping[Worker, float] | None = None
+    ) -> tuple[FailurePattern, tuple[int, ...]]:
         """(canonical pattern, perm): perm[r] is the canonical index of replica r.
 
         Replicas are ordered by their failed stages: most failures first, then
-        lexicographically, ties kept in index order. Equal up to a replica
-        permutation <=> equal canonical patterns.
+        lexicographically; then by their slow workers (`slow`, {Worker: factor}),
+        most first, then by (stage, factor); ties kept in index order. Equal up
+        to a replica permutation <=> equal canonical patterns (and, with `slow`,
+        equal relabelled factors).
         """
+        speeds = {Worker(*w): f for w, f in (slow or {}).items()}
+
+        def slow_of(r: int) -> tuple[tuple[int, float], ...]:
+            return tuple(sorted((w.stage, f) for w, f in speeds.items() if w.replica == r))
+
         order = sorted(
-            range(self.replicas), key=lambda r: (-len(self._stages_of(r)), self._stages_of(r), r)
+            range(self.replicas),
+            key=lambda r: (
+                -len(self._stages_of(r)),
+                self._stages_of(r),
+                -len(slow_of(r)),
+                slow_of(r),
+                r,
+            ),
         )
         perm = [0] * self.replicas
         for new, old in enumerate(order):

@@ -171,6 +171,20 @@ class InjectedSlowdowns:
             for step, changes in (plan or {}).items()
         }
 
+    def planned(self) -> list[Speeds]:
+        """The sets of slow workers the plan goes through, in the order it reaches
+        them: the variants a run will need, so the runtime compiles them first.
+
+        Returns:
+            Each non-empty {Worker: factor > 1} once, in order of first occurrence.
+        """
+        order: list[Speeds] = []
+        for step in sorted(self.plan):
+            speeds = self.observe(step)
+            if speeds and speeds not in order:
+                order.append(speeds)
+        return order
+
     def observe(self, step: int) -> Speeds:
         """The slow workers in effect at `step`: every change at or before it applied.
 

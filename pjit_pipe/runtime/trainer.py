@@ -13,8 +13,11 @@ switch event records the bytes that moved.
 
 With a speed monitor (runtime/speed.py), a step also runs the program for
 the workers that are slow: part of their microbatches move to peers of their
-stage (`Pipelined.with_slow`), compiled when a pattern is first seen, and the
-fault-free program again once they recover; the numbers do not change.
+stage (`Pipelined.with_slow`), and the fault-free program again once they
+recover; the numbers do not change. These programs compile in the background
+too: the slow workers an `InjectedSlowdowns` plan goes through first, then
+every single slow worker at each of `slow_factors`; replica permutations of
+one pattern run one program on reordered replicas (runtime/variants.py).
 """
 
 from __future__ import annotations
@@ -29,24 +32,26 @@ import jax
 from pjit_pipe.errors import StateError
 from pjit_pipe.frontend import Pipelined, TrainState, worker_devices
 from pjit_pipe.ir.ops import Worker
+from pjit_pipe.ir.slow import check_factor
 from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
-from pjit_pipe.runtime.speed import SpeedMonitor, Speeds
+from pjit_pipe.runtime.speed import InjectedSlowdowns, SpeedMonitor, Speeds
 from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir
 
 
 @dataclass(frozen=True)
 class TrainerEvent:
     """Something the runtime did: 'failure' (an attempt lost), 'wait' (the
-    program for the workers down is not compiled yet: the step waits for it),
-    'switch' (another program; its seconds include any wait), 'skipped' (a step
-    whose loss or gradient norm was not finite left the state as it was)."""
+    program for the workers down and slow is not compiled yet: the step waits
+    for it), 'switch' (another program; its seconds include any wait),
+    'skipped' (a step whose loss or gradient norm was not finite left the
+    state as it was)."""
 
     step: int
     kind: str
     failed: frozenset[Worker]
     seconds: float = 0.0
     bytes_moved: int = 0  # state bytes copied between devices by a switch
-    slow: tuple[tuple[Worker, float], ...] = ()  # slow workers' factors after a switch
+    slow: tuple[tuple[Worker, float], ...] = ()  # slow workers' factors of the program
 
     def describe(self) -> str:
         down = ", ".join(map(str, sorted(self.failed))) or "none"
@@ -88,15 +93,21 @@ class ResilientTrainer:
         on_event: Called with each TrainerEvent as it is recorded.
         speeds: Where slow workers come from (runtime/speed.py), or None: every
             worker at full speed.
+        slow_factors: With `speeds`, every single slow worker at each of these
+            factors is compiled ahead, in the background, after the slow
+            workers an `InjectedSlowdowns` plan goes through. The default,
+            factor 2 alone, is D x P programs; `FACTORS[1:]` covers every
+            factor the detector marks (4 D x P programs), () none.
 
     Attributes:
         events: Every TrainerEvent so far ('failure', 'wait', 'switch', 'skipped').
-        variants: The compiled programs per failure pattern; None until `init`.
+        variants: The compiled programs per failure and slow-worker pattern;
+            None until `init`.
 
     Raises:
         OptionError: `cache_dir` names a file.
         FailurePlanError: An `InjectedFailures` plan cannot run on the
-            pipeline's mesh.
+            pipeline's mesh, or a factor of `slow_factors` is below 1.
     """
 
     def __init__(
@@ -108,7 +119,11 @@ class ResilientTrainer:
         cache_dir: str | None = None,
         on_event: Callable[[TrainerEvent], None] | None = None,
         speeds: SpeedMonitor | None = None,
+        slow_factors: tuple[float, ...] = (2.0,),
     ):
+        self.slow_factors = tuple(
+            check_factor(f, "a single slow worker", "slow_factors") for f in slow_factors
+        )
         if cache_dir is not None:
             check_cache_dir(cache_dir)
         self.detector = detector or InjectedFailures()
@@ -124,7 +139,6 @@ class ResilientTrainer:
         self._current: frozenset[Worker] = frozenset()
         self.speeds = speeds
         self._slow: Speeds = {}  # the slow workers of the program that ran last
-        self._mitigated: dict[tuple, Variant] = {}  # (down, slow factors) -> its variant
 
     def init(
         self,
@@ -138,13 +152,16 @@ class ResilientTrainer:
 
         Then, with `precompile`, compiles every pattern of up to `max_failures`
         failed workers, so a switch later costs a dictionary lookup; the
-        patterns an `InjectedFailures` plan goes through compile first.
+        patterns an `InjectedFailures` plan goes through compile first. With a
+        speed monitor, the slow workers an `InjectedSlowdowns` plan goes
+        through follow them, and every single slow worker at `slow_factors`
+        comes last.
 
         Args:
             params: Module-layout parameters, or a TrainState (e.g. a restored
                 checkpoint), which is moved into the fault-free layout.
             batch: An example batch (x, y); it fixes the stage cut and shapes.
-            precompile: Compile the failure patterns ahead.
+            precompile: Compile the failure and slow-worker patterns ahead.
             background: Compile them in a background thread (else before
                 returning).
             on_compiled: Called with each variant once it is compiled.
@@ -169,7 +186,17 @@ class ResilientTrainer:
         self.variants.get(())
         if precompile:
             planned = self.detector.planned() if isinstance(self.detector, InjectedFailures) else []
-            self.variants.precompile(self.max_failures, background, on_compiled, first=planned)
+            slow_planned = (
+                self.speeds.planned() if isinstance(self.speeds, InjectedSlowdowns) else []
+            )
+            self.variants.precompile(
+                self.max_failures,
+                background,
+                on_compiled,
+                first=planned,
+                slow_first=slow_planned,
+                slow_factors=self.slow_factors if self.speeds is not None else (),
+            )
         return state
 
     def step(self, state: TrainState, batch: tuple[Any, Any]) -> tuple[TrainState, jax.Array]:
@@ -212,12 +239,9 @@ class ResilientTrainer:
         its layout (the devices of the down workers are never read)."""
         start = time.perf_counter()
         slow = {w: f for w, f in slow.items() if w not in down}
-        if slow:
-            variant = self._mitigated_variant(down, slow)
-        else:
-            if not self.variants.ready(down):
-                self._record(TrainerEvent(state.step, "wait", down))
-            variant = self.variants.get(down)
+        if not self.variants.ready(down, slow):
+            self._record(TrainerEvent(state.step, "wait", down, slow=tuple(sorted(slow.items()))))
+        variant = self.variants.get(down, slow)
         mesh = self.pipelined.mesh
         unavailable = {d for w in down for d in worker_devices(mesh)[w.replica, w.stage]}
         state, moved = variant.step.adopt(state, batch, unavailable)
@@ -227,18 +251,6 @@ class ResilientTrainer:
             factors = tuple(sorted(slow.items()))
             self._record(TrainerEvent(state.step, "switch", down, seconds, moved, factors))
         return variant, state
-
-    def _mitigated_variant(self, down: frozenset[Worker], slow: Speeds) -> Variant:
-        """The step for these failed and slow workers, compiled the first time."""
-        key = (down, tuple(sorted(slow.items())))
-        if key not in self._mitigated:
-            base = self.pipelined.with_failures(sorted(down)) if down else self.pipelined
-            pv = base.with_slow(slow)
-            # Not donated: a failed attempt is retried from the state it was given.
-            step = pv.train_step(self.loss_fn, donate=False)
-            seconds = step.compile(*self.variants.example)
-            self._mitigated[key] = Variant(down, pv, step, seconds)
-        return self._mitigated[key]
 
     @property
     def slow(self) -> Speeds:
