@@ -16,9 +16,9 @@ import warnings
 
 import jax
 
-# The caller's frame as the warning's stacklevel: _Verdict.read, then SkipLog.count or
-# SkipLog.settled, then TrainState.skipped or TrainStep.__call__, then the caller.
-_CALLER_LEVEL = 4
+# The caller's frame as the warning's stacklevel: _Verdict.read, SkipLog._read, then
+# SkipLog.count or SkipLog.settled, then TrainState.skipped or TrainStep.__call__.
+_CALLER_LEVEL = 5
 
 
 class _Verdict:
@@ -69,7 +69,15 @@ class SkipLog:
         Returns:
             The number of skipped steps in this log.
         """
-        return self._counted + sum(v.read() for v in self._pending)
+        return self._read()
+
+    def _read(self) -> int:
+        """The count, each pending flag read (a loop, not a generator: the warning's
+        stacklevel counts the frames up to the caller)."""
+        count = self._counted
+        for verdict in self._pending:
+            count += verdict.read()
+        return count
 
     def settled(self) -> SkipLog:
         """This log with every pending flag read: call once a later step is dispatched.
@@ -79,7 +87,7 @@ class SkipLog:
         """
         if not self._pending:
             return self
-        return SkipLog(self._counted + sum(v.read() for v in self._pending))
+        return SkipLog(self._read())
 
     def then(self, step: int, flag: jax.Array, loss: jax.Array) -> SkipLog:
         """This log and one more step's verdict, not read yet.
