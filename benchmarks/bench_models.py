@@ -4,7 +4,7 @@ gradient-accumulation step, with throughput, memory and model FLOPs utilization.
     python -m benchmarks.bench_models [--model gpt2-124m|llama] [--kinds 1f1b,zb-v,...]
         [--microbatches M] [--mb-size B] [--seq S] [--dtype f32|bf16]
         [--rounds N] [--peak-tflops T] [--quick] [--width D --layers L]
-        [--skip-nonfinite on|off|both]
+        [--skip-nonfinite on|off|both] [--clock wall|cpu]
 
 Models (pjit_pipe/models):
 - gpt2-124m: GPT2LM at GPT-2 small (vocab 50257, 1024 positions, d 768, 12
@@ -22,6 +22,10 @@ e.g. the d256 4-layer GPT-2 of the CPU rows:
 
     python -m benchmarks.bench_models --width 256 --layers 4 --seq 64 \
         --kinds 1f1b,zb-h1,zb-v,interleaved-1f1b,async-1f1b --skip-nonfinite both
+
+`--clock cpu` times each call in this process's CPU seconds (all its threads)
+instead of wall seconds: on a CPU shared with other work the wall ratios
+scatter, the CPU ones much less (the step ms column is then CPU ms).
 
 `--skip-nonfinite` picks the pipelined steps' non-finite check
 (PipelineOptions.skip_nonfinite): `on` (the default: skipped where the
@@ -293,7 +297,8 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
             if name not in firsts:
                 first_call(name, lambda kind=kind, skip=skip: pipelined(kind, skip))
 
-    times = round_times(steppers, args.rounds)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times = round_times(steppers, args.rounds, clock)
     base = times["plain"]
     base_loss = float(steppers["plain"].loss)
     rows = []
@@ -314,7 +319,10 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
             )
         )
     steps = args.rounds + 2
-    print(f"{args.rounds} rounds; each program took {steps} steps; ratio = median per-round ratio")
+    print(
+        f"{args.rounds} rounds; each program took {steps} steps; ratio = median per-round"
+        f" ratio; {args.clock} time"
+    )
     print(
         f"   {'program':17s} {'step ms':>9} {'ratio [q1, q3]':>22} {'tokens/s':>10}"
         f" {'first s':>8} {'peak GiB':>9} {'MFU':>6}  loss (rel err to plain)"
@@ -355,6 +363,9 @@ def main(argv: list[str] | None = None) -> list[Row]:
         choices=tuple(SKIP_CHOICES),
         default="on",
         help="the non-finite check: on (default), off, or both (a row each)",
+    )
+    ap.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="wall or process CPU time"
     )
     args = ap.parse_args(argv)
     if not args.quick and jax.default_backend() == "cpu":
