@@ -3,7 +3,8 @@ gradient-accumulation step, with throughput, memory and model FLOPs utilization.
 
     python -m benchmarks.bench_models [--model gpt2-124m|llama] [--kinds 1f1b,zb-v,...]
         [--microbatches M] [--mb-size B] [--seq S] [--dtype f32|bf16]
-        [--rounds N] [--peak-tflops T] [--quick]
+        [--rounds N] [--peak-tflops T] [--quick] [--width D --layers L]
+        [--skip-nonfinite on|off|both] [--clock wall|cpu]
 
 Models (pjit_pipe/models):
 - gpt2-124m: GPT2LM at GPT-2 small (vocab 50257, 1024 positions, d 768, 12
@@ -15,7 +16,21 @@ Models (pjit_pipe/models):
   `--dtype` is its compute dtype, the parameters stay float32; bf16 by
   default, m=8 x 4 sequences of 1024.
 `--quick` shrinks either to a tiny size (and 3 rounds) that runs on a CPU;
-on a CPU backend it is always quick.
+on a CPU backend it is always quick. `--width D --layers L` set the quick
+GPT-2's width and depth (D/64 heads, at least 2; a context of 128 positions),
+e.g. the d256 4-layer GPT-2 of the CPU rows:
+
+    python -m benchmarks.bench_models --width 256 --layers 4 --seq 64 \
+        --kinds 1f1b,zb-h1,zb-v,interleaved-1f1b,async-1f1b --skip-nonfinite both
+
+`--clock cpu` times each call in this process's CPU seconds (all its threads)
+instead of wall seconds: on a CPU shared with other work the wall ratios
+scatter, the CPU ones much less (the step ms column is then CPU ms).
+
+`--skip-nonfinite` picks the pipelined steps' non-finite check
+(PipelineOptions.skip_nonfinite): `on` (the default: skipped where the
+schedule allows it), `off`, or `both`, which times each kind both ways (rows
+`kind` and `kind/off`; async-1f1b, which steps in its loop, has one row).
 
 Both programs run on the first device. The plain step is a jitted `lax.scan`
 of `jax.value_and_grad` over the m microbatches (benchmarks/common.py
@@ -76,6 +91,8 @@ from pjit_pipe.schedules import KINDS
 
 DEFAULT_KINDS = "1f1b,zb-h1,gpipe,zb-v,interleaved-1f1b,async-1f1b"
 CHUNKED = ("interleaved-1f1b", "zb-v")  # two chunks on the one device
+IN_LOOP = ("async-1f1b",)  # steps its optimizer in the loop: no non-finite check
+SKIP_CHOICES = {"on": (None,), "off": (False,), "both": (None, False)}
 HOPPER_BF16_TFLOPS = 989.0  # dense bf16 peak of an H100 SXM / H200
 LEARNING_RATE = 1e-4
 
@@ -94,13 +111,20 @@ class ModelCase:
     lookup_only: tuple[str, ...]  # top-level parameter names used only as tables
 
 
-def build_case(name: str, dtype: str, seq: int | None, quick: bool) -> ModelCase:
-    """The model `name` ("gpt2-124m" or "llama") at full size, or tiny with `quick`."""
+def build_case(
+    name: str, dtype: str, seq: int | None, quick: bool, width: int | None, layers: int | None
+) -> ModelCase:
+    """The model `name` ("gpt2-124m" or "llama") at full size, or tiny with `quick`
+    (a quick GPT-2 `width` wide and `layers` deep where given)."""
     compute = jnp.bfloat16 if dtype == "bf16" else jnp.float32
     if name == "gpt2-124m":
         sizes = dict(vocab=50257, n_positions=1024, d_model=768, n_heads=12, n_layers=12)
         if quick:
             sizes = dict(vocab=64, n_positions=16, d_model=32, n_heads=2, n_layers=2)
+            if width or layers:
+                d = width or 32
+                sizes.update(n_positions=128, d_model=d, n_heads=max(2, d // 64))
+                sizes.update(n_layers=layers or 2)
         config = GPT2Config(**sizes)
         cast = jnp.bfloat16 if dtype == "bf16" else None
         seq = _within(seq, config.n_positions)
@@ -250,7 +274,7 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
         state = (copy(params), optimizer.init(params))
         return Stepper(plain_step(case, optimizer, m), state, (x, y), pipelined=False)
 
-    def pipelined(kind: str) -> Stepper:
+    def pipelined(kind: str, skip: bool | None) -> Stepper:
         pm = pp.pipeline(
             case.module,
             stages=1,
@@ -259,15 +283,22 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
             mesh=pp.make_mesh(data=1, stage=1, devices=[device]),
             chunks=2 if kind in CHUNKED else None,
             optimizer=optimizer,
+            skip_nonfinite=skip,
         )
         step = pm.train_step(lm_loss)
         return Stepper(step, step.init(copy(params), (x, y)), (x, y), pipelined=True)
 
     first_call("plain", plain)
     for kind in args.kinds:
-        first_call(kind, lambda kind=kind: pipelined(kind))
+        for skip in args.skip_nonfinite:
+            if skip is False and kind in IN_LOOP:
+                continue  # never checks: its row with the default is the row
+            name = kind if skip is None or kind in IN_LOOP else f"{kind}/off"
+            if name not in firsts:
+                first_call(name, lambda kind=kind, skip=skip: pipelined(kind, skip))
 
-    times = round_times(steppers, args.rounds)
+    clock = time.process_time if args.clock == "cpu" else time.perf_counter
+    times = round_times(steppers, args.rounds, clock)
     base = times["plain"]
     base_loss = float(steppers["plain"].loss)
     rows = []
@@ -288,7 +319,10 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
             )
         )
     steps = args.rounds + 2
-    print(f"{args.rounds} rounds; each program took {steps} steps; ratio = median per-round ratio")
+    print(
+        f"{args.rounds} rounds; each program took {steps} steps; ratio = median per-round"
+        f" ratio; {args.clock} time"
+    )
     print(
         f"   {'program':17s} {'step ms':>9} {'ratio [q1, q3]':>22} {'tokens/s':>10}"
         f" {'first s':>8} {'peak GiB':>9} {'MFU':>6}  loss (rel err to plain)"
@@ -322,11 +356,23 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument("--rounds", type=int, help="timing rounds (default 20; 3 with --quick)")
     ap.add_argument("--peak-tflops", type=float, help="device peak for MFU (H100/H200: 989)")
     ap.add_argument("--quick", action="store_true", help="a tiny model that runs on a CPU")
+    ap.add_argument("--width", type=int, help="quick GPT-2's d_model (default 32)")
+    ap.add_argument("--layers", type=int, help="quick GPT-2's layers (default 2)")
+    ap.add_argument(
+        "--skip-nonfinite",
+        choices=tuple(SKIP_CHOICES),
+        default="on",
+        help="the non-finite check: on (default), off, or both (a row each)",
+    )
+    ap.add_argument(
+        "--clock", choices=("wall", "cpu"), default="wall", help="wall or process CPU time"
+    )
     args = ap.parse_args(argv)
     if not args.quick and jax.default_backend() == "cpu":
         print("no accelerator: the tiny size (--quick); a full-size step takes minutes on a CPU")
         args.quick = True
     args.kinds = [k for k in args.kinds.split(",") if k]
+    args.skip_nonfinite = SKIP_CHOICES[args.skip_nonfinite]
     unknown = sorted(set(args.kinds) - set(KINDS))
     if unknown or not args.kinds:
         ap.error(f"--kinds: unknown {unknown}; choose from {', '.join(KINDS)}")
@@ -336,7 +382,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     args.dtype = args.dtype or ("f32" if args.model == "gpt2-124m" else "bf16")
     args.rounds = args.rounds or (3 if args.quick else 20)
     try:
-        case = build_case(args.model, args.dtype, args.seq, args.quick)
+        case = build_case(args.model, args.dtype, args.seq, args.quick, args.width, args.layers)
     except ValueError as e:
         ap.error(str(e))
     return run(args, case)

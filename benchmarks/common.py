@@ -28,19 +28,23 @@ from pjit_pipe.simulator import simulate
 from pjit_pipe.tick_packing import pack_ticks
 
 
-def round_times(programs: dict, rounds: int) -> dict:
-    """Wall time of each call of each program over `rounds` rounds, after one
-    warm-up call each; every other round runs them in reverse order, so drift in
-    machine load hits all alike and per-round ratios pair calls made side by side."""
+def round_times(
+    programs: dict, rounds: int, clock: Callable[[], float] = time.perf_counter
+) -> dict:
+    """Time (`clock`: wall by default) of each call of each program over `rounds`
+    rounds, after one warm-up call each; every other round runs them in reverse
+    order, so drift in machine load hits all alike and per-round ratios pair calls
+    made side by side. `time.process_time` (this process's CPU seconds, all its
+    threads) is steadier on a CPU shared with other work."""
     for f in programs.values():
         jax.block_until_ready(f())
     times: dict = {k: [] for k in programs}
     order = list(programs)
     for r in range(rounds):
         for k in order if r % 2 == 0 else order[::-1]:
-            start = time.perf_counter()
+            start = clock()
             jax.block_until_ready(programs[k]())
-            times[k].append(time.perf_counter() - start)
+            times[k].append(clock() - start)
     return times
 
 

@@ -128,8 +128,8 @@ def test_a_non_finite_step_is_skipped_and_reported(step, params, clean_run, bad)
     state, _ = step(state, batch(1))
     with pytest.warns(RuntimeWarning, match="step 1: .*not finite; the update was skipped"):
         state, loss = step(state, bad(*batch(7)))
+        assert state.skipped == 1 and state.step == 2  # the read that warns
     assert not np.isfinite(float(loss)) or bad is overflow
-    assert state.skipped == 1 and state.step == 2
     state, loss = step(state, batch(2))
     assert np.isfinite(float(loss)) and state.skipped == 1
     assert_close(state.params, clean_run)  # as if the bad batch never came
@@ -153,10 +153,26 @@ def test_a_total_weight_of_zero_or_below_is_a_skipped_step(pm, params):
         bad[:, -1] = weight
         with pytest.warns(RuntimeWarning, match="skipped"):
             state, loss = step(state, (x, bad))
+            state.skipped  # reads the step's flag: the warning
         assert np.isnan(float(loss))
     assert state.skipped == 2
     state, loss = step(state, (x, ones))
     np.testing.assert_allclose(float(loss), float(expected), rtol=1e-5)
+
+
+def test_the_skip_flag_is_read_once_the_next_step_is_dispatched(step, params):
+    """The step does not wait for its flag: no warning until the count is read or
+    the next step is under way; then one warning, however often it is read."""
+    state = step.init(params, batch(1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a warning here would fail the test
+        skipped_state, _ = step(state, nan_in_x(*batch(1)))
+    with pytest.warns(RuntimeWarning, match="step 0: .*not finite") as caught:
+        state, _ = step(skipped_state, batch(2))
+    assert len(caught) == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # read already: no second warning
+        assert state.skipped == 1 and skipped_state.skipped == 1
 
 
 def test_skip_nonfinite_false_applies_the_update(pm, params):

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
+import pjit_pipe as pp
 from pjit_pipe.lowering.async_pipeline.weight_prediction import last_update, predict, recognise
+from pjit_pipe.models import ResidualMLP, mse_loss
 
 W0 = {"w": jnp.array([0.5, -1.0, 2.0]), "b": jnp.array([0.25])}
 GRADS = [
@@ -85,3 +88,30 @@ def test_prediction_keeps_dtype():
     u = {"w": jnp.full(2, 0.5, jnp.float32)}
     out = predict(w, u, 2)["w"]
     assert out.dtype == jnp.bfloat16 and math.isclose(float(out[0]), 2.0)
+
+
+def test_one_stage_async_steps_are_sequential_optax_steps():
+    """On one stage every horizon is 0 (the forward reads W itself): an async-1f1b
+    step is m optax steps, one per microbatch, each on that microbatch's mean loss."""
+    model = ResidualMLP(d_model=8, hidden=8, n_layers=2, d_out=4)
+    x = np.random.default_rng(0).normal(size=(8, 8)).astype(np.float32)
+    y = np.sin(x[:, :4])
+    params = model.init(jax.random.key(0), x)
+    optimizer = optax.adamw(1e-2)
+    pm = pp.pipeline(
+        model,
+        stages=1,
+        microbatches=2,
+        schedule="async-1f1b",
+        mesh=pp.make_mesh(data=1, stage=1, devices=jax.devices()[:1]),
+        optimizer=optimizer,
+    )
+    step = pm.train_step(mse_loss, donate=False)
+    state, _ = step(step.init(params, (x, y)), (x, y))
+    expected, opt_state = params, optimizer.init(params)
+    for xb, yb in zip(np.split(x, 2), np.split(y, 2), strict=True):
+        grads = jax.grad(lambda p, xb=xb, yb=yb: mse_loss(model.apply(p, xb), yb))(expected)
+        updates, opt_state = optimizer.update(grads, opt_state, expected)
+        expected = optax.apply_updates(expected, updates)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-6)

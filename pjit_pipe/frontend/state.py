@@ -22,6 +22,7 @@ from pjit_pipe.errors import StateError
 from pjit_pipe.frontend.cutter.cut import StageCut
 from pjit_pipe.frontend.cutter.tensor_split import rebox
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
+from pjit_pipe.frontend.skip_log import SkipLog
 from pjit_pipe.lowering import Buffers, DeviceLayout, device_bytes
 
 
@@ -101,8 +102,9 @@ class TrainState:
         in_flight: the microbatches still in flight after a carrying step of an
             asynchronous schedule (lowering/async_pipeline/async_carry.py), None
             when none are: `params` then lacks their updates until `TrainStep.flush`.
-        skipped: how many of those steps were skipped because their loss or global
-            gradient norm was not finite (see docs/faults.md).
+        skip_log: the steps skipped because their loss or global gradient norm
+            was not finite, their flags read lazily (skip_log.py); `skipped`
+            counts them (see docs/faults.md).
     """
 
     device_params: Buffers
@@ -110,7 +112,19 @@ class TrainState:
     step: int = flax.struct.field(pytree_node=False, default=0)
     view: StateView | None = flax.struct.field(pytree_node=False, default=None)
     in_flight: Any = None
-    skipped: int = flax.struct.field(pytree_node=False, default=0)
+    skip_log: SkipLog = flax.struct.field(pytree_node=False, default=SkipLog())
+
+    @property
+    def skipped(self) -> int:
+        """How many of the steps taken were skipped as not finite.
+
+        Reading it waits for the steps whose flags are not read yet, and gives
+        the RuntimeWarning of each skipped one among them.
+
+        Returns:
+            The count of skipped steps.
+        """
+        return self.skip_log.count()
 
     def check_alive(self, where: str) -> None:
         """Raise StateError when a step consumed (donated) this state's buffers.

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Collection
 from typing import TYPE_CHECKING, Any
 
@@ -15,6 +14,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 from pjit_pipe.errors import BatchError, OptionError, RngError, StateError
 from pjit_pipe.frontend.cutter.tensor_split import unbox
 from pjit_pipe.frontend.rngs import step_rngs
+from pjit_pipe.frontend.skip_log import SkipLog
 from pjit_pipe.frontend.state import StateView, TrainState
 
 if TYPE_CHECKING:
@@ -34,8 +34,9 @@ class TrainStep:
     A step whose loss or global gradient norm is not finite is skipped inside
     the compiled program (PipelineOptions.skip_nonfinite): the returned state
     holds the parameters and optimizer state it was given, its `skipped` count
-    goes up and a RuntimeWarning names the step. Reading that flag waits for
-    the step to finish.
+    goes up and a RuntimeWarning names the step. The step does not wait for
+    its flag: it is read when `state.skipped` is (which waits for the step),
+    or else in the next step's call, once that step is dispatched (skip_log.py).
 
     With `carry` (async-1f1b only) a step does not drain the pipeline: the
     microbatches in flight at its end stay in `state.in_flight` and the next
@@ -130,7 +131,7 @@ class TrainStep:
         params = model.variables(model.params(params))  # e.g. an nnx.State -> its pure dict
         _, view = self._program(params, batch, step_rngs(rngs), boxed)  # checks the optimizer
         device_params, device_opt = view.to_device(params, unbox(opt_state)[0])
-        return TrainState(device_params, device_opt, step, view, skipped=skipped)
+        return TrainState(device_params, device_opt, step, view, skip_log=SkipLog(skipped))
 
     def adopt(
         self, state: TrainState, batch: tuple[Any, Any], unavailable: Collection[Any] = ()
@@ -208,7 +209,7 @@ class TrainStep:
             params, opt = state.view.to_module(state, unavailable)
             params, opt = view.to_device(params, opt)
             moved = sum(b.nbytes for b in jax.tree.leaves((params, opt)))  # at most this
-        return TrainState(params, opt, state.step, view, skipped=state.skipped), moved
+        return TrainState(params, opt, state.step, view, skip_log=state.skip_log), moved
 
     def __call__(
         self, state: TrainState, batch: tuple[Any, Any], rngs: Any = None
@@ -246,7 +247,7 @@ class TrainStep:
                 state.device_params, state.device_opt, state.in_flight, x, y, donate=self.donate
             )
             self._carried_by[view] = step
-            return TrainState(params, opt, state.step + 1, view, in_flight, state.skipped), loss
+            return TrainState(params, opt, state.step + 1, view, in_flight, state.skip_log), loss
         if state.in_flight is not None:
             raise StateError(
                 "state: it has microbatches in flight (from a carrying step, "
@@ -256,16 +257,11 @@ class TrainStep:
         params, opt, loss, skipped = step.device_train_step(
             state.device_params, state.device_opt, x, y, self.donate, rngs, skip
         )
-        count = state.skipped
-        if skip and bool(skipped):
-            count += 1
-            warnings.warn(
-                f"step {state.step}: the loss ({float(loss)}) or the global gradient norm is "
-                "not finite; the update was skipped (parameters and optimizer state unchanged)",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-        return TrainState(params, opt, state.step + 1, view, skipped=count), loss
+        # This step is dispatched: the earlier steps' flags are read while it runs.
+        log = state.skip_log.settled()
+        if skip:
+            log = log.then(state.step, skipped, loss)
+        return TrainState(params, opt, state.step + 1, view, skip_log=log), loss
 
     def _skips(self, step: PipelineStep) -> bool:
         """Whether `step` runs with the non-finite check (PipelineOptions.skip_nonfinite)."""
@@ -302,7 +298,7 @@ class TrainStep:
         params, opt, _, loss = step.carry_train_step(
             state.device_params, state.device_opt, state.in_flight, drain=True, donate=self.donate
         )
-        return TrainState(params, opt, state.step, state.view, skipped=state.skipped), loss
+        return TrainState(params, opt, state.step, state.view, skip_log=state.skip_log), loss
 
     def compile(self, state: TrainState, batch: tuple[Any, Any]) -> float:
         """Compile ahead of time.

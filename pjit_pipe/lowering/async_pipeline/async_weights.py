@@ -86,10 +86,14 @@ class AsyncWeights:
             [staleness(schedule, p) + staleness_offset for p in range(schedule.stages)],
             np.float32,
         )
+        # Whether a forward reads weights ahead of the current ones. Where every
+        # horizon is 0 (one stage, no offset) W + 0 * u is W itself: no u is kept,
+        # which saves a pass over the weights every tick and every step.
+        self.predicts = mode == "predict" and bool(self.horizon.any())
 
     def extra_copies(self, res_slots: int) -> int:
         """Parameter-sized buffers each device holds beyond its weights."""
-        return {"predict": 1, "stash": res_slots + 1, "latest": 0}[self.mode]
+        return {"predict": int(self.predicts), "stash": res_slots + 1, "latest": 0}[self.mode]
 
     def extra_bytes(self, param_spec: FlatSpec, res_slots: int) -> int:
         """Bytes of those buffers per device (one chunk: async-1f1b has chunks=1)."""
@@ -97,9 +101,10 @@ class AsyncWeights:
         return self.extra_copies(res_slots) * row
 
     def init(self, params: Buffers, res_slots: int) -> Buffers:
-        """The carried buffers: predict: u, the last update, (v, L) rows;
-        stash: (res_slots + 1, v, L) versions, the last one a scratch slot; latest: none."""
-        if self.mode == "predict":
+        """The carried buffers: predict: u, the last update, (v, L) rows (none where
+        no horizon is above 0); stash: (res_slots + 1, v, L) versions, the last one
+        a scratch slot; latest: none."""
+        if self.predicts:
             return {k: jnp.zeros_like(b) for k, b in params.items()}
         if self.mode == "stash":
             return {k: jnp.zeros((res_slots + 1, *b.shape), b.dtype) for k, b in params.items()}
@@ -112,7 +117,7 @@ class AsyncWeights:
 
         An asynchronous table runs one op per device per tick (pack_ticks does not
         pack it), so the backward lane is B's or else W/BW's."""
-        if self.mode == "predict":
+        if self.predicts:
             s = jnp.asarray(self.horizon)[pos]
             ahead = {k: b + (s * carry[k]).astype(b.dtype) for k, b in params.items()}
             return ahead, params, carry
@@ -125,7 +130,7 @@ class AsyncWeights:
 
     def after_step(self, carry: Buffers, old: Buffers, new: Buffers, mine: jax.Array) -> Buffers:
         """Record the update of the chunks that stepped (`mine`: (v, 1) bool)."""
-        if self.mode != "predict":
+        if not self.predicts:
             return carry
         return {k: jnp.where(mine, new[k] - old[k], c) for k, c in carry.items()}
 
