@@ -153,7 +153,7 @@ def test_a_total_weight_of_zero_or_below_is_a_skipped_step(pm, params):
         bad[:, -1] = weight
         with pytest.warns(RuntimeWarning, match="skipped"):
             state, loss = step(state, (x, bad))
-            state.skipped  # reads the step's flag: the warning
+            _ = state.skipped  # reads the step's flag: the warning
         assert np.isnan(float(loss))
     assert state.skipped == 2
     state, loss = step(state, (x, ones))

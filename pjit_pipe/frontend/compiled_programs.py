@@ -336,7 +336,8 @@ class CompiledPrograms:
                     shared=cut.shared,
                     async_weights=self.options.async_weights,
                     pairwise=self.options.resolved_tick_sync() == "neighbor",
-                    zero=self.options.zero,
+                    # One replica has nothing to shard the state over.
+                    zero=self.options.zero and self.mesh.shape["data"] > 1,
                     splits=splits,
                 ),
             )

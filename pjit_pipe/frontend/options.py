@@ -97,7 +97,8 @@ class PipelineOptions:
             replicas, gradients reduce-scattered and the updated parameters
             all-gathered once per step (lowering/layout/zero.py); an elementwise
             optimizer and an unstaggered schedule. Failure variants run without it,
-            each lost slice read from the copy its neighbour keeps.
+            each lost slice read from the copy its neighbour keeps. With one
+            replica (data=1) there is nothing to shard: the state is whole.
 
     Raises:
         OptionError: an option outside its values (each names the option, the

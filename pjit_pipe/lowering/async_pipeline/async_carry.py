@@ -48,7 +48,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as PS
 
@@ -195,7 +194,7 @@ class CarryingStep:
             msgs, res = _move(msgs, mm), Residuals(res.b, _move(res.w, rm))
             if stash:  # each version sits in its microbatch's residual slot
                 weights = _move(weights, rm)
-            done = low.loss.loss(lax.psum(losses[PREVIOUS], low.topo.axes), count)
+            done = low.loss.loss(low.topo.psum(losses[PREVIOUS], low.topo.axes), count)
             done = jnp.where(live[PREVIOUS], done, jnp.nan)
             out = (params, opt, msgs, res, weights, losses[CURRENT])
             return (*(jax.tree.map(lambda a: a[None], t) for t in out), done)

@@ -37,6 +37,20 @@ TENSOR = "tensor"
 
 
 @dataclass(frozen=True)
+def over_devices(collective: Any, tree: Any, axes: str | Sequence[str]) -> Any:
+    """`collective(tree, axes)` (lax.psum, lax.pmax, ...) over those of the named
+    `axes` that have more than one device, inside shard_map; `tree` itself when
+    none has.
+
+    A reduction over one device is the value itself, and emitting it anyway is
+    an error: with one worker (a 1 x 1 x T mesh) the partial-manual region's
+    manual group has one device, XLA treats the region as not manual, and its
+    SPMD partitioner refuses any cross-partition all-reduce in it."""
+    names = (axes,) if isinstance(axes, str) else tuple(axes)
+    kept = tuple(a for a in names if lax.axis_size(a) > 1)
+    return collective(tree, kept) if kept else tree
+
+
 class Topology:
     """Live workers, the mesh over their devices, and how to reduce over replicas."""
 
@@ -117,18 +131,9 @@ class Topology:
         return [i for i, w in enumerate(self.workers) if w.stage == position]
 
     def psum(self, tree: Any, axes: Sequence[str]) -> Any:
-        """`lax.psum` of `tree` over the mesh axes `axes` that have more than one
-        device (inside shard_map).
-
-        A sum over one device is the value itself, so the size-one axes are
-        dropped, and with none left no collective is emitted. That is more
-        than a saving: with one worker (a 1 x 1 x T mesh) the partial-manual
-        region's manual group has one device, XLA treats the region as not
-        manual, and its SPMD partitioner refuses any cross-partition
-        all-reduce in it.
-        """
-        kept = tuple(a for a in axes if self.mesh.shape[a] > 1)
-        return lax.psum(tree, kept) if kept else tree
+        """`lax.psum` of `tree` over those of `axes` with more than one device
+        (`over_devices`: none at all on a 1 x 1 x T mesh)."""
+        return over_devices(lax.psum, tree, axes)
 
     def reduce_over_replicas(self, tree: Any, positions: Sequence[int] | None = None) -> Any:
         """Sum over the live replicas of each worker's stage (inside shard_map).

@@ -25,6 +25,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from pjit_pipe.lowering.comms.topology import over_devices
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
@@ -126,7 +127,7 @@ class StageOptimizer:
             if weights is not None:  # one microbatch's gradient per step
                 g = weights.step_gradients(g)
             elif prog.loss.weighted:  # per chunk, its iteration's count / total weight
-                factor = prog.loss.grad_factor(lax.psum(losses, prog.topo.axes), count)
+                factor = prog.loss.grad_factor(prog.topo.psum(losses, prog.topo.axes), count)
                 f = factor[jnp.minimum(done, iterations - 1)][:, None]
                 g = {k: b * f.astype(b.dtype) for k, b in g.items()}
             new_p, new_o = self.optimizer_step(opt_spec, params, g, opt, pos)
@@ -169,7 +170,7 @@ class StageOptimizer:
         )
         if in_flight is not None:
             return params, opt, (msgs, res, wcarry, losses)
-        return params, opt, prog.loss.loss(lax.psum(losses, prog.topo.axes), count)
+        return params, opt, prog.loss.loss(prog.topo.psum(losses, prog.topo.axes), count)
 
     def optimizer_step(self, opt_spec: FlatSpec, params, grads, opt, pos: jax.Array):
         """Each held stage's OPT: the optax update of its own parameter pytree.
@@ -250,7 +251,7 @@ class StageOptimizer:
         else:
             me = lax.axis_index(topo.axes[0])
         local = jnp.where(jnp.asarray(first)[me], local, 0.0)
-        return (lax.psum if combine == SUM else lax.pmax)(local, topo.axes)
+        return over_devices(lax.psum if combine == SUM else lax.pmax, local, topo.axes)
 
 
 def _per_chunk(mine: jax.Array, buf: jax.Array) -> jax.Array:

@@ -32,6 +32,7 @@ import numpy as np
 from jax import lax
 
 from pjit_pipe.errors import CutError
+from pjit_pipe.lowering.comms.topology import over_devices
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
 
 
@@ -155,7 +156,7 @@ class SharedGrads:
             k: jnp.concatenate(p) if k in self.flat_totals else sum(p[1:], p[0])
             for k, p in pieces.items()
         }
-        total = lax.psum(total, self.axes)
+        total = over_devices(lax.psum, total, self.axes)
         if first_replica_only:
             first = lax.axis_index("data") == 0
             total = {k: jnp.where(first, b, 0) for k, b in total.items()}

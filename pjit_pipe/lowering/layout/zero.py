@@ -36,6 +36,7 @@ import optax
 from jax import lax
 
 from pjit_pipe.errors import OptimizerError, StateError
+from pjit_pipe.lowering.comms.topology import over_devices
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
 from pjit_pipe.lowering.layout.global_norm import StageNorms, count_norm_calls, stage_norms
 from pjit_pipe.lowering.layout.shared import SharedGrads
@@ -116,7 +117,7 @@ class ZeroLayout:
         if self.shared is not None:
             grads = self.shared(grads, grads, first_replica_only=True)
         return {
-            k: lax.psum(g, DATA)
+            k: over_devices(lax.psum, g, DATA)
             if self.dims[k] is None
             else lax.psum_scatter(g, DATA, scatter_dimension=1 + self.dims[k], tiled=True)
             for k, g in grads.items()

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from pjit_pipe.lowering.comms.topology import over_devices
 from pjit_pipe.lowering.layout.flat_buffers import FlatSpec, is_shaped
 from pjit_pipe.lowering.layout.global_norm import SUM, StageNorms, stage_norms
 from pjit_pipe.lowering.layout.shared import unit_keys, unit_range
@@ -119,5 +120,5 @@ class SliceNorms:
                 local.append(norms.recorded)
                 combine = norms.combine
             total = functools.reduce(jnp.add if combine == SUM else jnp.maximum, local)
-            known.append((lax.psum if combine == SUM else lax.pmax)(total, AXES))
+            known.append(over_devices(lax.psum if combine == SUM else lax.pmax, total, AXES))
         return known
