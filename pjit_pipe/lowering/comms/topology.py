@@ -36,7 +36,6 @@ SURVIVOR_AXIS = "worker"
 TENSOR = "tensor"
 
 
-@dataclass(frozen=True)
 def over_devices(collective: Any, tree: Any, axes: str | Sequence[str]) -> Any:
     """`collective(tree, axes)` (lax.psum, lax.pmax, ...) over those of the named
     `axes` that have more than one device, inside shard_map; `tree` itself when
@@ -51,6 +50,7 @@ def over_devices(collective: Any, tree: Any, axes: str | Sequence[str]) -> Any:
     return collective(tree, kept) if kept else tree
 
 
+@dataclass(frozen=True)
 class Topology:
     """Live workers, the mesh over their devices, and how to reduce over replicas."""
 
