@@ -157,6 +157,7 @@ class StageOps:
             return msg, self.layouts[c].pack(s, dparams), self.no_loss()
 
         run = run if self.rng_impls is None else self._with_rngs(run)
+        run = _named(f"{kind} stage {s}", run)
         return run if self.stub is None else self.stub(kind, s, run)
 
     def _with_rngs(self, op: Callable) -> Callable:
@@ -170,3 +171,15 @@ class StageOps:
                 return op(params, x, y, inbox, res, row)
 
         return run
+
+
+def _named(name: str, op: Callable) -> Callable:
+    """`op` under the name scope `name`: its HLO ops' metadata names the op kind and
+    stage (op_name), so compiled kernels can be traced back to the op that made
+    them (benchmarks/bench_kernels.py). Metadata only: the program is the same."""
+
+    def run(*args: Any) -> Any:
+        with jax.named_scope(name):
+            return op(*args)
+
+    return run

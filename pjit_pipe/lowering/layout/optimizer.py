@@ -200,10 +200,11 @@ class StageOptimizer:
             known.append(self._across_stages(self._each_chunk(local_norm, pos), combine[0]))
 
         def update(s, c):
-            p, g, o = stage_args(s, c)
-            with stage_norms(StageNorms(known, None)) if known else contextlib.nullcontext():
-                upd, o = optimizer.update(g, o, p)
-            return prog.param_spec.pack(s, optax.apply_updates(p, upd)), opt_spec.pack(s, o)
+            with jax.named_scope(f"OPT stage {s}"):  # metadata only: see tick_ops._named
+                p, g, o = stage_args(s, c)
+                with stage_norms(StageNorms(known, None)) if known else contextlib.nullcontext():
+                    upd, o = optimizer.update(g, o, p)
+                return prog.param_spec.pack(s, optax.apply_updates(p, upd)), opt_spec.pack(s, o)
 
         out = self._each_chunk(update, pos)
         return (
