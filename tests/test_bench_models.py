@@ -13,7 +13,7 @@ def full_batch_losses(steps: int) -> list[float]:
     """The loss before each of `steps` adamw updates, from jax.value_and_grad of the
     whole batch (no microbatches, no scan): the mean over equal microbatches of
     their mean losses is the whole batch's mean loss."""
-    case = bench_models.build_case("gpt2-124m", "f32", None, quick=True)
+    case = bench_models.build_case("gpt2-124m", "f32", None, quick=True, width=None, layers=None)
     params, x, y = bench_models.initial(case, 2 * 2, jax.devices()[0])
     optimizer = optax.adamw(bench_models.LEARNING_RATE)
     opt_state = optimizer.init(params)
@@ -48,7 +48,7 @@ def test_quick_gpt2_rows_and_losses_match_plain_optax(capsys):
 def test_full_gpt2_is_gpt2_small_and_flops_count_its_matmuls():
     """The full-size model has GPT-2 small's 124,439,808 parameters (Hugging Face's
     gpt2, tied head); the FLOP count leaves out only the position table."""
-    case = bench_models.build_case("gpt2-124m", "f32", None, quick=False)
+    case = bench_models.build_case("gpt2-124m", "f32", None, quick=False, width=None, layers=None)
     tokens = jax.ShapeDtypeStruct((1, case.seq), "int32")
     params = jax.eval_shape(case.module.init, jax.random.key(0), tokens)
     assert sum(a.size for a in jax.tree.leaves(params)) == 124_439_808

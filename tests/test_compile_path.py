@@ -53,7 +53,9 @@ def test_a_pipeline_builds_its_schedule_once(builds) -> None:
     params = pm.init(jax.random.key(2), x)
     loss, _ = pm.value_and_grad(mse)(params, x, y)
     pm.value_and_grad(mse)(params, x, y)
-    assert pm.tick_table().schedule is pm.schedule
+    assert (
+        pm.tick_table().schedule == pm.schedule
+    )  # packed from it (the pack cache may hold an equal one)
     assert builds == ["zb-h1"]
     ref = mse(TwoDense().apply(params, x), y)
     assert abs(float(loss) - float(ref)) <= 1e-5 * abs(float(ref))

@@ -133,7 +133,7 @@ def test_auto_plan_refuses_options_it_cannot_honour():
         pp.pipeline(model, microbatches=4, plan="auto", stages=9)
     with pytest.raises(OptionError, match="plan: expected 'auto'"):
         pp.pipeline(model, microbatches=4, plan="fast")
-    with pytest.raises(OptionError, match="remat: expected True or False"):
+    with pytest.raises(OptionError, match="remat: expected True, False or 'auto'"):
         pp.pipeline(model, microbatches=4, plan="auto", remat="yes")
     # as a class decorator, each instance is planned at its own first use
     Tower = pp.pipeline(microbatches=4, plan="auto")(nn.Sequential)
