@@ -20,21 +20,15 @@ checked against its own host arithmetic in test_async_lowering.py instead.
 
 from __future__ import annotations
 
-import functools
 import itertools
 from typing import Any, NamedTuple
 
 import flax.linen as nn
-import jax
-import jax.numpy as jnp
-import optax
 import pytest
 
 import pjit_pipe as pp
-from pjit_pipe.models import GPT2LM, GPT2Config, ResidualMLP, gpt2_batch, mse_loss
-from pjit_pipe.models.llama import Llama, LlamaConfig
-from pjit_pipe.models.llama import lm_loss as llama_loss
 from tests.test_frontend import rel_err
+from tests.test_zero_combos import BATCH, optax_run, optimizer, problem
 
 # Each kind with the chunks per device it takes.
 KINDS = {
@@ -48,10 +42,7 @@ KINDS = {
 }
 # (data, stage, tensor): 1x1xT, 1xPxT, DxPx1, DxPxT on the suite's 8 devices.
 MESHES = {"1x1x2": (1, 1, 2), "1x2x2": (1, 2, 2), "2x2x1": (2, 2, 1), "2x2x2": (2, 2, 2)}
-MODELS = ("llama", "tied-gpt2", "mlp-stack")
-BATCH = 8  # global rows: D x microbatches x rows per microbatch
-STEPS = 3
-CLIP = 0.05  # below the models' gradient norms, so the clip changes every step
+MODELS = ("llama", "tied-gpt2", "mlp")
 
 
 class Case(NamedTuple):
@@ -95,67 +86,9 @@ def test_the_covering_array_covers_every_pair():
     assert len(rows) < len(list(itertools.product(*AXES))) // 5
 
 
-@functools.cache
-def model_problem(name: str) -> tuple[nn.Module, Any, Any, Any, Any]:
-    """(module, boxed params, loss_fn, batches of STEPS steps) of a model."""
-    keys = jax.random.split(jax.random.key(7), STEPS + 1)
-    if name == "llama":
-        config = LlamaConfig.tiny(
-            vocab=32, seq_len=8, d_model=32, n_heads=4, n_kv_heads=2, n_layers=4, d_ff=64
-        )
-        module, loss_fn = Llama(config), llama_loss
-        batches = []
-        for k in keys[1:]:
-            tokens = jax.random.randint(k, (BATCH, config.seq_len + 1), 0, config.vocab)
-            batches.append((tokens[:, :-1], tokens[:, 1:]))
-    elif name == "tied-gpt2":
-        config = GPT2Config(vocab=32, n_positions=8, d_model=16, n_heads=2, n_layers=4)
-        module, loss_fn = GPT2LM(config), llama_loss
-        batches = [gpt2_batch(k, BATCH, config) for k in keys[1:]]
-    else:
-        module, loss_fn = ResidualMLP(d_model=16, hidden=32, n_layers=4, d_out=8), mse_loss
-        batches = []
-        for k in keys[1:]:
-            x = jax.random.normal(k, (BATCH, 16))
-            batches.append((x, jnp.sin(x[:, :8])))
-    x0 = batches[0][0]
-    init = (
-        (lambda k: module.init(k, **x0)) if isinstance(x0, dict) else (lambda k: module.init(k, x0))
-    )
-    return module, jax.jit(init)(keys[0]), loss_fn, batches
-
-
-def optimizer(clip: bool) -> optax.GradientTransformation:
-    sgd = optax.sgd(0.1, momentum=0.9)
-    return optax.chain(optax.clip_by_global_norm(CLIP), sgd) if clip else sgd
-
-
-@functools.cache
-def optax_run(model: str, clip: bool) -> tuple[list[float], Any]:
-    """Losses and final params of STEPS plain jax.value_and_grad + optax steps."""
-    module, boxed, loss_fn, batches = model_problem(model)
-    params, opt = nn.meta.unbox(boxed), optimizer(clip)
-
-    def loss_of(p, x, y):
-        out = module.apply(p, **x) if isinstance(x, dict) else module.apply(p, x)
-        return loss_fn(out, y)
-
-    @jax.jit
-    def step(p, s, x, y):
-        loss, grads = jax.value_and_grad(loss_of)(p, x, y)
-        updates, s = opt.update(grads, s, p)
-        return optax.apply_updates(p, updates), s, loss
-
-    state, losses = opt.init(params), []
-    for x, y in batches:
-        params, state, loss = step(params, state, x, y)
-        losses.append(float(loss))
-    return losses, params
-
-
 def check(case: Case) -> None:
     """Three pipelined steps equal optax's (no combination here is refused)."""
-    module, boxed, loss_fn, batches = model_problem(case.model)
+    module, boxed, loss_fn, batches = problem(case.model)
     D, P, T = MESHES[case.mesh]
     pm = pp.pipeline(
         module,
@@ -164,7 +97,7 @@ def check(case: Case) -> None:
         schedule=case.kind,
         chunks=KINDS[case.kind],
         mesh=pp.make_mesh(data=D, stage=P, tensor=T),
-        optimizer=optimizer(case.clip),
+        optimizer=optimizer("sgd", case.clip),
         zero=case.zero,
     )
     step = pm.train_step(loss_fn)
@@ -173,7 +106,7 @@ def check(case: Case) -> None:
     for batch in batches:
         state, loss = step(state, batch)
         losses.append(float(loss))
-    want_losses, want_params = optax_run(case.model, case.clip)
+    want_losses, want_params = optax_run(case.model, "sgd", case.clip)
     for got, want in zip(losses, want_losses, strict=True):
         assert abs(got - want) <= 1e-4 * abs(want), (case.id, losses, want_losses)
     assert rel_err(nn.meta.unbox(state.params), want_params) <= 1e-4, case.id

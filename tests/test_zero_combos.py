@@ -47,7 +47,8 @@ OPTIMIZERS = {
 
 @functools.cache
 def problem(name: str) -> tuple[nn.Module, Any, Any, list]:
-    """(module, boxed params, loss_fn, STEPS batches) of a tiny model."""
+    """(module, boxed params, loss_fn, STEPS batches) of a tiny model: "mlp",
+    "tied-gpt2", "llama" or "tied-llama"."""
     keys = jax.random.split(jax.random.key(11), STEPS + 1)
     if name == "mlp":
         module, loss_fn = ResidualMLP(d_model=16, hidden=32, n_layers=4, d_out=8), mse_loss
@@ -68,7 +69,7 @@ def problem(name: str) -> tuple[nn.Module, Any, Any, list]:
             n_kv_heads=2,
             n_layers=4,
             d_ff=64,
-            tie_embeddings=True,
+            tie_embeddings=name == "tied-llama",
         )
         module, loss_fn = Llama(config), llama_loss
         batches = []
