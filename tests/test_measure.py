@@ -97,13 +97,15 @@ def test_balance_by_measured_time_cuts_the_model():
     from pjit_pipe.frontend.cutter.cut import cut_module
     from pjit_pipe.models.mlp import Chain, Dense
 
-    model = Chain([Dense(8), Dense(8), Dense(512), Dense(8)])
-    x = jnp.ones((64, 8))
+    # The wide layers cost about a thousand times the light ones, so load on the
+    # machine cannot reorder them.
+    model = Chain([Dense(8), Dense(8), Dense(4096), Dense(8)])
+    x = jnp.ones((256, 8))
     params = model.init(jax.random.key(0), x)
     cut = cut_module(model, params, x, 2, balance="time")
     assert cut.stages == 2
     assert sorted(k for keys in cut.keys for k in keys) == sorted(cut.units)
-    # The two wide layers (8 -> 512, 512 -> 8) take most of the time: the two
+    # The two wide layers (8 -> 4096, 4096 -> 8) take most of the time: the two
     # light ones stay together in the first stage.
     assert cut.bounds[1] >= 2
 
