@@ -319,33 +319,14 @@ def test_slow_detector_marks_a_worker_after_confirm_probes_in_a_row():
 
 @pytest.mark.slow
 def test_trainer_switches_to_the_mitigated_program_and_back_with_the_same_losses():
-    import jax
     import numpy as np
-    import optax
 
     import pjit_pipe as pp
-    from pjit_pipe.models import ResidualMLP, mse_loss
+    from pjit_pipe.models import mse_loss
     from pjit_pipe.runtime import InjectedSlowdowns, ResilientTrainer
+    from tests.test_slow_variants import mlp_and_optax_losses
 
-    model = ResidualMLP(d_model=16, hidden=16, n_layers=4, d_out=4)
-    rng = np.random.default_rng(0)
-    data = []
-    for _ in range(6):
-        x = rng.normal(size=(16, 8)).astype(np.float32)
-        data.append((x, np.sin(x[:, :4])))
-    params = model.init(jax.random.key(0), data[0][0])
-    opt = optax.adam(1e-2)
-
-    @jax.jit
-    def plain(p, s, x, y):
-        loss, g = jax.value_and_grad(lambda q: mse_loss(model.apply(q, x), y))(p)
-        upd, s = opt.update(g, s, p)
-        return optax.apply_updates(p, upd), s, loss
-
-    p, s, want = params, opt.init(params), []
-    for x, y in data:
-        p, s, loss = plain(p, s, x, y)
-        want.append(float(loss))
+    model, params, opt, data, want = mlp_and_optax_losses(seed=0)
     pm = pp.pipeline(
         model, stages=2, microbatches=4, mesh=pp.make_mesh(data=2, stage=2), optimizer=opt
     )

@@ -13,6 +13,31 @@ from pjit_pipe.models import ResidualMLP, mse_loss
 from pjit_pipe.runtime import InjectedSlowdowns, ResilientTrainer
 
 
+def mlp_and_optax_losses(seed: int):
+    """(model, params, adam, 6 batches, the losses of plain value_and_grad + optax
+    steps on them) for the trainer tests of slow workers."""
+    model = ResidualMLP(d_model=16, hidden=16, n_layers=4, d_out=4)
+    rng = np.random.default_rng(seed)
+    data = []
+    for _ in range(6):
+        x = rng.normal(size=(16, 8)).astype(np.float32)
+        data.append((x, np.sin(x[:, :4])))
+    params = model.init(jax.random.key(0), data[0][0])
+    opt = optax.adam(1e-2)
+
+    @jax.jit
+    def plain(p, s, x, y):
+        loss, g = jax.value_and_grad(lambda q: mse_loss(model.apply(q, x), y))(p)
+        upd, s = opt.update(g, s, p)
+        return optax.apply_updates(p, upd), s, loss
+
+    p, s, want = params, opt.init(params), []
+    for x, y in data:
+        p, s, loss = plain(p, s, x, y)
+        want.append(float(loss))
+    return model, params, opt, data, want
+
+
 def test_replica_permutations_of_slow_workers_have_one_canonical_form():
     # Worker 1:1 or 0:1 at factor 2 on a 2x2 mesh: the same pattern up to relabelling.
     forms = set()
@@ -33,25 +58,7 @@ def test_injected_slowdowns_plan_the_slow_sets_in_order():
 
 @pytest.mark.slow
 def test_planned_slow_patterns_compile_ahead_and_permutations_share_a_program():
-    model = ResidualMLP(d_model=16, hidden=16, n_layers=4, d_out=4)
-    rng = np.random.default_rng(1)
-    data = []
-    for _ in range(6):
-        x = rng.normal(size=(16, 8)).astype(np.float32)
-        data.append((x, np.sin(x[:, :4])))
-    params = model.init(jax.random.key(0), data[0][0])
-    opt = optax.adam(1e-2)
-
-    @jax.jit
-    def plain(p, s, x, y):
-        loss, g = jax.value_and_grad(lambda q: mse_loss(model.apply(q, x), y))(p)
-        upd, s = opt.update(g, s, p)
-        return optax.apply_updates(p, upd), s, loss
-
-    p, s, want = params, opt.init(params), []
-    for x, y in data:
-        p, s, loss = plain(p, s, x, y)
-        want.append(float(loss))
+    model, params, opt, data, want = mlp_and_optax_losses(seed=1)
 
     pm = pp.pipeline(
         model, stages=2, microbatches=4, mesh=pp.make_mesh(data=2, stage=2), optimizer=opt
