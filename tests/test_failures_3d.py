@@ -16,24 +16,10 @@ import pjit_pipe as pp
 from pjit_pipe.models.llama import Llama, LlamaConfig, lm_loss
 from tests.test_frontend import rel_err
 from tests.test_tensor_zero import poisoned
+from tests.test_zero_combos import problem
 
 STEPS = 5
 FAIL_AT, REJOIN_AT = 1, 3
-
-
-def llama(tied: bool) -> Llama:
-    return Llama(
-        LlamaConfig.tiny(
-            vocab=32,
-            seq_len=8,
-            d_model=32,
-            n_heads=4,
-            n_kv_heads=2,
-            n_layers=4,
-            d_ff=64,
-            tie_embeddings=tied,
-        )
-    )
 
 
 def batches(config: LlamaConfig) -> list[tuple[jax.Array, jax.Array]]:
@@ -83,9 +69,8 @@ def run(model: Llama, boxed, data, failing: bool) -> tuple[list[float], object, 
 @pytest.mark.slow
 @pytest.mark.parametrize("tied", [False, True], ids=["scan", "scan-tied"])
 def test_a_failed_tensor_group_under_zero_keeps_the_fault_free_numbers(tied):
-    model = llama(tied)
+    model, boxed, *_ = problem("tied-llama" if tied else "llama")
     data = batches(model.config)
-    boxed = jax.jit(model.init)(jax.random.key(0), data[0][0])
     clean_losses, clean_params, clean_switches = run(model, boxed, data, failing=False)
     losses, params, switches = run(model, boxed, data, failing=True)
     assert clean_switches == []
