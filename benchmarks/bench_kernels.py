@@ -37,9 +37,8 @@ import tempfile
 from typing import Any
 
 import jax
-import optax
 
-from benchmarks.bench_compile import FAILED, LR, pipeline, setup
+from benchmarks.bench_compile import FAILED, pipeline, plain_jitted, setup
 from pjit_pipe.models import lm_loss
 
 # An op function's name scope (tick_ops._named, the optimizer's update).
@@ -83,16 +82,8 @@ def kernels(lowered: Any) -> dict[str, Any]:
 
 def plain_lowered(model: Any, batch: tuple) -> Any:
     """The unpipelined value_and_grad + adamw step of bench_compile, lowered."""
-    optimizer = optax.adamw(LR)
-
-    def step(params, opt, x, y):
-        loss, grads = jax.value_and_grad(lambda p: lm_loss(model.apply(p, x), y))(params)
-        updates, opt = optimizer.update(grads, opt, params)
-        return optax.apply_updates(params, updates), opt, loss
-
-    params = jax.eval_shape(model.init, jax.random.key(0), batch[0])
-    opt = jax.eval_shape(optimizer.init, params)
-    return jax.jit(step).trace(params, opt, *batch).lower()
+    jitted, args = plain_jitted(model, batch)
+    return jitted.trace(*args).lower()
 
 
 def pipelined_lowered(pm: Any, state: Any, batch: tuple) -> Any:
