@@ -4,7 +4,7 @@ gradient-accumulation step, with throughput, memory and model FLOPs utilization.
     python -m benchmarks.bench_models [--model gpt2-124m|llama] [--kinds 1f1b,zb-v,...]
         [--microbatches M] [--mb-size B] [--seq S] [--dtype f32|bf16]
         [--rounds N] [--peak-tflops T] [--quick] [--width D --layers L]
-        [--skip-nonfinite on|off|both] [--clock wall|cpu]
+        [--skip-nonfinite on|off|both] [--clock wall|cpu] [--trace DIR]
 
 Models (pjit_pipe/models):
 - gpt2-124m: GPT2LM at GPT-2 small (vocab 50257, 1024 positions, d 768, 12
@@ -31,6 +31,11 @@ scatter, the CPU ones much less (the step ms column is then CPU ms).
 (PipelineOptions.skip_nonfinite): `on` (the default: skipped where the
 schedule allows it), `off`, or `both`, which times each kind both ways (rows
 `kind` and `kind/off`; async-1f1b, which steps in its loop, has one row).
+
+`--trace DIR` records two more steps of each program with `jax.profiler.trace`
+after the timing rounds, in DIR/<program>/ with a Perfetto trace
+(`perfetto_trace.json.gz`, Chrome's JSON trace format: on a GPU it holds every
+kernel's start and duration), to see where a kind's extra time goes.
 
 Both programs run on the first device. The plain step is a jitted `lax.scan`
 of `jax.value_and_grad` over the m microbatches (benchmarks/common.py
@@ -75,6 +80,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -318,7 +324,14 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
                 abs(loss - base_loss) / abs(base_loss),
             )
         )
-    steps = args.rounds + 2
+    if args.trace:
+        for name, stepper in steppers.items():
+            folder = os.path.join(args.trace, name.replace("/", "-"))
+            with jax.profiler.trace(folder, create_perfetto_trace=True):
+                for _ in range(2):
+                    jax.block_until_ready(stepper())
+        print(f"   traces of two steps each in {args.trace}/<program>/", flush=True)
+    steps = args.rounds + 2 + (2 if args.trace else 0)
     print(
         f"{args.rounds} rounds; each program took {steps} steps; ratio = median per-round"
         f" ratio; {args.clock} time"
@@ -367,6 +380,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     ap.add_argument(
         "--clock", choices=("wall", "cpu"), default="wall", help="wall or process CPU time"
     )
+    ap.add_argument("--trace", metavar="DIR", help="profile two more steps of each program")
     args = ap.parse_args(argv)
     if not args.quick and jax.default_backend() == "cpu":
         print("no accelerator: the tiny size (--quick); a full-size step takes minutes on a CPU")

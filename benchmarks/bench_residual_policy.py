@@ -18,6 +18,7 @@ On one H200 the same comparison (bench_gpu part 4) gave 1.17-1.26x under
 `--d 768` or `--d 2048` to see the per-policy figures on a GPU.
 
 Run: python -m benchmarks.bench_residual_policy [--d 256] [--blocks 2] [--rounds 20]
+         [--dtype f32|bf16]
 """
 
 from __future__ import annotations
@@ -63,12 +64,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch", type=int, default=8, help="sequences per microbatch")
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument(
+        "--dtype", choices=("f32", "bf16"), default="f32", help="parameters and activations"
+    )
     args = ap.parse_args(argv)
+    dtype = jnp.bfloat16 if args.dtype == "bf16" else jnp.float32
     blocks = Blocks(args.d, max(1, args.d // 64), args.blocks)
-    x = jax.random.normal(jax.random.key(0), (args.batch, args.tokens, args.d))
-    params = blocks.init(jax.random.key(1), x)
+    x = jax.random.normal(jax.random.key(0), (args.batch, args.tokens, args.d), dtype)
+    params = jax.tree.map(lambda a: a.astype(dtype), blocks.init(jax.random.key(1), x))
     fns = [lambda p, a: a * p, lambda p, a: blocks.apply(p, a), lambda p, a: a * p]
-    stage_params = [jnp.ones(()), params, jnp.ones(())]
+    stage_params = [jnp.ones((), dtype), params, jnp.ones((), dtype)]  # keep x's dtype
     aval = jax.ShapeDtypeStruct(x.shape, x.dtype)
     loss = LossLayout(lambda out, y: jnp.mean((out - y) ** 2)).vector
     device = jax.devices()[0]
@@ -110,7 +115,8 @@ def main(argv: list[str] | None = None) -> None:
         return f"{mid:.3f} ({low:.2f}-{high:.2f})"
 
     print(
-        f"one stage of {args.blocks} GPT-2 blocks, d{args.d}, {args.batch}x{args.tokens} tokens "
+        f"one stage of {args.blocks} GPT-2 blocks, d{args.d} {args.dtype}, "
+        f"{args.batch}x{args.tokens} tokens "
         f"per microbatch, on {device.platform}; fused vjp {1e3 * base:.3f} ms; per-round "
         "ratios over the fused vjp: median (quartiles)"
     )
