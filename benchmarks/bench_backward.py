@@ -66,8 +66,7 @@ def _stage_ops(stages: StageVjp, s: int, params, act, y):
     """Jitted F, B, W, BW of stage s (s in the middle of a 3-stage chain), each as
     (jitted function, its arguments)."""
     g = jnp.ones(stages.act_avals[s + 1].shape, stages.act_avals[s + 1].dtype)
-    _, res = jax.jit(lambda p, a: stages.forward_with_residuals(s, p, a, None))(params, act)
-    res = stages.full_row(res)
+    _, res = jax.jit(lambda p, a: stages.stored_rows(s, p, a, None))(params, act)
     if s in stages.split:
         b = jax.jit(lambda p, r: stages.input_grad(s, p, r, g))
         _, cots = b(params, res)

@@ -5,12 +5,11 @@ The schedule search prices candidates with per-stage F/B/W times (docs/design.md
 sec. 3). Unit costs ignore the model; FLOP counts ignore what the hardware
 does with them. So `costs="measure"` compiles each virtual stage's F, B and W
 exactly as the lowering runs them (the split backward of
-`lowering/compute/stage_backward.py`; the first stage's B is empty), and its F and
-fused BW as a schedule that does not split it runs them (a split F also
-stores what W reads, so the two F's differ), on the device that holds that
-stage, times each (median of a few runs after a warm-up, all of a stage's
-in one round robin), and times a ppermute of the boundary buffer between
-neighbouring devices.
+`lowering/compute/stage_backward.py`; the first stage's B is empty), and its F
+and fused BW as a schedule that does not split it runs them (a split F also
+stores what W reads), on the device that holds that stage, times each (median
+of a few runs after a warm-up, a stage's ops round robin), and times a
+ppermute of the boundary buffer between neighbouring devices.
 With v chunks per device, the chunks of position p are taken as the
 interleaved ones (p, p + P, ...) and their times add up.
 
@@ -22,9 +21,8 @@ ticks of that shape on all the pipeline's devices; it becomes `Costs.tick`,
 which the tick packer pays once per tick, so it packs ops into fewer ticks
 when ticks are dear.
 
-Results are cached per (model, loss, shapes, devices, chunks): measuring
-compiles four programs per stage, so a pipeline and its failure variants
-measure once.
+Results are cached per (model, loss, shapes, devices, chunks): a pipeline and
+its failure variants measure once.
 """
 
 from __future__ import annotations
@@ -165,10 +163,15 @@ def _stage_ops(
         if s == st.S - 1
         else _ones(st.act_avals[s + 1], device)
     )
-    f = jax.jit(lambda p, a, y: st.forward_with_residuals(s, unpack(p), a, y))
-    _, res = f(p, a, y)
-    res = st.full_row(res)  # what B and W read: the W-pool row F and B fill
-    ops = {"F": lambda: f(p, a, y)}
+    f = jax.jit(lambda p, a, y, r: st.forward_into(s, unpack(p), a, y, r, 0, 0), donate_argnums=3)
+    held = list(f(p, a, y, st.zero_residuals(1)))  # [output, store]
+    res = jax.tree.map(lambda b: b[0], held[1])  # what B and W read (B's cotangents: zeros)
+
+    def forward() -> Any:  # F as the tick program runs it: writing into a donated store
+        held[:] = f(p, a, y, held[1])
+        return held[0]
+
+    ops = {"F": forward}
     if s in st.split:
         b = jax.jit(lambda p, r: st.input_grad(s, unpack(p), r, g))
         w = jax.jit(lambda p, r: pack(st.weight_grad(s, unpack(p), r)))

@@ -5,8 +5,9 @@ message ppermutes as for a model, with three hooks:
 
 - every op function (tick_ops.py) becomes a stub: a host callback
   (`host.run(device, kind, stage)`) whose result is folded into zeros of the
-  shapes the real op returns, so nothing is computed but the stores, the
-  conditionals and the messages are the real program's;
+  shapes the real op returns (an F's residual stores pass through unwritten),
+  so nothing is computed but the stores, the conditionals and the messages
+  are the real program's;
 - at the start of each tick, once the message rows its lanes read are
   gathered (and a deferred plan's late messages have arrived),
   `host.start(device)`; every lane reads through its result;
@@ -33,6 +34,7 @@ from jax import lax
 from jax.experimental import io_callback
 
 from pjit_pipe.ir.ops import Kind
+from pjit_pipe.lowering.compute.stages import Residuals
 from pjit_pipe.lowering.tick_plan import FUSED, BranchKind
 
 # The code of each branch kind a callback names (plan.KIND_ORDER's kinds).
@@ -58,6 +60,10 @@ def _dependency(tree: Any) -> jax.Array:
     return jnp.sum(jnp.concatenate(leaves)) if leaves else jnp.float32(0)
 
 
+def _zeros(aval: Any) -> jax.Array:
+    return jnp.zeros(aval.shape, aval.dtype)
+
+
 def _carrying(tree: Any, token: jax.Array) -> Any:
     """`tree` with `token` (0.0 from a callback) added to each array leaf: whatever
     reads it runs after the callback."""
@@ -81,8 +87,11 @@ class EmulatedTicks:
         def stub(params, x, y, inbox, res, row):
             shapes = jax.eval_shape(run, params, x, y, inbox, res, row)
             token = self._call(host_run, (inbox, res, row))
-            zeros = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
-            return _carrying(zeros, token)
+            # An F returns the residual stores it writes into: they pass through.
+            outs = [
+                res if isinstance(out, Residuals) else jax.tree.map(_zeros, out) for out in shapes
+            ]
+            return _carrying(tuple(outs), token)
 
         return stub
 

@@ -144,16 +144,6 @@ class StageVjp:
         self.loss_aval = loss
         self.b_spec = FlatSpec(stored)
         self.w_spec = FlatSpec(kept)
-        # Per dtype, how much of a W-pool row F writes: a split stage's W operands
-        # (its cotangents, after them, are B's to write), any other stage's whole row.
-        # F writes only this head, so it never writes the zeros of the cotangent slice.
-        self.w_head_width: dict[str, int] = {k: 0 for k in self.w_spec.sizes}
-        for s in range(self.S):
-            slots = self.w_spec.slots[s]
-            if s in self.split:
-                slots = slots[: len(self.splitters[s].stored)]
-            for key, start, n in slots:
-                self.w_head_width[key] = max(self.w_head_width[key], start + n)
 
     def zero_residuals(self, *lead: int) -> Residuals:
         """Empty B-pool and W-pool stores with leading dimensions `lead`."""
@@ -203,24 +193,29 @@ class StageVjp:
             out, pull = jax.vjp(fwd, p, a)
         return out, pull
 
-    def forward_with_residuals(self, s: int, p: Any, a: Any, y: Any) -> tuple[Any, Residuals]:
-        """F: the stage output, its packed B-pool row and the head of its W-pool row
-        (the first `w_head_width` elements per dtype: what F writes; `full_row`
-        pads a head to a whole row)."""
+    def forward_into(
+        self, s: int, p: Any, a: Any, y: Any, store: Residuals, b_slot: Any, w_slot: Any
+    ) -> tuple[Any, Residuals]:
+        """F: the stage output, and `store` with what F keeps written in place, leaf
+        by leaf: a split stage's vjp residuals into B-pool row `b_slot` and W's data
+        operands into the head of W-pool row `w_slot` (B writes the cotangents
+        after them); any other stage's vjp residuals into W-pool row `w_slot`."""
         out, _, where, stored = self._vjp_parts(s, p, a, y)
         if where != self.res_where[s]:
             raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
         if s not in self.split:
-            b_row, head = self.b_spec.pack(s, []), stored
-        else:
-            (out, operands) = out
-            b_row, head = self.b_spec.pack(s, stored), jax.tree.leaves(operands)
-        return out, Residuals(b_row, self.w_spec.pack_leading(s, head, self.w_head_width))
+            return out, store._replace(w=self.w_spec.write(s, store.w, w_slot, stored))
+        (out, operands) = out
+        return out, Residuals(
+            self.b_spec.write(s, store.b, b_slot, stored),
+            self.w_spec.write(s, store.w, w_slot, jax.tree.leaves(operands)),
+        )
 
-    def full_row(self, res: Residuals) -> Residuals:
-        """F's residuals with the W-pool head padded (with zeros) to a whole row."""
-        pad = lambda k, v: jnp.pad(v, (0, self.w_spec.sizes[k] - v.shape[0]))  # noqa: E731
-        return res._replace(w={k: pad(k, v) for k, v in res.w.items()})
+    def stored_rows(self, s: int, p: Any, a: Any, y: Any) -> tuple[Any, Residuals]:
+        """F alone, outside a tick program: the stage output and one microbatch's
+        B-pool and W-pool rows (zeros where F writes nothing), as B and W read them."""
+        out, store = self.forward_into(s, p, a, y, self.zero_residuals(1), 0, 0)
+        return out, jax.tree.map(lambda b: b[0], store)
 
     def pullback(self, s: int, p: Any, res: Residuals) -> Callable:
         """The stage's vjp function rebuilt from its stored residuals and current

@@ -55,6 +55,10 @@ from pjit_pipe.lowering.layout.shared import SharedGrads
 from pjit_pipe.lowering.layout.tensor_layout import LeafSplits
 from pjit_pipe.lowering.tick_plan import FUSED, OpRow, TickPlan, TickRow, build_plan
 
+# Whether XLA updates a buffer in place in a multi-way conditional's branches: the
+# XLA of jaxlib 0.10 copies it on every execution, 0.11 and later do not.
+SWITCH_UPDATES_IN_PLACE = jax.__version_info__ >= (0, 11)
+
 
 class TickProgram:
     """The traced pieces of one (schedule, model, shapes): the tick plans, the op
@@ -237,17 +241,21 @@ class TickProgram:
         ]
         return inboxes, late
 
-    def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry):
+    def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry, updates: bool = False):
         """`run(op, *carry)` for the op of `group` that the lane's branch names, else
-        `carry` unchanged: a two-way cond whose branch 0 passes the carry through.
-        With several ops in the group, `op` is a switch over them that returns only
-        the op's outputs; `run` writes them into the carried stores (see above)."""
+        `carry` unchanged: a two-way cond (branch 0 passes the carry through) of a
+        switch over the group's ops; ops that `updates` a carried store in place
+        run in a chain of two-way conds where a switch would copy it."""
         ids, fns = group
         pick = np.zeros(len(self.plan.branches) + 1, np.int32)  # branch id -> 1 + op index
         pick[ids] = np.arange(1, len(ids) + 1)
         which = jnp.asarray(pick)[lane.branch]
         if len(fns) == 1:
             op = fns[0]
+        elif updates and not SWITCH_UPDATES_IN_PLACE:
+            for i, fn in enumerate(fns, 1):
+                carry = lax.cond(which == i, functools.partial(run, fn), lambda *c: c, *carry)
+            return carry
         else:
 
             def op(*operands):
@@ -277,18 +285,10 @@ class TickProgram:
             if plan.order[-1] is Kind.F:  # F writes slots the tick's B, W, BW read
                 res_w, bres_w = (after(grad, slot) for slot in (res_w, bres_w))
 
-            def forward(op, act, res, loss):
-                act, res_out, loss = op(params, x, y, f_in, res, row.f)
-                res = Residuals(
-                    {k: b.at[bres_w].set(res_out.b[k]) for k, b in res.b.items()},
-                    {  # F writes the head of the W-pool row (stages.StageVjp.w_head_width)
-                        k: lax.dynamic_update_slice(b, res_out.w[k][None], (res_w, 0))
-                        for k, b in res.w.items()
-                    },
-                )
-                return act, res, loss
+            def forward(op, act, res, loss):  # F writes its rows into the stores in place
+                return op(params, x, y, f_in, res, row.f._replace(res_w=res_w, bres_w=bres_w))
 
-            act, res, loss = self.lane(ops.forwards, row.f, forward, act, res, loss)
+            act, res, loss = self.lane(ops.forwards, row.f, forward, act, res, loss, updates=True)
 
         def input_grad_lane() -> None:
             nonlocal grad, res

@@ -2,7 +2,8 @@
 
 Each function takes (chunk params, batch, labels, its lane's `Inbox`, residual
 stores (stages.Residuals), its lane's row of the tick, plan.OpRow) and returns
-(outgoing message, residual rows or parameter gradient, loss share). An op never
+(outgoing message, what it writes, loss share): F the residual stores with its
+rows written in place, B its cotangents, W/BW the parameter gradient. An op never
 sees the message store itself: the tick reads each lane's message rows before
 any op runs (see tick.py). They are grouped by what they write, because the tick
 body (tick.py) runs each group as its own two-way `lax.cond`: all F (they
@@ -122,12 +123,12 @@ class StageOps:
             if kind is Kind.F:
                 a = stage_input(x, inbox, row)
                 if self.remat:
-                    out, res_out = st.forward(s, p, a, y_mb), Residuals({}, {})
+                    out = st.forward(s, p, a, y_mb)
                 else:
-                    out, res_out = st.forward_with_residuals(s, p, a, y_mb)
+                    out, res = st.forward_into(s, p, a, y_mb, res, row.bres_w, row.res_w)
                 if s == S - 1:
-                    return msg, res_out, out * self.loss_mult
-                return self.msg_spec.pack_act(s, out), res_out, self.no_loss()
+                    return msg, res, out * self.loss_mult
+                return self.msg_spec.pack_act(s, out), res, self.no_loss()
             if s == S - 1:
                 g = self.loss.seed(self.scale)
             else:

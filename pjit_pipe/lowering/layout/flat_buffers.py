@@ -23,6 +23,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 Buffers = dict[str, jax.Array]
 Split = tuple[str | None, ...]  # per dimension, 'tensor' or None
@@ -114,25 +115,37 @@ class FlatSpec:
         leaves = jax.tree.leaves(tree)
         if len(leaves) != len(self.slots[i]):
             raise ValueError(f"tree {i}: {len(leaves)} leaves, expected {len(self.slots[i])}")
-        return self.pack_leading(i, leaves, self.sizes)
-
-    def pack_leading(self, i: int, leaves: Sequence[Any], widths: dict[str, int]) -> Buffers:
-        """The first len(`leaves`) leaves of tree number `i` as flat buffers, each
-        zero padded to `widths[key]` (the head of a row: the rest is written later)."""
-        parts: dict[str, list[jax.Array]] = {k: [] for k in widths}
-        for leaf, (key, _, _) in zip(leaves, self.slots[i][: len(leaves)], strict=True):
+        parts: dict[str, list[jax.Array]] = {k: [] for k in self.sizes}
+        for leaf, (key, _, _) in zip(leaves, self.slots[i], strict=True):
             if is_shaped(key):
                 parts[key].append(jnp.asarray(leaf).astype(dtype_of(key)))
             else:
                 parts[key].append(jnp.ravel(leaf).astype(key))
         out = {}
-        for key, size in widths.items():
+        for key, size in self.sizes.items():
             if is_shaped(key):
                 got = parts[key]
                 out[key] = got[0] if got else jnp.zeros(self.shapes[key], dtype_of(key))
                 continue
             flat = jnp.concatenate(parts[key]) if parts[key] else jnp.zeros((0,), key)
             out[key] = jnp.pad(flat, (0, size - flat.shape[0]))
+        return out
+
+    def write(self, i: int, stores: Buffers, slot: Any, leaves: Sequence[Any]) -> Buffers:
+        """The first len(`leaves`) leaves of tree number `i` written into row `slot`
+        of `stores` ((slots, *shape) per key), leaf by leaf at their offsets, in
+        place. No packed row is built: that would be a concatenate of every leaf
+        (a slow kernel on GPUs when the leaves are many) and then a copy of it into
+        the store. The rest of the row keeps what it held; readers read only their
+        tree's slots."""
+        out = dict(stores)
+        for leaf, (key, start, _) in zip(leaves, self.slots[i][: len(leaves)], strict=True):
+            if is_shaped(key):
+                value = jnp.asarray(leaf).astype(dtype_of(key))
+                at = (0,) * value.ndim
+            else:
+                value, at = jnp.ravel(leaf).astype(key), (start,)
+            out[key] = lax.dynamic_update_slice(out[key], value[None], (slot, *at))
         return out
 
     def same_shapes(self, trees: Iterable[int]) -> bool:
