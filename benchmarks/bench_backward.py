@@ -68,10 +68,11 @@ def _stage_ops(stages: StageVjp, s: int, params, act, y):
     g = jnp.ones(stages.act_avals[s + 1].shape, stages.act_avals[s + 1].dtype)
     _, res = jax.jit(lambda p, a: stages.stored_rows(s, p, a, None))(params, act)
     if s in stages.split:
-        b = jax.jit(lambda p, r: stages.input_grad(s, p, r, g))
-        _, cots = b(params, res)
-        off = stages.cot_offset(s)
-        kept = {k: v.at[off[k] : off[k] + cots[k].shape[0]].set(cots[k]) for k, v in res.w.items()}
+        b = jax.jit(
+            lambda p, r: stages.input_grad(s, p, r, g, jax.tree.map(lambda v: v[None], r.w), 0)
+        )
+        _, kept = b(params, res)
+        kept = {k: v[0] for k, v in kept.items()}  # the W-pool row with B's cotangents
         w = jax.jit(lambda p, r: stages.weight_grad(s, p, r))
         bw = jax.jit(lambda p, r: stages.fused_grad(s, p, r, g))
         return {

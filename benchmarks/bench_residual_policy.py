@@ -3,7 +3,7 @@
 One middle pipeline stage of GPT-2 blocks (`pjit_pipe.models.gpt2.GPT2Block`,
 d256 by default) between two trivial stages. For every residual policy of
 `lowering.POLICIES` the stage's ops are compiled as the lowering runs them
-(`measure._stage_ops`: F, B, W of a split stage; F, BW of one that is not
+(`stage_programs.stage_programs`: F, B, W of a split stage; F, BW of one that is not
 split) and timed against one jitted `jax.vjp` program of the same stage
 (forward and backward fused, XLA free to keep or recompute what it likes).
 Printed per policy: split F+B+W over the fused vjp, F+BW over it, the bytes
@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.common import quartiles, round_times
-from pjit_pipe.frontend.planning.measure import _stage_ops
 from pjit_pipe.frontend.planning.residual_choice import choose_policy, pool_rows, row_elements
+from pjit_pipe.frontend.planning.stage_programs import stage_programs
 from pjit_pipe.lowering import DEFAULT_POLICY, POLICIES, LossLayout, StageVjp, saved_names
 from pjit_pipe.models.gpt2 import GPT2Block
 
@@ -93,7 +93,7 @@ def main(argv: list[str] | None = None) -> None:
         for split in ((1,), ()):
             st = StageVjp(fns, loss, stage_params, aval, aval, split, (policy,) * 3)
             tag = "split" if split else "fused"
-            for op, fn in _stage_ops(st, 1, device, None).items():
+            for op, fn in stage_programs(st, 1, device, None).items():
                 programs[f"{policy} {tag} {op}"] = fn
             if split:
                 stored[policy] = row_elements(st, 1)

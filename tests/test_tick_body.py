@@ -217,9 +217,11 @@ def test_tick_loop_copies_no_carried_store(program, request):
     if two_ws:
         groups += low.ops.second_weight_grads
     assert sum(1 for ids, _ in groups if ids) == CONDS[program]
-    # Where XLA would copy the residual stores out of a switch, F runs one cond per stage.
-    f_conds = 1 if SWITCH_UPDATES_IN_PLACE else len(low.ops.forwards[1])
-    assert conds == CONDS[program] - 1 + f_conds + (1 + low.plan.deferred) * gated
+    # Where XLA would copy the residual stores out of a switch, F and B (which write
+    # into them) run one cond per stage.
+    writers = (low.ops.forwards, low.ops.input_grads)
+    chained = 0 if SWITCH_UPDATES_IN_PLACE else sum(len(fns) - 1 for ids, fns in writers if ids)
+    assert conds == CONDS[program] + chained + (1 + low.plan.deferred) * gated
     assert loops == 0
     # The program inspected computes what jax.value_and_grad does.
     loss, grads = compiled(list(params), x, y)

@@ -40,6 +40,7 @@ from jax import lax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as PS
 
+from pjit_pipe.frontend.planning.stage_programs import ones_on, stage_programs
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.lowering import ChunkLayout, FlatSpec, LossLayout, StageVjp
 
@@ -133,66 +134,6 @@ def sample_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str,
 def median_seconds(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
     """Median wall time of each callable after one warm-up, run round-robin."""
     return {k: statistics.median(v) for k, v in sample_seconds(fns, repeats).items()}
-
-
-def _ones(avals: Any, device: jax.Device) -> Any:
-    return jax.tree.map(lambda a: jax.device_put(jnp.ones(a.shape, a.dtype), device), avals)
-
-
-def _stage_ops(
-    st: StageVjp, s: int, device: jax.Device, y_mb: Any, flat: FlatSpec | None = None
-) -> dict[str, Callable]:
-    """Stage s's ops as the lowering runs them with `st`, on `device`: F, B and W of
-    a split stage, F and BW of any other (the first stage's BW is its W: no input
-    gradient), and on an unsplit loss stage FBW, its F and backward as one program
-    (lowering.plan.FUSED; the same program whatever the split, so timed once). With `flat`, the parameters come packed in
-    it and the gradients go back packed, as the lowering keeps a chunk that it
-    does not hold in size classes (`lowering.param_layout.ChunkLayout`): each op
-    then pays the copies of its weights out of the flat buffer that the compiled
-    program pays."""
-    p = _ones(st.param_avals[s], device)
-    pack, unpack = lambda q: q, lambda q: q
-    if flat is not None:
-        pack, unpack = (lambda q: flat.pack(s, q)), (lambda q: flat.unpack(s, q))
-        p = jax.device_put(pack(p), device)
-    a = _ones(st.act_avals[s], device)
-    y = _ones(y_mb, device) if s == st.S - 1 else None
-    # The last stage's output is the loss vector (loss.LossLayout): seed its value.
-    g = (
-        jax.device_put(jnp.zeros(st.loss_aval.shape, st.loss_aval.dtype).at[0].set(1.0), device)
-        if s == st.S - 1
-        else _ones(st.act_avals[s + 1], device)
-    )
-    f = jax.jit(lambda p, a, y, r: st.forward_into(s, unpack(p), a, y, r, 0, 0), donate_argnums=3)
-    held = list(f(p, a, y, st.zero_residuals(1)))  # [output, store]
-    res = jax.tree.map(lambda b: b[0], held[1])  # what B and W read (B's cotangents: zeros)
-
-    def forward() -> Any:  # F as the tick program runs it: writing into a donated store
-        held[:] = f(p, a, y, held[1])
-        return held[0]
-
-    ops = {"F": forward}
-    if s in st.split:
-        b = jax.jit(lambda p, r: st.input_grad(s, unpack(p), r, g))
-        w = jax.jit(lambda p, r: pack(st.weight_grad(s, unpack(p), r)))
-        ops |= {"B": lambda: b(p, res), "W": lambda: w(p, res)}
-    else:
-
-        def fused_backward(p, r):
-            grads = st.pullback(s, unpack(p), r)(g)  # the first stage's: (dparams,)
-            return (pack(grads[0]), *grads[1:])
-
-        bw = jax.jit(fused_backward)
-        ops |= {"BW": lambda: bw(p, res)}
-    if s == st.S - 1 and s not in st.split:
-
-        def value_and_grad(p, a, y):
-            out, dparams, dinput = st.value_and_grad(s, unpack(p), a, y, g)
-            return out, pack(dparams), dinput
-
-        fbw = jax.jit(value_and_grad)
-        ops |= {"FBW": lambda: fbw(p, a, y)}
-    return ops
 
 
 def _elements(tree: Any) -> int:
@@ -354,9 +295,9 @@ def measure_stage_times(
     times: dict[int, dict[str, float]] = {}
     for s in range(S):  # fused and split ops of a stage in one round robin
         packed = flat if sliced[s] else None
-        ops = _stage_ops(fused, s, row[s % positions], y_mb, packed)
+        ops = stage_programs(fused, s, row[s % positions], y_mb, packed)
         if s in split.split:
-            more = _stage_ops(split, s, row[s % positions], y_mb, packed)
+            more = stage_programs(split, s, row[s % positions], y_mb, packed)
             ops |= {f"split {k}": op for k, op in more.items()}
         times[s] = median_seconds(ops, repeats)
     got = lambda s, op: times[s].get(f"split {op}", times[s].get(op, 0.0))  # noqa: E731
@@ -384,8 +325,8 @@ def segment_times(stage_fns: Sequence[Callable], params: Sequence[Any], x_mb: An
     device, for balancing stages by measured time (`balance="time"`)."""
     times, act = [], x_mb
     for fn, p in zip(stage_fns, params, strict=True):
-        a = _ones(act, jax.devices()[0])
-        pp = _ones(
+        a = ones_on(act, jax.devices()[0])
+        pp = ones_on(
             jax.tree.map(lambda v: jax.ShapeDtypeStruct(np.shape(v), jnp.result_type(v)), p),
             jax.devices()[0],
         )

@@ -32,7 +32,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from pjit_pipe.frontend.planning.measure import _stage_ops, median_seconds
+from pjit_pipe.frontend.planning.measure import median_seconds
+from pjit_pipe.frontend.planning.stage_programs import stage_programs
 from pjit_pipe.lowering import DEFAULT_POLICY, POLICIES, LossLayout, StageVjp, saved_names
 
 RowElements = dict[tuple[str, str], int]  # (pool "b" or "w", dtype) -> elements
@@ -184,7 +185,7 @@ def choose_stage_policies(
         names = candidates(default, s)
         ops = {}
         for p in names:
-            for op, fn in _stage_ops(tried[p], s, row[s % positions], y_mb).items():
+            for op, fn in stage_programs(tried[p], s, row[s % positions], y_mb).items():
                 if op != "FBW":  # the loss stage's fused program stores nothing
                     ops[f"{p} {op}"] = fn
         times = time_ops(ops, repeats)

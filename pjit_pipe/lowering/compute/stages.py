@@ -31,7 +31,6 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pjit_pipe.errors import LossFnError, OptionError
 from pjit_pipe.ir.memory import StoredBytes
@@ -106,17 +105,6 @@ class StageVjp:
             )
             for s in sorted(self.split)
         }
-        # Per dtype, the widest stage's cotangents: every split stage's row ends its
-        # cotangents with zero padding up to this width, so B writes one
-        # fixed-size slice (at a per-stage offset) into the residual store.
-        widths = {s: self._cotangent_sizes(s) for s in self.split}
-        self.cot_width = {
-            k: max(w.get(k, 0) for w in widths.values()) for w in widths.values() for k in w
-        }
-        pads = {
-            s: [jax.ShapeDtypeStruct((self.cot_width[k] - w.get(k, 0),), k) for k in self.cot_width]
-            for s, w in widths.items()
-        }
         self.res_treedef: list[Any] = []
         self.res_where: list[list[tuple[str, int]]] = []
         stored, kept = [], []
@@ -136,11 +124,10 @@ class StageVjp:
                 )
             self.res_where.append(box["where"])
             self.res_treedef.append(box["treedef"])
-            # A split stage also keeps W's data operands and the site cotangents B
-            # writes (padded to `cot_width`).
+            # A split stage also keeps W's data operands and the site cotangents B writes.
             sb = self.splitters.get(s)
             stored.append(leaves if sb else [])
-            kept.append([sb.stored, sb.perturbations, pads[s]] if sb else leaves)
+            kept.append([sb.stored, sb.perturbations] if sb else leaves)
         self.loss_aval = loss
         self.b_spec = FlatSpec(stored)
         self.w_spec = FlatSpec(kept)
@@ -245,53 +232,36 @@ class StageVjp:
 
     # ---- the split backward (stages in `split`) ----
 
-    def input_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Buffers]:
-        """B: (input gradient, per dtype the site cotangents as one flat slice of
-        width `cot_width`, to be written at `cot_offset(s)` of the W-pool row)."""
+    def input_grad(
+        self, s: int, p: Any, res: Residuals, g: Any, w_store: Buffers, slot: Any
+    ) -> tuple[Any, Buffers]:
+        """B: (input gradient, `w_store` with the site cotangents written into W-pool
+        row `slot` after W's data operands, leaf by leaf in place)."""
         dinput, cots = self.pullback(s, p, res)(g)
-        flat = {}
-        for key, width in self.cot_width.items():
-            mine = [jnp.ravel(c) for c in cots if np.dtype(c.dtype).name == key]
-            part = jnp.concatenate(mine) if mine else jnp.zeros((0,), key)
-            flat[key] = jnp.pad(part, (0, width - part.shape[0]))
-        return dinput, flat
-
-    def cot_offset(self, s: int) -> dict[str, int]:
-        """Where stage s's cotangent slice starts in its W-pool row, per dtype."""
-        n = len(self.splitters[s].stored)
-        first: dict[str, int] = {}
-        for key, start, _ in self.w_spec.slots[s][n:]:
-            first.setdefault(key, start)
-        return first
+        first = len(self.splitters[s].stored)  # the row's leaves before the cotangents
+        return dinput, self.w_spec.write(s, w_store, slot, jax.tree.leaves(cots), first)
 
     def weight_grad(self, s: int, p: Any, res: Residuals) -> Any:
         """W: the parameter gradient from the W-pool row's data operands and cotangents."""
-        operands, cots, _ = self.w_spec.unpack(s, res.w)
+        operands, cots = self.w_spec.unpack(s, res.w)
         return self.splitters[s].weight_grads(p, operands, cots)
 
     def fused_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
         """BW of a split stage: B then W without storing the cotangents."""
         dinput, cots = self.pullback(s, p, res)(g)
-        operands, _, _ = self.w_spec.unpack(s, res.w)
+        operands, _ = self.w_spec.unpack(s, res.w)
         return self.splitters[s].weight_grads(p, operands, cots), dinput
-
-    def _cotangent_sizes(self, s: int) -> dict[str, int]:
-        sizes: dict[str, int] = {}
-        for a in self.splitters[s].perturbations:
-            key = np.dtype(a.dtype).name
-            sizes[key] = sizes.get(key, 0) + int(np.prod(a.shape, dtype=np.int64))
-        return sizes
 
     def residual_bytes(self, s: int) -> dict[str, int]:
         """Bytes of one microbatch's stored buffers of stage s, by role: `b` (vjp
         residuals), `w_operands` (stored at F for W) and `cotangents` (written by
-        B for W, with their padding); a stage that is not split stores only `b`."""
+        B for W); a stage that is not split stores only `b`."""
         nbytes = lambda avals: sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(avals))  # noqa: E731
         if s not in self.split:
             return {"b": nbytes(self.w_spec.avals[s]), "w_operands": 0, "cotangents": 0}
         b = nbytes(self.b_spec.avals[s])
-        operands, cots, pads = jax.tree.unflatten(self.w_spec.treedefs[s], self.w_spec.avals[s])
-        return {"b": b, "w_operands": nbytes(operands), "cotangents": nbytes([cots, pads])}
+        operands, cots = jax.tree.unflatten(self.w_spec.treedefs[s], self.w_spec.avals[s])
+        return {"b": b, "w_operands": nbytes(operands), "cotangents": nbytes(cots)}
 
     def stored_bytes(self, s: int) -> StoredBytes:
         """Stage s's bytes per microbatch by the op that frees them (ir/memory.py):

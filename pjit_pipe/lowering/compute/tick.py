@@ -295,14 +295,11 @@ class TickProgram:
             if not ops.input_grads[0]:
                 return
 
-            def input_grad(op, grad, res):
-                grad, put, _ = op(back, x, y, b_in, res, row.b)
-                kept = dict(res.w)
-                for k, (cots, off) in put.items():  # a split stage's site cotangents
-                    kept[k] = lax.dynamic_update_slice(kept[k], cots[None], (row.b.res_r, off))
-                return grad, res._replace(w=kept)
+            def input_grad(op, grad, res):  # B writes its cotangents into the W-pool in place
+                grad, res, _ = op(back, x, y, b_in, res, row.b)
+                return grad, res
 
-            grad, res = self.lane(ops.input_grads, row.b, input_grad, grad, res)
+            grad, res = self.lane(ops.input_grads, row.b, input_grad, grad, res, updates=True)
 
         def weight_grad_lane() -> None:
             nonlocal grad, loss

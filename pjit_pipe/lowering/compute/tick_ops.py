@@ -2,8 +2,8 @@
 
 Each function takes (chunk params, batch, labels, its lane's `Inbox`, residual
 stores (stages.Residuals), its lane's row of the tick, plan.OpRow) and returns
-(outgoing message, what it writes, loss share): F the residual stores with its
-rows written in place, B its cotangents, W/BW the parameter gradient. An op never
+(outgoing message, what it writes, loss share): F and B the residual stores
+with their rows written in place, W/BW the parameter gradient. An op never
 sees the message store itself: the tick reads each lane's message rows before
 any op runs (see tick.py). They are grouped by what they write, because the tick
 body (tick.py) runs each group as its own two-way `lax.cond`: all F (they
@@ -134,13 +134,10 @@ class StageOps:
             else:
                 g = self.msg_spec.unpack_grad(s, inbox.grad)
             r = Residuals(store_row(res.b, row.bres_r), store_row(res.w, row.res_r))
-            # B's W-pool write: a split stage's cotangents at their offset; any other
-            # stage's B rewrites what is there (a B group of several stages needs one shape).
-            put = {k: (res.w[k][row.res_r, :w], 0) for k, w in st.cot_width.items()}
             if s in st.split:  # see split_backward.py
-                if kind is Kind.B:
-                    dinput, cots = st.input_grad(s, p, r, g)
-                    put = {k: (cots[k], off) for k, off in st.cot_offset(s).items()}
+                if kind is Kind.B:  # its cotangents go into the W-pool row W reads
+                    dinput, w_store = st.input_grad(s, p, r, g, res.w, row.res_r)
+                    res = res._replace(w=w_store)
                 elif kind is Kind.W:
                     dparams, dinput = st.weight_grad(s, p, r), None
                 else:
@@ -154,7 +151,7 @@ class StageOps:
             if kind in (Kind.B, Kind.BW) and s > 0:
                 msg = self.msg_spec.pack_grad(s - 1, dinput)
             if kind is Kind.B:
-                return msg, put, self.no_loss()
+                return msg, res, self.no_loss()
             return msg, self.layouts[c].pack(s, dparams), self.no_loss()
 
         run = run if self.rng_impls is None else self._with_rngs(run)

@@ -131,15 +131,18 @@ class FlatSpec:
             out[key] = jnp.pad(flat, (0, size - flat.shape[0]))
         return out
 
-    def write(self, i: int, stores: Buffers, slot: Any, leaves: Sequence[Any]) -> Buffers:
-        """The first len(`leaves`) leaves of tree number `i` written into row `slot`
-        of `stores` ((slots, *shape) per key), leaf by leaf at their offsets, in
-        place. No packed row is built: that would be a concatenate of every leaf
+    def write(
+        self, i: int, stores: Buffers, slot: Any, leaves: Sequence[Any], first: int = 0
+    ) -> Buffers:
+        """Leaves `first`, `first` + 1, ... of tree number `i` (`leaves`) written into
+        row `slot` of `stores` ((slots, *shape) per key), leaf by leaf at their
+        offsets, in place. No packed row is built: that would be a concatenate of every leaf
         (a slow kernel on GPUs when the leaves are many) and then a copy of it into
         the store. The rest of the row keeps what it held; readers read only their
         tree's slots."""
         out = dict(stores)
-        for leaf, (key, start, _) in zip(leaves, self.slots[i][: len(leaves)], strict=True):
+        slots = self.slots[i][first : first + len(leaves)]
+        for leaf, (key, start, _) in zip(leaves, slots, strict=True):
             if is_shaped(key):
                 value = jnp.asarray(leaf).astype(dtype_of(key))
                 at = (0,) * value.ndim
