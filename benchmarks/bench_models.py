@@ -52,7 +52,9 @@ the per-round ratios to the plain step. Every program takes the same number
 of steps from the same parameters on the same batch, so the loss the last
 step returns (the loss before its update) is compared with the plain one;
 async-1f1b updates after every microbatch (docs/async.md), so its loss differs
-by design.
+by design; with it, m - 1 optax updates alone are timed too (the algorithm's own
+cost beyond the plain step's one update), and the last line gives async-1f1b's
+ratio less them: what the program structure costs.
 
 Columns: step ms (median), ratio to plain [quartiles], tokens/s (m*B*S /
 step), first call s, peak GiB, MFU, loss relative error against plain.
@@ -195,6 +197,22 @@ def plain_step(case: ModelCase, optimizer: Any, m: int) -> Callable:
     return jax.jit(step, donate_argnums=0)
 
 
+def optax_updates(optimizer: Any, n: int) -> Callable:
+    """step((params, opt_state), grads) -> ((params, opt_state), 0.0): `n` optax
+    updates alone, what async-1f1b's per-microbatch steps add to a plain step's one
+    (the algorithm's own cost); state donated."""
+
+    def step(state, grads):
+        def update(_, state):
+            params, opt_state = state
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state
+
+        return jax.lax.fori_loop(0, n, update, state), jnp.float32(0)
+
+    return jax.jit(step, donate_argnums=0)
+
+
 class Stepper:
     """A train step and the state it carries: each call takes one step and keeps the
     new state, so repeated calls (the timing rounds) train on."""
@@ -295,6 +313,11 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
         return Stepper(step, step.init(copy(params), (x, y)), (x, y), pipelined=True)
 
     first_call("plain", plain)
+    extra = f"optax x{m - 1}"  # the updates async-1f1b takes beyond the plain step's one
+    if "async-1f1b" in args.kinds:
+        state = (copy(params), optimizer.init(params))
+        grads = jax.tree.map(lambda a: jnp.full_like(a, 1e-3), params)
+        first_call(extra, lambda: Stepper(optax_updates(optimizer, m - 1), state, (grads,), False))
     for kind in args.kinds:
         for skip in args.skip_nonfinite:
             if skip is False and kind in IN_LOOP:
@@ -309,6 +332,8 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
     base_loss = float(steppers["plain"].loss)
     rows = []
     for name, t in times.items():
+        if name == extra:
+            continue
         step_s = statistics.median(t)
         loss = float(steppers[name].loss)
         rows.append(
@@ -352,6 +377,12 @@ def run(args: argparse.Namespace, case: ModelCase) -> list[Row]:
         print(
             "   async-1f1b steps the optimizer after every microbatch's backward (docs/async.md):"
             f" {m} updates a step, so its loss is not the plain step's"
+        )
+        own = [(a - u) / b for a, u, b in zip(times["async-1f1b"], times[extra], base, strict=True)]
+        q1, med, q3 = quartiles(own)
+        print(
+            f"   {m - 1} optax updates alone take {statistics.median(times[extra]) * 1e3:.2f} ms;"
+            f" async-1f1b less them: {med:.3f}x the plain step [{q1:.3f}, {q3:.3f}]"
         )
     return rows
 

@@ -191,10 +191,9 @@ class TickProgram:
     # Each lane runs its op, if any, in groups of ops that write the same buffers
     # (tick_ops.py), each group one two-way `lax.cond`: branch 0 passes the carried
     # stores through (the idle case), branch 1 runs the op the row names (a switch
-    # over the group's ops when it has several) and writes its outputs into them in
-    # place. Not one n-way switch over (idle, op 1, op 2, ...): XLA then copies the
-    # carried stores inside every branch, and moving the writes out of the switch
-    # would add a zero gradient on every tick without a W, one parameter-sized pass.
+    # over the group's ops when it has several). W and BW return their gradient,
+    # added into the accumulator in place after the switch; F and B write their
+    # residual leaves into the stores in place inside it (`lane`'s `updates`).
     # The message store is no operand of any cond: each lane's message rows are read
     # before the first op, so the store's writes after the last op update it in
     # place too (a cond that read the store would make XLA copy it twice per tick).
