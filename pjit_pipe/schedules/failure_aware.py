@@ -31,7 +31,7 @@ from pjit_pipe.passes import (
     list_schedule,
     share_placement,
 )
-from pjit_pipe.simulator import best_of, lower_bound, slow_bound
+from pjit_pipe.simulator import best_of, fill_bound, lower_bound, slow_bound
 
 
 def _placements(base: Schedule, pat: FailurePattern, costs: Costs) -> list[Placement]:
@@ -79,7 +79,8 @@ def search_reroutes(
     when it does not get stuck). With slow workers and no failure, the base
     itself is a candidate too (moving nothing may be best). Candidates are
     priced at the slow workers' speeds. Stops as soon as a candidate reaches
-    the lower bound (the work-conserving one, or `slow_bound`), or after
+    the lower bound (the work-conserving one, `slow_bound`, or with one chunk
+    per device `fill_bound` at the memory limit), or after
     `time_limit` seconds. `mem_limit` defaults to the base's peak memory.
     Patterns equal up to a permutation of replicas get one schedule,
     relabelled (unless the time limit cuts their searches at different points,
@@ -93,11 +94,13 @@ def search_reroutes(
         )
     stages, kind = base.stages, base.kind
     slow = {w: f for w, f in costs.factors().items() if w not in pattern.failed and f > 1.0}
-    target = lower_bound(stages, base.microbatches, base.replicas, pattern, costs, base.chunks)
-    if slow:
-        bound = slow_bound(stages, base.microbatches, base.replicas, slow, pattern, costs)
-        target = max(target, bound)
+    shape = (stages, base.microbatches, base.replicas)
+    target = lower_bound(*shape, pattern, costs, base.chunks)
     limit = default_limit(base, mem_limit)
+    if slow:
+        target = max(target, slow_bound(*shape, slow, pattern, costs))
+    if base.chunks == 1:  # each worker's pipeline fill within the limit
+        target = max(target, fill_bound(*shape, limit, slow, pattern, costs))
     caps = dict.fromkeys(base.workers, limit)
     deadline = time.monotonic() + time_limit
 

@@ -1,6 +1,7 @@
 """The simulator: prices schedules under a cost model (`pjit_pipe.ir.Costs`) and draws them."""
 
 from pjit_pipe.simulator.bounds import (
+    fill_bound,
     least_largest_load,
     lockstep_lower_bound,
     lower_bound,
@@ -31,6 +32,7 @@ __all__ = [
     "check_sync",
     "chrome_trace",
     "draw_gantt",
+    "fill_bound",
     "gantt",
     "least_largest_load",
     "lockstep_lower_bound",

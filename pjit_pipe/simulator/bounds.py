@@ -3,12 +3,15 @@
 `lower_bound` (work-conserving, under a failure pattern) is what re-routed
 schedules are measured against (tests, benchmarks) and where the
 failure-aware search stops early; `slow_bound` is its counterpart with slow
-workers (whole microbatch-slices over workers of different speeds). `lockstep_lower_bound` is what no tick
-table of a schedule can beat (tick_packing/packer.py stops at it).
+workers (whole microbatch-slices over workers of different speeds), and
+`fill_bound` adds each worker's pipeline fill at a memory limit.
+`lockstep_lower_bound` is what no tick table of a schedule can beat
+(tick_packing/packer.py stops at it).
 """
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from graphlib import TopologicalSorter
@@ -136,6 +139,85 @@ def slow_bound(
         )[0]
         for p in range(stages)
     )
+
+
+def fill_bound(
+    stages: int,
+    microbatches: int,
+    replicas: int,
+    mem_limit: float,
+    slow: Mapping[tuple[int, int], float] | None = None,
+    failed: FailurePattern | Iterable[tuple[int, int]] = (),
+    costs: Costs | None = None,
+) -> float:
+    """`slow_bound` with each worker's pipeline fill at a memory limit: what no
+    synchronous schedule of one chunk per device can beat within `mem_limit`.
+
+    Why it holds. A worker starts each iteration with no activations: the OPT
+    of its stage follows every W of the iteration, and its next forward
+    follows the OPT. Its first backward needs a microbatch's round trip: its
+    own F, then F and B on every later stage (at the speed of that stage's
+    fastest live worker) and 2 transfers a later stage. Until then it can
+    only run forwards, at most floor(mem_limit) of them (each holds one
+    microbatch's activations) and no more than its n slices. So a worker
+    with n >= 1 slices of stage p idles at least max(0, round trip -
+    min(floor(mem_limit), n) x F_p x factor) every iteration, beside its load
+    n x (F+B+W)_p x factor (each op at the cheaper of its split and fused
+    cost, `Costs.f_fused`, `Costs.bw`). Per stage, the least possible
+    largest of those times over whole-slice assignments (exact, as
+    `least_largest_load`: each worker's time grows with n); the bound is the
+    largest over stages.
+
+    Example (1F1B, D=4, P=4, m=8, unit costs, worker 0:1 at factor 1.5,
+    mem_limit 4): a fast stage-1 worker's round trip is 1 + 2 x 2 = 5, so it
+    idles 5 - 4 = 1 an iteration; 32 slices need one with 9 (3 x 9 + 1 = 28)
+    unless the slow one takes 7 (31.5). The bound is 28; `slow_bound` is 27.
+
+    Args:
+        stages: P.
+        microbatches: m per replica.
+        replicas: D.
+        mem_limit: Each worker's activation memory limit (docs/design.md units).
+        slow: {(replica, stage): factor >= 1}; None: `costs.slow` (or none).
+        failed: Failed workers: they take no slice.
+        costs: F, B, W per position and C (default unit costs).
+
+    Returns:
+        The bound, in the units of `costs`; at least `slow_bound`.
+
+    Raises:
+        FailurePlanError: A stage lost every replica.
+        ScheduleError: Bad costs or factors.
+    """
+    costs = costs or Costs()
+    speeds = costs.factors() if slow is None else Costs(slow=slow).factors()
+    pattern = FailurePattern.of(replicas, stages, failed)
+    # Per position the cheaper of the split and the fused ops: F, the backward
+    # (B, or BW where a schedule fuses it) and one slice's F+B+W (or F+BW).
+    fused = costs.fused_per_stage(stages)
+    table = [
+        (min(f, ff), min(b, bw), min(f + b + w, ff + bw))
+        for (f, b, w), (ff, bw) in zip(costs.per_stage(stages), fused, strict=True)
+    ]
+    total, room = replicas * microbatches, math.floor(mem_limit + 1e-9)
+    live = [[speeds.get(Worker(r, p), 1.0) for r in pattern.survivors(p)] for p in range(stages)]
+    bound = 0.0
+    for p in range(stages):
+        forward, work = table[p][0], table[p][2]
+        later = sum(
+            (f + b) * min(live[t]) + 2 * costs.c for t, (f, b, _) in enumerate(table) if t > p
+        )
+        times = []  # per live worker, its time with n = 0, 1, ... slices (non-decreasing)
+        for factor in live[p]:
+            fill = [
+                max(0.0, later - (min(room, n) - 1) * forward * factor) for n in range(total + 1)
+            ]
+            times.append([n * work * factor + fill[n] if n else 0.0 for n in range(total + 1)])
+        for limit in sorted({t for row in times for t in row}):
+            if sum(bisect.bisect_right(row, limit + 1e-9) - 1 for row in times) >= total:
+                bound = max(bound, limit)
+                break
+    return bound
 
 
 def lockstep_lower_bound(schedule: Schedule, costs: Costs | None = None) -> float:
