@@ -125,7 +125,7 @@ def pipelined_step(pm: pp.Pipelined, state: Any, batch: tuple) -> dict[str, floa
     build = time.perf_counter() - start
     sharding = jax.sharding.NamedSharding(pm.device_mesh, jax.sharding.PartitionSpec())
     x, y = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in batch)
-    jitted = program._device_steps[(False, step._skips(program))]
+    jitted = program._device_steps[(False, step._skips(program))].jitted
     return phases(jitted, (*program.layout.avals(), x, y), build)
 
 

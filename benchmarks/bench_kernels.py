@@ -42,7 +42,7 @@ from benchmarks.bench_compile import FAILED, pipeline, plain_jitted, setup
 from pjit_pipe.models import lm_loss
 
 # An op function's name scope (tick_ops._named, the optimizer's update).
-SCOPE = re.compile(r"\b((?:F\+BW|BW|F|B|W|OPT) stage \d+)")
+SCOPE = re.compile(r"\b((?:F\+BW|BW|F|B|W|OPT) stage \d+|OPT rows)")
 
 
 def kernels(lowered: Any) -> dict[str, Any]:
@@ -92,7 +92,7 @@ def pipelined_lowered(pm: Any, state: Any, batch: tuple) -> Any:
     program, _ = step._state_program(state, batch)
     sharding = jax.sharding.NamedSharding(pm.device_mesh, jax.sharding.PartitionSpec())
     x, y = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in batch)
-    jitted = program._device_steps[(False, step._skips(program))]
+    jitted = program._device_steps[(False, step._skips(program))].jitted
     return jitted.trace(*program.layout.avals(), x, y).lower()
 
 

@@ -1,0 +1,152 @@
+"""The optax step on whole flat rows, for updates that treat every element alike.
+
+The per-leaf step (optimizer.py) cuts each held stage's parameter tree and
+optax state out of the device's rows, runs optax, and packs the result back,
+inside a switch on the pipeline position. XLA then compiles each leaf's
+update as kernels of their own (a kernel bakes in its slice offsets), and
+every stage layout has its own branch: on the tiny GPT that was most of the
+program's optimizer kernels (benchmarks/bench_kernels.py).
+
+When the update is leafwise (leafwise.py: one elementwise rule for every
+element of every leaf, as adam, adamw, sgd and momentum are) it runs once
+per dtype on the whole row instead, the same on every position, so no
+switch and a handful of kernels. For that the optax state's rows are laid
+out in step with the parameter row: the state of `optimizer.init(row)` (the
+row tree, {dtype: (L,)}) is packed as usual, and each stage's own state
+(`optimizer.init(stage tree)`, the module layout the device layout converts
+to and from) sits inside it, each parameter-shaped part at its parameters'
+offsets in that part's row-long region. A row's padding holds zeros in and
+whatever the rule makes of zeros out; no stage's leaf reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.leafwise import leafwise, like
+
+
+class RowOptimizer:
+    """One optax step per dtype row (see the module docstring); build with `fit`.
+
+    `spec` is the optax state's row layout: `spec.pack(s, state)` and
+    `spec.unpack(s, rows)` convert stage s's own optax state, as a per-stage
+    FlatSpec does, and `state_spec` reads the whole-row state from the rows.
+    """
+
+    def __init__(
+        self, optimizer: optax.GradientTransformation, spec: FlatSpec, state_spec: FlatSpec
+    ):
+        self.optimizer = optimizer
+        self.spec = spec
+        self.state_spec = state_spec
+
+    @classmethod
+    def fit(
+        cls, optimizer: optax.GradientTransformation, param_spec: FlatSpec
+    ) -> RowOptimizer | None:
+        """The row step for parameters laid out by `param_spec`, or None where the
+        update must run leaf by leaf: leaves split over 'tensor' (shaped buffers),
+        an update that is not leafwise, or a stage whose optax state is not the
+        row state's in shape."""
+        return None if why_not_rows(optimizer, param_spec) else cls._build(optimizer, param_spec)
+
+    @classmethod
+    def _build(cls, optimizer: optax.GradientTransformation, param_spec: FlatSpec) -> RowOptimizer:
+        row = _row(param_spec)
+        state = jax.eval_shape(optimizer.init, row)
+        state_spec = FlatSpec([state])
+        is_row = like(row)
+        # Per node of the row state: its slot, or per parameter key its region's slot.
+        slots = iter(state_spec.slots[0])
+        regions = [
+            {k: next(slots) for k in node} if is_row(node) else next(slots)
+            for node in jax.tree.leaves(state, is_leaf=is_row)
+        ]
+        treedefs, avals, placed = [], [], []
+        for s, params in enumerate(_stage_trees(param_spec)):
+            own = jax.eval_shape(optimizer.init, params)
+            is_params = like(params)
+            at = []
+            for node, region in zip(jax.tree.leaves(own, is_leaf=is_params), regions, strict=True):
+                if not is_params(node):
+                    at.append(region)
+                    continue
+                for (key, offset, n), _ in zip(
+                    param_spec.slots[s], jax.tree.leaves(node), strict=True
+                ):
+                    dtype, base, _ = region[key]
+                    at.append((dtype, base + offset, n))
+            treedefs.append(jax.tree.structure(own))
+            avals.append(jax.tree.leaves(own))
+            placed.append(at)
+        return cls(
+            optimizer, FlatSpec.placed(treedefs, avals, placed, state_spec.sizes), state_spec
+        )
+
+    def step(self, params: Buffers, grads: Buffers, opt: Buffers) -> tuple[Buffers, Buffers]:
+        """(new parameter rows, new optax rows) from (v, L) parameter, gradient and
+        optax rows: every chunk's update at once, whatever stage it holds."""
+
+        def chunk(p: Buffers, g: Buffers, o: Buffers) -> tuple[Buffers, Buffers]:
+            with jax.named_scope("OPT rows"):  # metadata only: see tick_ops._named
+                updates, state = self.optimizer.update(g, self.state_spec.unpack(0, o), p)
+                return optax.apply_updates(p, updates), self.state_spec.pack(0, state)
+
+        return jax.vmap(chunk)(params, grads, opt)
+
+
+def _row(param_spec: FlatSpec) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct((n,), k) for k, n in param_spec.sizes.items()}
+
+
+def _stage_trees(param_spec: FlatSpec) -> list[Any]:
+    return [
+        jax.tree.unflatten(treedef, avals)
+        for treedef, avals in zip(param_spec.treedefs, param_spec.avals, strict=True)
+    ]
+
+
+def why_not_rows(optimizer: optax.GradientTransformation, param_spec: FlatSpec) -> str | None:
+    """None when `RowOptimizer.fit` takes the row step for this layout, else why not."""
+    if param_spec.tensor_split:
+        return "leaves split over 'tensor' have buffers of their own"
+    row = _row(param_spec)
+    trees = _stage_trees(param_spec)
+    # One stage of each parameter layout (same-shaped stages give the same answers).
+    firsts = list(
+        {
+            (t, tuple(a)): s
+            for s, (t, a) in enumerate(zip(param_spec.treedefs, param_spec.avals, strict=True))
+        }.values()
+    )
+    why = leafwise(optimizer, [trees[s] for s in firsts], row)
+    if why is not None:
+        return why
+    state = jax.eval_shape(optimizer.init, row)
+    is_row = like(row)
+    nodes = jax.tree.leaves(state, is_leaf=is_row)
+    other = "a stage's optax state is not shaped like the row's"
+    for s in firsts:
+        own = jax.eval_shape(optimizer.init, trees[s])
+        is_params = like(trees[s])
+        if jax.tree.structure(own, is_leaf=is_params) != jax.tree.structure(state, is_leaf=is_row):
+            return other
+        for mine, theirs in zip(jax.tree.leaves(own, is_leaf=is_params), nodes, strict=True):
+            if is_params(mine) != is_row(theirs):
+                return other
+            if not is_params(mine):
+                if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
+                    return other
+                continue
+            leaves = zip(
+                jax.tree.leaves(mine), param_spec.avals[s], param_spec.slots[s], strict=True
+            )
+            for leaf, param, (key, _, _) in leaves:
+                if (leaf.shape, leaf.dtype) != (param.shape, theirs[key].dtype):
+                    return other
+    return None
