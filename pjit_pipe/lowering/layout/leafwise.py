@@ -86,14 +86,15 @@ def _signatures(
     """{(output role, dtype): expression id} of one trace; `names` interns the
     expressions, shared between traces so their ids compare."""
     state = jax.eval_shape(optimizer.init, params)
-    closed = jax.make_jaxpr(_step(optimizer))(params, state, params)
+    closed, (_, out_state) = jax.make_jaxpr(_step(optimizer), return_shape=True)(
+        params, state, params
+    )
     n = len(jax.tree.leaves(params))
     labels = (
         [(("grad",), i) for i in range(n)]
         + _roles(state, params)
         + [(("param",), i) for i in range(n)]
     )
-    out_state = jax.eval_shape(_step(optimizer), params, state, params)[1]
     out_labels = [(("param",), i) for i in range(n)] + _roles(out_state, params)
     eqns, inputs, outputs, avals = flatten(closed)
     shapes = [np.shape(a) for a in jax.tree.leaves(params)]

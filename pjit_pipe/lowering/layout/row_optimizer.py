@@ -21,6 +21,7 @@ whatever the rule makes of zeros out; no stage's leaf reads it.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
@@ -53,7 +54,12 @@ class RowOptimizer:
         update must run leaf by leaf: leaves split over 'tensor' (shaped buffers),
         an update that is not leafwise, or a stage whose optax state is not the
         row state's in shape."""
-        return None if why_not_rows(optimizer, param_spec) else cls._build(optimizer, param_spec)
+        try:
+            return _fitted(optimizer, _Layout(param_spec))
+        except TypeError:  # an optimizer that cannot be a cache key
+            return (
+                None if why_not_rows(optimizer, param_spec) else cls._build(optimizer, param_spec)
+            )
 
     @classmethod
     def _build(cls, optimizer: optax.GradientTransformation, param_spec: FlatSpec) -> RowOptimizer:
@@ -100,6 +106,34 @@ class RowOptimizer:
         return jax.vmap(chunk)(params, grads, opt)
 
 
+class _Layout:
+    """A FlatSpec compared by its layout: the failure variants of one pipeline make
+    equal specs, and `_fitted` answers them from one trace."""
+
+    def __init__(self, spec: FlatSpec):
+        self.spec = spec
+        self.key = (
+            tuple(spec.treedefs),
+            tuple(tuple(a) for a in spec.avals),
+            tuple(tuple(s) for s in spec.slots),
+            tuple(spec.sizes.items()),
+            tuple(spec.splits.items()),
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Layout) and self.key == other.key
+
+
+@functools.lru_cache(maxsize=16)
+def _fitted(optimizer: optax.GradientTransformation, layout: _Layout) -> RowOptimizer | None:
+    if why_not_rows(optimizer, layout.spec):
+        return None
+    return RowOptimizer._build(optimizer, layout.spec)
+
+
 def _row(param_spec: FlatSpec) -> dict[str, jax.ShapeDtypeStruct]:
     return {k: jax.ShapeDtypeStruct((n,), k) for k, n in param_spec.sizes.items()}
 
@@ -115,6 +149,13 @@ def why_not_rows(optimizer: optax.GradientTransformation, param_spec: FlatSpec) 
     """None when `RowOptimizer.fit` takes the row step for this layout, else why not."""
     if param_spec.tensor_split:
         return "leaves split over 'tensor' have buffers of their own"
+    try:
+        return _row_mismatch(optimizer, param_spec)
+    except Exception as e:  # the per-leaf step then reports it in its own words
+        return f"the update does not trace on a row: {type(e).__name__}"
+
+
+def _row_mismatch(optimizer: optax.GradientTransformation, param_spec: FlatSpec) -> str | None:
     row = _row(param_spec)
     trees = _stage_trees(param_spec)
     # One stage of each parameter layout (same-shaped stages give the same answers).
