@@ -11,8 +11,9 @@ device. Each program is split with `jax.stages` into
 - compile: XLA (`.compile()`);
 and its ops are counted: StableHLO ops after lowering, HLO instructions after
 XLA's passes. Ratios are to the plain step measured in the same round (fresh
-functions each round, so nothing is reused from an earlier trace), medians
-over the rounds. Then all single-failure variants through `Variants.precompile`
+functions each round, so nothing is reused from an earlier round; the variant
+is that round's pipeline with a worker down, and shares its traced stages as
+every failure variant does), medians over the rounds. Then all single-failure variants through `Variants.precompile`
 (two compile threads), and `pjit-pipe demo` twice in fresh processes over one
 empty cache folder: cold, then warm.
 
