@@ -65,6 +65,7 @@ def test_a_row_step_gives_optax_numbers_on_every_stage(name):
 
     params = [draw(t) for t in STAGES]
     states = [opt.init(p) for p in params]
+    step = jax.jit(rows.step)
     # Two steps, so the state read back from the rows is a stepped one.
     for _ in range(2):
         grads = [draw(t) for t in STAGES]
@@ -72,7 +73,7 @@ def test_a_row_step_gives_optax_numbers_on_every_stage(name):
             {k: jnp.stack([spec.pack(s, trees[s])[k] for s in range(3)]) for k in spec.sizes}
             for spec, trees in ((SPEC, params), (SPEC, grads), (rows.spec, states))
         ]
-        new_p, new_o = jax.jit(rows.step)(*bufs)
+        new_p, new_o = step(*bufs)
         expected = []
         for p, g, o in zip(params, grads, states, strict=True):
             updates, o = opt.update(g, o, p)
