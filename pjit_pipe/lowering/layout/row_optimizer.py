@@ -67,10 +67,11 @@ class RowOptimizer:
         state = jax.eval_shape(optimizer.init, row)
         state_spec = FlatSpec([state])
         is_row = like(row)
-        # Per node of the row state: its slot, or per parameter key its region's slot.
+        # Per node of the row state: its slot, or per parameter key (in the sorted order
+        # jax flattens a dict in) its region's slot.
         slots = iter(state_spec.slots[0])
         regions = [
-            {k: next(slots) for k in node} if is_row(node) else next(slots)
+            {k: next(slots) for k in sorted(node)} if is_row(node) else next(slots)
             for node in jax.tree.leaves(state, is_leaf=is_row)
         ]
         treedefs, avals, placed = [], [], []
