@@ -99,25 +99,6 @@ class FlatSpec:
             self.shapes.setdefault(key, (n,))
         self.shapes = {k: self.shapes[k] for k in self.sizes}
 
-    @classmethod
-    def placed(
-        cls,
-        treedefs: Sequence[Any],
-        avals: Sequence[Sequence[jax.ShapeDtypeStruct]],
-        slots: Sequence[Sequence[tuple[str, int, int]]],
-        sizes: dict[str, int],
-    ) -> FlatSpec:
-        """A spec of flat rows only whose leaves sit where `slots` says (per tree,
-        per leaf: buffer key, start, elements) in buffers of `sizes` elements,
-        instead of one after another (row_optimizer.py aligns optax states so)."""
-        spec = cls.__new__(cls)
-        spec.treedefs, spec.avals = list(treedefs), [list(a) for a in avals]
-        spec.slots = [list(s) for s in slots]
-        spec.sizes = dict(sorted(sizes.items()))
-        spec.shapes = {k: (n,) for k, n in spec.sizes.items()}
-        spec.splits = {}
-        return spec
-
     def split_of(self, key: str) -> Split:
         """How buffer `key` splits over 'tensor' after its leading dimensions (a flat
         row: not at all)."""
@@ -138,25 +119,19 @@ class FlatSpec:
     def pack_leading(self, i: int, leaves: Sequence[Any], widths: dict[str, int]) -> Buffers:
         """The first len(`leaves`) leaves of tree number `i` as flat buffers, each
         zero padded to `widths[key]` (the head of a row: the rest is written later)."""
-        parts: dict[str, list[tuple[int, jax.Array]]] = {k: [] for k in widths}
-        for leaf, (key, start, _) in zip(leaves, self.slots[i][: len(leaves)], strict=True):
+        parts: dict[str, list[jax.Array]] = {k: [] for k in widths}
+        for leaf, (key, _, _) in zip(leaves, self.slots[i][: len(leaves)], strict=True):
             if is_shaped(key):
-                parts[key].append((start, jnp.asarray(leaf).astype(dtype_of(key))))
+                parts[key].append(jnp.asarray(leaf).astype(dtype_of(key)))
             else:
-                parts[key].append((start, jnp.ravel(leaf).astype(key)))
+                parts[key].append(jnp.ravel(leaf).astype(key))
         out = {}
         for key, size in widths.items():
             if is_shaped(key):
                 got = parts[key]
-                out[key] = got[0][1] if got else jnp.zeros(self.shapes[key], dtype_of(key))
+                out[key] = got[0] if got else jnp.zeros(self.shapes[key], dtype_of(key))
                 continue
-            pieces, end = [], 0
-            for start, flat in sorted(parts[key], key=lambda part: part[0]):
-                if start > end:  # a gap between placed leaves (`placed`) stays zero
-                    pieces.append(jnp.zeros((start - end,), key))
-                pieces.append(flat)
-                end = start + flat.shape[0]
-            flat = jnp.concatenate(pieces) if pieces else jnp.zeros((0,), key)
+            flat = jnp.concatenate(parts[key]) if parts[key] else jnp.zeros((0,), key)
             out[key] = jnp.pad(flat, (0, size - flat.shape[0]))
         return out
 

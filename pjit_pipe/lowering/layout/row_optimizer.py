@@ -25,6 +25,7 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
@@ -91,9 +92,7 @@ class RowOptimizer:
             treedefs.append(jax.tree.structure(own))
             avals.append(jax.tree.leaves(own))
             placed.append(at)
-        return cls(
-            optimizer, FlatSpec.placed(treedefs, avals, placed, state_spec.sizes), state_spec
-        )
+        return cls(optimizer, _PlacedSpec(treedefs, avals, placed, state_spec.sizes), state_spec)
 
     def step(self, params: Buffers, grads: Buffers, opt: Buffers) -> tuple[Buffers, Buffers]:
         """(new parameter rows, new optax rows) from (v, L) parameter, gradient and
@@ -105,6 +104,50 @@ class RowOptimizer:
                 return optax.apply_updates(p, updates), self.state_spec.pack(0, state)
 
         return jax.vmap(chunk)(params, grads, opt)
+
+
+class _PlacedSpec(FlatSpec):
+    """A FlatSpec of flat rows whose leaves sit where `slots` says (per tree, per
+    leaf: buffer key, start, elements) in buffers of `sizes` elements, with gaps
+    between them, instead of one after another: each stage's optax state inside
+    the row state (the module docstring)."""
+
+    def __init__(
+        self,
+        treedefs: list[Any],
+        avals: list[list[jax.ShapeDtypeStruct]],
+        slots: list[list[tuple[str, int, int]]],
+        sizes: dict[str, int],
+    ):
+        self.treedefs, self.avals, self.slots = treedefs, avals, slots
+        self.sizes = dict(sorted(sizes.items()))
+        self.shapes = {k: (n,) for k, n in self.sizes.items()}
+        self.splits = {}
+
+    def pack(self, i: int, tree: Any) -> Buffers:
+        """Tree number `i` as flat rows: each leaf at its slot, zeros elsewhere."""
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != len(self.slots[i]):
+            raise ValueError(f"tree {i}: {len(leaves)} leaves, expected {len(self.slots[i])}")
+        out = {}
+        for key, size in self.sizes.items():
+            placed = sorted(
+                (
+                    (start, jnp.ravel(leaf).astype(key))
+                    for leaf, (k, start, _) in zip(leaves, self.slots[i], strict=True)
+                    if k == key
+                ),
+                key=lambda part: part[0],
+            )
+            pieces, end = [], 0
+            for start, flat in placed:
+                if start > end:
+                    pieces.append(jnp.zeros((start - end,), key))
+                pieces.append(flat)
+                end = start + flat.shape[0]
+            pieces.append(jnp.zeros((size - end,), key))
+            out[key] = jnp.concatenate(pieces)
+        return out
 
 
 class _Layout:
