@@ -11,8 +11,9 @@ device. Each program is split with `jax.stages` into
 - compile: XLA (`.compile()`);
 and its ops are counted: StableHLO ops after lowering, HLO instructions after
 XLA's passes. Ratios are to the plain step measured in the same round (fresh
-functions each round, so nothing is reused from an earlier trace), medians
-over the rounds. Then all single-failure variants through `Variants.precompile`
+functions each round, so nothing is reused from an earlier round; the variant
+is that round's pipeline with a worker down, and shares its traced stages as
+every failure variant does), medians over the rounds. Then all single-failure variants through `Variants.precompile`
 (two compile threads), and `pjit-pipe demo` twice in fresh processes over one
 empty cache folder: cold, then warm.
 
@@ -125,7 +126,7 @@ def pipelined_step(pm: pp.Pipelined, state: Any, batch: tuple) -> dict[str, floa
     build = time.perf_counter() - start
     sharding = jax.sharding.NamedSharding(pm.device_mesh, jax.sharding.PartitionSpec())
     x, y = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in batch)
-    jitted = program._device_steps[(False, step._skips(program))]
+    jitted = program._device_steps[(False, step._skips(program))].jitted
     return phases(jitted, (*program.layout.avals(), x, y), build)
 
 

@@ -4,8 +4,8 @@ XLA's CPU compile is mostly LLVM work per kernel: every fusion (and every op
 left unfused) becomes one kernel, and kernels whose fused computations are
 identical are compiled once (so the same-shaped stages of one program, or two
 copies of one block, cost one kernel each). On 2 busy cores bench_compile
-put the pipelined step's XLA compile at 1.9-2.7x the plain step's, for 3.4x
-its distinct kernels and 1.7x its HLO instructions (the HLO passes take about
+put the pipelined step's XLA compile at 1.8-2.3x the plain step's, for 2.5x
+its distinct kernels and 1.2x its HLO instructions (the HLO passes take about
 a tenth of it; the LLVM work per kernel the rest). Unlike the seconds, the
 count does not depend on machine load. A kernel bakes in its static slice
 offsets: two leaves of one size at different offsets of a flat row are two
@@ -17,7 +17,8 @@ compiles once with XLA's dump on and prints
 - kernels: the object files XLA compiled (distinct kernels), and their
   optimized LLVM IR in KiB;
 and, for the pipelined programs, the kernels of each op function (its name
-scope, "F stage 0", "OPT stage 3", ...; tick_ops.py, optimizer.py) that no
+scope, "F stage 0", "OPT stage 3", "OPT rows", ...; tick_ops.py, optimizer.py,
+row_optimizer.py) that no
 earlier op made, in program order: what each op adds to the compile.
 
 Run: python -m benchmarks.bench_kernels
@@ -42,7 +43,7 @@ from benchmarks.bench_compile import FAILED, pipeline, plain_jitted, setup
 from pjit_pipe.models import lm_loss
 
 # An op function's name scope (tick_ops._named, the optimizer's update).
-SCOPE = re.compile(r"\b((?:F\+BW|BW|F|B|W|OPT) stage \d+)")
+SCOPE = re.compile(r"\b((?:F\+BW|BW|F|B|W|OPT) stage \d+|OPT rows)")
 
 
 def kernels(lowered: Any) -> dict[str, Any]:
@@ -92,7 +93,7 @@ def pipelined_lowered(pm: Any, state: Any, batch: tuple) -> Any:
     program, _ = step._state_program(state, batch)
     sharding = jax.sharding.NamedSharding(pm.device_mesh, jax.sharding.PartitionSpec())
     x, y = (jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding) for a in batch)
-    jitted = program._device_steps[(False, step._skips(program))]
+    jitted = program._device_steps[(False, step._skips(program))].jitted
     return jitted.trace(*program.layout.avals(), x, y).lower()
 
 

@@ -32,9 +32,8 @@ from pjit_pipe.ir.validate import validate
 from pjit_pipe.lowering.async_pipeline.async_weights import async_weights_for
 from pjit_pipe.lowering.comms.topology import AXES, TENSOR, Topology
 from pjit_pipe.lowering.compute.emulated_ticks import EmulationHost
-from pjit_pipe.lowering.compute.loss import LossLayout
 from pjit_pipe.lowering.compute.rng import check_rngs, impls_of, microbatch_rngs
-from pjit_pipe.lowering.compute.stages import StageVjp
+from pjit_pipe.lowering.compute.stage_cache import traced_stages
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.global_norm import count_norm_calls
 from pjit_pipe.lowering.layout.optimizer import stage0_avals
@@ -216,20 +215,22 @@ def lower(
     # re-runs the stage's pullback instead.
     if remat or not o.split_backward or any_split(splits):
         split = set()
-    loss = LossLayout(loss_fn, has_aux)
     impls, example_keys = None, {}
     if rngs is not None:
         typed = check_rngs(rngs)
         impls, example_keys = impls_of(typed), {k: jax.random.key_data(v) for k, v in typed.items()}
+    # The failure variants of a pipeline share its traced stages (stage_cache.py).
     with microbatch_rngs(example_keys, impls) if impls else contextlib.nullcontext():
-        stages = StageVjp(
+        loss, stages = traced_stages(
             stage_fns,
-            loss.vector,
+            loss_fn,
+            has_aux,
             _abstract(list(stage_params)),
             jax.tree.map(mb, x),
             jax.tree.map(mb, y),
             split,
             o.policies,
+            reuse=impls is None,
         )
     topology = Topology.of(mesh, schedule.failed)
     _check_tensor(topology, splits, weights_kind=schedule.kind)

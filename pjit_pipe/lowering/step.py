@@ -28,6 +28,7 @@ from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.device_state import DeviceLayout
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.optimizer import StageOptimizer
+from pjit_pipe.lowering.layout.row_optimizer import RowOptimizer
 from pjit_pipe.lowering.layout.tensor_layout import opt_state_splits
 from pjit_pipe.lowering.layout.zero import ZeroLayout
 from pjit_pipe.lowering.step_io import StepIO
@@ -48,12 +49,16 @@ class PipelineStep(StepIO):
         self.optimizer = optimizer
         self.topology = lowered.topo
         self._low = lowered
-        self._stepper = StageOptimizer(lowered, optimizer) if optimizer is not None else None
         self._examples = examples
         topo = lowered.topo
         self._positions = topo.positions
         self._first_holder = np.array([topo.holders(p)[0] for p in range(schedule.stages)])
         self._opt_spec = None
+        # A leafwise update (adam, sgd, ...) steps whole rows (row_optimizer.py).
+        rows = (
+            None if optimizer is None or zero else RowOptimizer.fit(optimizer, lowered.param_spec)
+        )
+        self._stepper = StageOptimizer(lowered, optimizer, rows) if optimizer is not None else None
         # ZeRO over 'data' (zero.py): the optax state in slices, one per replica.
         self._zero = None
         if optimizer is not None and zero:
@@ -66,6 +71,8 @@ class PipelineStep(StepIO):
                 lowered.shared,
             )
             self._opt_spec = self._zero.opt_spec
+        elif optimizer is not None and rows is not None:
+            self._opt_spec = rows.spec
         elif optimizer is not None:
             avals = lowered.st.param_avals
             splits = lowered.splits

@@ -9,6 +9,7 @@ stage's function, and describes itself. See cut.py for how the cut is chosen.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -192,12 +193,17 @@ class StageCut:
         return "\n".join(lines)
 
     def stage_fns(self) -> list[Callable[[Any, Any], Any]]:
-        """Every stage's function.
+        """Every stage's function, the same objects on every call (programs of one
+        cut, such as its failure variants, then share their traced stages).
 
         Returns:
             [stage_fn(s) for each stage s].
         """
-        return [self.stage_fn(s) for s in range(self.stages)]
+        return list(self._stage_fns)
+
+    @functools.cached_property
+    def _stage_fns(self) -> tuple[Callable[[Any, Any], Any], ...]:
+        return tuple(self.stage_fn(s) for s in range(self.stages))
 
     def split(self, variables: Any, is_leaf: Callable[[Any], bool] | None = None) -> list[dict]:
         """The model's parameters -> one dict of units per stage.

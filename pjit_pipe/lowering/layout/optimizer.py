@@ -29,6 +29,7 @@ from pjit_pipe.lowering.comms.topology import over_devices
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
+from pjit_pipe.lowering.layout.row_optimizer import RowOptimizer
 from pjit_pipe.lowering.tick_plan import TickPlan, TickRow
 
 
@@ -41,9 +42,15 @@ def stage0_avals(prog: TickProgram, optimizer: optax.GradientTransformation) -> 
 class StageOptimizer:
     """The optimizer steps of one TickProgram (see the module docstring)."""
 
-    def __init__(self, prog: TickProgram, optimizer: optax.GradientTransformation):
+    def __init__(
+        self,
+        prog: TickProgram,
+        optimizer: optax.GradientTransformation,
+        rows: RowOptimizer | None = None,
+    ):
         self.prog = prog
         self.optimizer = optimizer
+        self.rows = rows  # the step on whole rows, when the update is leafwise
 
     def stepping_loop(
         self,
@@ -178,7 +185,10 @@ class StageOptimizer:
         `pos` is this device's pipeline position (it picks the stages to update).
         An optimizer that takes tree norms (clip_by_global_norm) first runs one
         pass per norm call that only finds its whole-model value (see global_norm.py).
+        A leafwise one runs on the whole rows instead (row_optimizer.py).
         """
+        if self.rows is not None:  # one elementwise rule: whole rows, no switch
+            return self.rows.step(params, grads, opt)
         prog, optimizer = self.prog, self.optimizer
 
         def stage_args(s, c):

@@ -1,0 +1,237 @@
+"""The optax step on whole flat rows, for updates that treat every element alike.
+
+The per-leaf step (optimizer.py) cuts each held stage's parameter tree and
+optax state out of the device's rows, runs optax, and packs the result back,
+inside a switch on the pipeline position. XLA then compiles each leaf's
+update as kernels of their own (a kernel bakes in its slice offsets), and
+every stage layout has its own branch: on the tiny GPT that was most of the
+program's optimizer kernels (benchmarks/bench_kernels.py).
+
+When the update is leafwise (leafwise.py: one elementwise rule for every
+element of every leaf, as adam, adamw, sgd and momentum are) it runs once
+per dtype on the whole row instead, the same on every position, so no
+switch and a handful of kernels. For that the optax state's rows are laid
+out in step with the parameter row: the state of `optimizer.init(row)` (the
+row tree, {dtype: (L,)}) is packed as usual, and each stage's own state
+(`optimizer.init(stage tree)`, the module layout the device layout converts
+to and from) sits inside it, each parameter-shaped part at its parameters'
+offsets in that part's row-long region. A row's padding holds zeros in and
+whatever the rule makes of zeros out; no stage's leaf reads it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.leafwise import leafwise, like
+
+
+class RowOptimizer:
+    """One optax step per dtype row (see the module docstring); build with `fit`.
+
+    `spec` is the optax state's row layout: `spec.pack(s, state)` and
+    `spec.unpack(s, rows)` convert stage s's own optax state, as a per-stage
+    FlatSpec does, and `state_spec` reads the whole-row state from the rows.
+    """
+
+    def __init__(
+        self, optimizer: optax.GradientTransformation, spec: FlatSpec, state_spec: FlatSpec
+    ):
+        self.optimizer = optimizer
+        self.spec = spec
+        self.state_spec = state_spec
+
+    @classmethod
+    def fit(
+        cls, optimizer: optax.GradientTransformation, param_spec: FlatSpec
+    ) -> RowOptimizer | None:
+        """The row step for parameters laid out by `param_spec`, or None where the
+        update must run leaf by leaf: leaves split over 'tensor' (shaped buffers),
+        an update that is not leafwise, or a stage whose optax state is not the
+        row state's in shape."""
+        try:
+            return _fitted(optimizer, _Layout(param_spec))
+        except TypeError:  # an optimizer that cannot be a cache key
+            return (
+                None if why_not_rows(optimizer, param_spec) else cls._build(optimizer, param_spec)
+            )
+
+    @classmethod
+    def _build(cls, optimizer: optax.GradientTransformation, param_spec: FlatSpec) -> RowOptimizer:
+        row = _row(param_spec)
+        state = jax.eval_shape(optimizer.init, row)
+        state_spec = FlatSpec([state])
+        is_row = like(row)
+        # Per node of the row state: its slot, or per parameter key (in the sorted order
+        # jax flattens a dict in) its region's slot.
+        slots = iter(state_spec.slots[0])
+        regions = [
+            {k: next(slots) for k in sorted(node)} if is_row(node) else next(slots)
+            for node in jax.tree.leaves(state, is_leaf=is_row)
+        ]
+        treedefs, avals, placed = [], [], []
+        for s, params in enumerate(_stage_trees(param_spec)):
+            own = jax.eval_shape(optimizer.init, params)
+            is_params = like(params)
+            at = []
+            for node, region in zip(jax.tree.leaves(own, is_leaf=is_params), regions, strict=True):
+                if not is_params(node):
+                    at.append(region)
+                    continue
+                for (key, offset, n), _ in zip(
+                    param_spec.slots[s], jax.tree.leaves(node), strict=True
+                ):
+                    dtype, base, _ = region[key]
+                    at.append((dtype, base + offset, n))
+            treedefs.append(jax.tree.structure(own))
+            avals.append(jax.tree.leaves(own))
+            placed.append(at)
+        return cls(optimizer, _PlacedSpec(treedefs, avals, placed, state_spec.sizes), state_spec)
+
+    def step(self, params: Buffers, grads: Buffers, opt: Buffers) -> tuple[Buffers, Buffers]:
+        """(new parameter rows, new optax rows) from (v, L) parameter, gradient and
+        optax rows: every chunk's update at once, whatever stage it holds."""
+
+        def chunk(p: Buffers, g: Buffers, o: Buffers) -> tuple[Buffers, Buffers]:
+            with jax.named_scope("OPT rows"):  # metadata only: see tick_ops._named
+                updates, state = self.optimizer.update(g, self.state_spec.unpack(0, o), p)
+                return optax.apply_updates(p, updates), self.state_spec.pack(0, state)
+
+        return jax.vmap(chunk)(params, grads, opt)
+
+
+class _PlacedSpec(FlatSpec):
+    """A FlatSpec of flat rows whose leaves sit where `slots` says (per tree, per
+    leaf: buffer key, start, elements) in buffers of `sizes` elements, with gaps
+    between them, instead of one after another: each stage's optax state inside
+    the row state (the module docstring)."""
+
+    def __init__(
+        self,
+        treedefs: list[Any],
+        avals: list[list[jax.ShapeDtypeStruct]],
+        slots: list[list[tuple[str, int, int]]],
+        sizes: dict[str, int],
+    ):
+        self.treedefs, self.avals, self.slots = treedefs, avals, slots
+        self.sizes = dict(sorted(sizes.items()))
+        self.shapes = {k: (n,) for k, n in self.sizes.items()}
+        self.splits = {}
+
+    def pack(self, i: int, tree: Any) -> Buffers:
+        """Tree number `i` as flat rows: each leaf at its slot, zeros elsewhere."""
+        leaves = jax.tree.leaves(tree)
+        if len(leaves) != len(self.slots[i]):
+            raise ValueError(f"tree {i}: {len(leaves)} leaves, expected {len(self.slots[i])}")
+        out = {}
+        for key, size in self.sizes.items():
+            placed = sorted(
+                (
+                    (start, jnp.ravel(leaf).astype(key))
+                    for leaf, (k, start, _) in zip(leaves, self.slots[i], strict=True)
+                    if k == key
+                ),
+                key=lambda part: part[0],
+            )
+            pieces, end = [], 0
+            for start, flat in placed:
+                if start > end:
+                    pieces.append(jnp.zeros((start - end,), key))
+                pieces.append(flat)
+                end = start + flat.shape[0]
+            pieces.append(jnp.zeros((size - end,), key))
+            out[key] = jnp.concatenate(pieces)
+        return out
+
+
+class _Layout:
+    """A FlatSpec compared by its layout: the failure variants of one pipeline make
+    equal specs, and `_fitted` answers them from one trace."""
+
+    def __init__(self, spec: FlatSpec):
+        self.spec = spec
+        self.key = (
+            tuple(spec.treedefs),
+            tuple(tuple(a) for a in spec.avals),
+            tuple(tuple(s) for s in spec.slots),
+            tuple(spec.sizes.items()),
+            tuple(spec.splits.items()),
+        )
+
+    def __hash__(self) -> int:
+        return hash(self.key)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Layout) and self.key == other.key
+
+
+@functools.lru_cache(maxsize=16)
+def _fitted(optimizer: optax.GradientTransformation, layout: _Layout) -> RowOptimizer | None:
+    if why_not_rows(optimizer, layout.spec):
+        return None
+    return RowOptimizer._build(optimizer, layout.spec)
+
+
+def _row(param_spec: FlatSpec) -> dict[str, jax.ShapeDtypeStruct]:
+    return {k: jax.ShapeDtypeStruct((n,), k) for k, n in param_spec.sizes.items()}
+
+
+def _stage_trees(param_spec: FlatSpec) -> list[Any]:
+    return [
+        jax.tree.unflatten(treedef, avals)
+        for treedef, avals in zip(param_spec.treedefs, param_spec.avals, strict=True)
+    ]
+
+
+def why_not_rows(optimizer: optax.GradientTransformation, param_spec: FlatSpec) -> str | None:
+    """None when `RowOptimizer.fit` takes the row step for this layout, else why not."""
+    if param_spec.tensor_split:
+        return "leaves split over 'tensor' have buffers of their own"
+    try:
+        return _row_mismatch(optimizer, param_spec)
+    except Exception as e:  # the per-leaf step then reports it in its own words
+        return f"the update does not trace on a row: {type(e).__name__}"
+
+
+def _row_mismatch(optimizer: optax.GradientTransformation, param_spec: FlatSpec) -> str | None:
+    row = _row(param_spec)
+    trees = _stage_trees(param_spec)
+    # One stage of each parameter layout (same-shaped stages give the same answers).
+    firsts = list(
+        {
+            (t, tuple(a)): s
+            for s, (t, a) in enumerate(zip(param_spec.treedefs, param_spec.avals, strict=True))
+        }.values()
+    )
+    why = leafwise(optimizer, [trees[s] for s in firsts], row)
+    if why is not None:
+        return why
+    state = jax.eval_shape(optimizer.init, row)
+    is_row = like(row)
+    nodes = jax.tree.leaves(state, is_leaf=is_row)
+    other = "a stage's optax state is not shaped like the row's"
+    for s in firsts:
+        own = jax.eval_shape(optimizer.init, trees[s])
+        is_params = like(trees[s])
+        if jax.tree.structure(own, is_leaf=is_params) != jax.tree.structure(state, is_leaf=is_row):
+            return other
+        for mine, theirs in zip(jax.tree.leaves(own, is_leaf=is_params), nodes, strict=True):
+            if is_params(mine) != is_row(theirs):
+                return other
+            if not is_params(mine):
+                if (mine.shape, mine.dtype) != (theirs.shape, theirs.dtype):
+                    return other
+                continue
+            leaves = zip(
+                jax.tree.leaves(mine), param_spec.avals[s], param_spec.slots[s], strict=True
+            )
+            for leaf, param, (key, _, _) in leaves:
+                if (leaf.shape, leaf.dtype) != (param.shape, theirs[key].dtype):
+                    return other
+    return None
