@@ -11,10 +11,9 @@ after a warm-up; the figure is the median over rounds of stored / pullback
 of the same round, by wall time and by this process's CPU time (steadier on
 shared cores), with quartiles in brackets.
 
-It also prints, per program, the `dot_general`s that the pre-optimization HLO
-names inside each W op (the stage's weight contractions, plus the whole
-pullback's contractions where W re-runs it), and the largest difference
-between the two programs' losses and gradients.
+It also prints, per program, the sites of each split stage (the equations
+W contracts or takes the vjp of), the residual pools' bytes per device, and
+the largest difference between the two programs' losses and gradients.
 
 The bundled Llama puts its layers in an `nn.scan` stack: the scan is one site
 of the split backward, whose W takes that equation's vjp (re-running the loop
@@ -35,7 +34,6 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
 import dataclasses
-import re
 import time
 
 import jax
@@ -48,16 +46,25 @@ from pjit_pipe.frontend.cutter.tensor_split import unbox
 from pjit_pipe.lowering import LoweringOptions
 from pjit_pipe.models import GPT, GPTConfig, Llama, LlamaConfig, lm_loss
 
-_DOT = re.compile(r"= \S+ dot\(.*op_name=\"[^\"]*/(W stage \d+)/")
 
-
-def w_dots(step) -> dict[str, int]:
-    """W op name -> the dot instructions its pre-optimization HLO holds."""
-    hlo = step._vg.lower(*step._examples).as_text(dialect="hlo")
-    counts: dict[str, int] = {}
-    for found in _DOT.finditer(hlo):
-        counts[found.group(1)] = counts.get(found.group(1), 0) + 1
-    return dict(sorted(counts.items()))
+def describe(step) -> str:
+    """The split stages' sites (the primitives W transposes or takes the vjp of) and
+    the residual pools' bytes per device (slots x row)."""
+    low = step._low
+    st = low.st
+    sites = {
+        s: ", ".join(sb.eqns[site.index].eqn.primitive.name for site in sb.sites)
+        for s, sb in st.splitters.items()
+    }
+    pools = []
+    for name, spec, slots in (
+        ("B", st.b_spec, low.plan.bres_slots),
+        ("W", st.w_spec, low.plan.res_slots),
+    ):
+        row = sum(spec.nbytes(k) for k in spec.sizes)
+        pools.append(f"{name}-pool {slots} x {row / 1024:.0f} KiB")
+    where = "; ".join(f"stage {s} sites: {v}" for s, v in sites.items()) or "no stage split"
+    return f"{where}; {', '.join(pools)}"
 
 
 def programs(model_name: str, shape: tuple[int, int, int], m: int, batch: int):
@@ -108,7 +115,7 @@ def main(argv: list[str] | None = None) -> None:
     results = {}
     for name, step in built.items():
         results[name] = step.value_and_grad(sp, x, y)
-        print(f"    {name:8s} dot_generals in each W op: {w_dots(step)}")
+        print(f"    {name:8s} {describe(step)}")
     (loss_a, grads_a), (loss_b, grads_b) = results["pullback"], results["stored"]
     diff = max(
         float(jnp.max(jnp.abs(a - b)))
