@@ -128,7 +128,6 @@ class CompiledPrograms:
         x: Any,
         y: Any,
         loss_fn: LossFn,
-        tensor_split: bool = False,
         rngs: dict[str, jax.Array] | None = None,
     ) -> tuple[str, ...] | None:
         """With remat="auto": each virtual stage's residual policy, the fastest measured
@@ -140,8 +139,6 @@ class CompiledPrograms:
             x: a global batch of inputs.
             y: its targets.
             loss_fn: as in `value_and_grad`.
-            tensor_split: weights split over 'tensor' (the lowering then splits no
-                stage's backward).
             rngs: {stream: key} for a model that draws random numbers: its
                 stages are traced and timed with keys of these streams.
 
@@ -154,7 +151,7 @@ class CompiledPrograms:
         from pjit_pipe.frontend.planning.residual_choice import choose_stage_policies
         from pjit_pipe.ir.memory import split_stages
 
-        split = () if tensor_split else split_stages(self.schedule)
+        split = split_stages(self.schedule)
         with self._rng_context(rngs):
             cut, stage_params, x_mb, y_mb, key = self._microbatch_shapes(params, x, y, loss_fn)
             choices = choose_stage_policies(
@@ -311,7 +308,7 @@ class CompiledPrograms:
         cut = self._keyed_cut(params, x, rngs)
         avals = jax.tree.map(lambda a: (np.shape(a), jnp.result_type(a)), (x, y))
         splits = self.leaf_splits(cut, params, boxed)
-        policies = self.residual_policies(params, x, y, loss_fn, splits is not None, rngs)
+        policies = self.residual_policies(params, x, y, loss_fn, rngs)
         key = ProgramKey(
             loss_fn, (id(cut), has_aux, tuple(sorted(rngs or ())), str(avals), str(splits))
         )

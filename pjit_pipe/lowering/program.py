@@ -208,12 +208,7 @@ def lower(
     mb = lambda a: jax.ShapeDtypeStruct((np.shape(a)[0] // n, *np.shape(a)[1:]), jnp.result_type(a))  # noqa: E731
     # Stages run as separate B and W get the split backward (see the docstring).
     split = set(split_stages(schedule))
-    # With weights split over 'tensor' the split backward's stored operands are
-    # flat rows of tensor-split values: XLA reshards them with collective-permutes
-    # inside the op's branch, which only one stage's devices take, and CPU
-    # collectives rendezvous over every device (docs/tensor_parallel.md). W then
-    # re-runs the stage's pullback instead.
-    if remat or not o.split_backward or any_split(splits):
+    if remat or not o.split_backward:
         split = set()
     impls, example_keys = None, {}
     if rngs is not None:
@@ -230,6 +225,7 @@ def lower(
             jax.tree.map(mb, y),
             split,
             o.policies,
+            tensor_split=any_split(splits),
             reuse=impls is None,
         )
     topology = Topology.of(mesh, schedule.failed)

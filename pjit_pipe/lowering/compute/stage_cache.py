@@ -42,11 +42,12 @@ def traced_stages(
     y_mb: Any,
     split: Collection[int],
     policies: Sequence[str] | None,
+    tensor_split: bool = False,
     reuse: bool = True,
 ) -> tuple[LossLayout, StageVjp]:
     """(the loss layout, the StageVjp) of these stages: the ones built before for
     the same arguments, or built now. `stage_params`, `x_mb`, `y_mb` are avals;
-    `reuse=False` (stages traced under microbatch keys) builds them afresh."""
+    `tensor_split` as in StageVjp; `reuse=False` (stages traced under microbatch keys) builds them afresh."""
     key = None
     if reuse:
         key = (
@@ -58,6 +59,7 @@ def traced_stages(
             _shapes(y_mb),
             frozenset(split),
             None if policies is None else tuple(policies),
+            tensor_split,
         )
         try:
             hash(key)
@@ -69,7 +71,9 @@ def traced_stages(
                 _built.move_to_end(key)
                 return _built[key]
     loss = LossLayout(loss_fn, has_aux)
-    stages = StageVjp(stage_fns, loss.vector, stage_params, x_mb, y_mb, split, policies)
+    stages = StageVjp(
+        stage_fns, loss.vector, stage_params, x_mb, y_mb, split, policies, tensor_split
+    )
     if key is not None:
         with _lock:
             _built[key] = (loss, stages)

@@ -22,6 +22,12 @@ the last op that reads it:
 A stage that is not split (a fused BW, or the first stage, whose W does the
 whole backward) thus uses one pool, the one freed last, whatever the pool
 its neighbours use: one SPMD program sizes each pool by its busiest device.
+
+With weights split over 'tensor' (`tensor_split`), both pools' rows are
+replicated over it (flat_buffers.py): they hold split values (a column-parallel
+matmul's output, its cotangent) next to replicated ones, and a row XLA shards
+like its split values is sliced with collective-permutes inside a stage's
+branch (docs/tensor_parallel.md).
 """
 
 from __future__ import annotations
@@ -62,7 +68,9 @@ class StageVjp:
     DEFAULT_POLICY for every stage. Its default, matmul outputs (and the stage
     input), leaves B and W only the cheap elementwise ops to recompute, which is
     what XLA's fusion does in an unpipelined step anyway, at a fraction of the
-    memory traffic of every residual.
+    memory traffic of every residual. `tensor_split`: some weight is split over
+    the mesh's 'tensor' axis, so the pools' rows are pinned replicated over it
+    (module docstring).
     """
 
     def __init__(
@@ -74,8 +82,10 @@ class StageVjp:
         y_mb: Any,
         split: Collection[int] = (),
         policies: Sequence[str] | None = None,
+        tensor_split: bool = False,
     ):
         self.fns = list(stage_fns)
+        self.tensor_split = tensor_split
         self.loss_fn = loss_fn
         self.S = len(self.fns)
         self.param_avals = [jax.eval_shape(lambda p: p, p) for p in stage_params]
@@ -129,8 +139,8 @@ class StageVjp:
             stored.append(leaves if sb else [])
             kept.append([sb.stored, sb.perturbations] if sb else leaves)
         self.loss_aval = loss
-        self.b_spec = FlatSpec(stored)
-        self.w_spec = FlatSpec(kept)
+        self.b_spec = FlatSpec(stored, replicated=tensor_split)
+        self.w_spec = FlatSpec(kept, replicated=tensor_split)
 
     def zero_residuals(self, *lead: int) -> Residuals:
         """Empty B-pool and W-pool stores with leading dimensions `lead`."""

@@ -13,6 +13,17 @@ of its own, keyed by its dtype, shape, split and occurrence ("float32|64x256|
 None,tensor|0"): the buffer has the leaf's shape, so each device keeps its
 slice of it, and the stages with a leaf of the same key share the buffer (a
 stage without one leaves it at zero).
+
+A flat row that holds values split over 'tensor' without being one of them
+(the residual pools, stages.py: a column-parallel matmul's output among
+replicated activations) is `replicated`: each leaf is pinned replicated over
+'tensor' where it enters and leaves the row. Left to itself XLA shards such a
+row over 'tensor' like the values in it, and a static slice of a sharded row
+at an offset that is no multiple of its shard length is resharded by
+collective-permutes, inside the branch of the one stage that reads it
+(docs/tensor_parallel.md). Replicated, the pins cost an all-gather over the
+tensor group where a split value enters the row, and a local slice where it
+leaves.
 """
 
 from __future__ import annotations
@@ -24,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import PartitionSpec as PS
 
 Buffers = dict[str, jax.Array]
 Split = tuple[str | None, ...]  # per dimension, 'tensor' or None
@@ -39,6 +51,12 @@ def is_shaped(key: str) -> bool:
     return "|" in key
 
 
+def replicated(tree: Any) -> Any:
+    """`tree` with every leaf pinned replicated over the auto 'tensor' axis (inside
+    the program's shard_map, which is manual over the worker axes)."""
+    return jax.tree.map(lambda a: jax.lax.with_sharding_constraint(a, PS()), tree)
+
+
 def _leaf_aval(leaf: Any) -> jax.ShapeDtypeStruct:
     return jax.ShapeDtypeStruct(np.shape(leaf), jnp.result_type(leaf))
 
@@ -52,7 +70,9 @@ class FlatSpec:
     have a shape), `shapes[key]` its shape and `splits[key]` how a shaped
     buffer splits over 'tensor'. `splits` (optional): per tree, per leaf, its
     split or None (replicated: it goes into a flat row). `multiple`: flat rows
-    are padded to a multiple of it (ZeRO's D slices, zero.py).
+    are padded to a multiple of it (ZeRO's D slices, zero.py). `replicated`:
+    each leaf is pinned replicated over 'tensor' as it is packed and unpacked
+    (module docstring); only inside the program's shard_map.
     """
 
     def __init__(
@@ -61,7 +81,9 @@ class FlatSpec:
         dtype: Any = None,
         splits: Sequence[Sequence[Split | None]] | None = None,
         multiple: int = 1,
+        replicated: bool = False,
     ):
+        self.replicated = replicated
         self.treedefs = []
         self.avals: list[list[jax.ShapeDtypeStruct]] = []
         self.slots: list[list[tuple[str, int, int]]] = []
@@ -120,7 +142,7 @@ class FlatSpec:
             if is_shaped(key):
                 parts[key].append(jnp.asarray(leaf).astype(dtype_of(key)))
             else:
-                parts[key].append(jnp.ravel(leaf).astype(key))
+                parts[key].append(jnp.ravel(self._pinned(leaf)).astype(key))
         out = {}
         for key, size in self.sizes.items():
             if is_shaped(key):
@@ -147,7 +169,7 @@ class FlatSpec:
                 value = jnp.asarray(leaf).astype(dtype_of(key))
                 at = (0,) * value.ndim
             else:
-                value, at = jnp.ravel(leaf).astype(key), (start,)
+                value, at = jnp.ravel(self._pinned(leaf)).astype(key), (start,)
             out[key] = lax.dynamic_update_slice(out[key], value[None], (slot, *at))
         return out
 
@@ -161,10 +183,15 @@ class FlatSpec:
         leaves = [
             bufs[key].astype(a.dtype)
             if is_shaped(key)
-            else bufs[key][start : start + n].reshape(a.shape).astype(a.dtype)
+            else self._pinned(bufs[key][start : start + n].reshape(a.shape).astype(a.dtype))
             for (key, start, n), a in zip(self.slots[i], self.avals[i], strict=True)
         ]
         return jax.tree.unflatten(self.treedefs[i], leaves)
+
+    def _pinned(self, leaf: Any) -> Any:
+        """A leaf entering or leaving a flat row: pinned replicated over 'tensor'
+        when the rows are `replicated`."""
+        return replicated(leaf) if self.replicated else leaf
 
     def zeros(self, *lead: int) -> Buffers:
         """Empty buffers with leading dimensions `lead`."""

@@ -44,9 +44,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.sharding import PartitionSpec as PS
 
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
+from pjit_pipe.lowering.layout.flat_buffers import (
+    Buffers,
+    FlatSpec,
+    dtype_of,
+    is_shaped,
+    replicated,
+)
 
 # Classes may hold at most this many times the bytes of the chunk's flat row.
 MAX_CLASS_OVERHEAD = 1.25
@@ -118,9 +123,9 @@ class ChunkLayout:
 
         def branch(s: int, flat: Any) -> Any:
             out = convert(s, {**flat, **shaped})
-            return _replicated({k: b for k, b in out.items() if not is_shaped(k)})
+            return replicated({k: b for k, b in out.items() if not is_shaped(k)})
 
-        flat = _replicated({k: b for k, b in bufs.items() if not is_shaped(k)})
+        flat = replicated({k: b for k, b in bufs.items() if not is_shaped(k)})
         branches = [functools.partial(branch, s) for s in self.stages]
         # A shaped buffer that no stage of this chunk holds (the head, say, held
         # by another chunk's stage) is absent from the carried gradient and zero
@@ -165,9 +170,3 @@ class ChunkLayout:
 
     def _to_row(self, s: int, carried: Any) -> Buffers:
         return self.spec.pack(s, self.unpack(s, carried))
-
-
-def _replicated(bufs: Buffers) -> Buffers:
-    """`bufs` pinned replicated over the auto 'tensor' axis (inside the program's
-    shard_map, which is manual over the worker axes)."""
-    return {k: lax.with_sharding_constraint(b, PS()) for k, b in bufs.items()}
