@@ -123,6 +123,7 @@ class _PlacedSpec(FlatSpec):
         self.sizes = dict(sorted(sizes.items()))
         self.shapes = {k: (n,) for k, n in self.sizes.items()}
         self.splits = {}
+        self.replicated = False  # no split leaves: the row step is refused with them (why_not_rows)
 
     def pack(self, i: int, tree: Any) -> Buffers:
         """Tree number `i` as flat rows: each leaf at its slot, zeros elsewhere."""
