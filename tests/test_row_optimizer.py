@@ -9,6 +9,7 @@ import pytest
 
 from pjit_pipe.lowering.layout.flat_buffers import FlatSpec
 from pjit_pipe.lowering.layout.row_optimizer import RowOptimizer, why_not_rows
+from tests.test_opt_state import is_matrix, label
 
 # Three stages of different layouts, one with a bf16 leaf (a second row dtype).
 STAGES = [
@@ -17,14 +18,6 @@ STAGES = [
     {"head": jnp.zeros((4, 3)), "b": jnp.zeros((3,), jnp.bfloat16)},
 ]
 SPEC = FlatSpec(STAGES)
-
-
-def is_matrix(p):
-    return jax.tree.map(lambda a: a.ndim > 1, p)
-
-
-def label(p):
-    return jax.tree.map(lambda a: "matrix" if a.ndim > 1 else "vector", p)
 
 
 LEAFWISE = {

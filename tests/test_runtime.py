@@ -42,11 +42,16 @@ def reference():
     """Loss per step of unpipelined adam training, and the initial params."""
     data = batches()
     params = MODEL.init(jax.random.key(0), data[0][0])
-    opt = optax.adam(1e-2)
+    return params, np.array(optax_losses(MODEL, params, optax.adam(1e-2), data))
+
+
+def optax_losses(model, params, opt, data) -> list[float]:
+    """The loss of each step of plain `jax.value_and_grad` + `opt` training of
+    `model` (mse) from `params` on the (x, y) batches of `data`."""
 
     @jax.jit
     def step(params, state, x, y):
-        loss, g = jax.value_and_grad(lambda p: mse_loss(MODEL.apply(p, x), y))(params)
+        loss, g = jax.value_and_grad(lambda p: mse_loss(model.apply(p, x), y))(params)
         upd, state = opt.update(g, state, params)
         return optax.apply_updates(params, upd), state, loss
 
@@ -54,7 +59,7 @@ def reference():
     for x, y in data:
         p, s, loss = step(p, s, x, y)
         losses.append(float(loss))
-    return params, np.array(losses)
+    return losses
 
 
 def trainer(D: int, P: int, kind: str, detector=None, on_event=None) -> ResilientTrainer:

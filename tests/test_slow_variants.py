@@ -11,6 +11,7 @@ from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.models import ResidualMLP, mse_loss
 from pjit_pipe.runtime import InjectedSlowdowns, ResilientTrainer
+from tests.test_runtime import optax_losses
 
 
 def mlp_and_optax_losses(seed: int):
@@ -24,18 +25,7 @@ def mlp_and_optax_losses(seed: int):
         data.append((x, np.sin(x[:, :4])))
     params = model.init(jax.random.key(0), data[0][0])
     opt = optax.adam(1e-2)
-
-    @jax.jit
-    def plain(p, s, x, y):
-        loss, g = jax.value_and_grad(lambda q: mse_loss(model.apply(q, x), y))(p)
-        upd, s = opt.update(g, s, p)
-        return optax.apply_updates(p, upd), s, loss
-
-    p, s, want = params, opt.init(params), []
-    for x, y in data:
-        p, s, loss = plain(p, s, x, y)
-        want.append(float(loss))
-    return model, params, opt, data, want
+    return model, params, opt, data, optax_losses(model, params, opt, data)
 
 
 def test_replica_permutations_of_slow_workers_have_one_canonical_form():

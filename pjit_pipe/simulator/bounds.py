@@ -129,16 +129,25 @@ def slow_bound(
         ScheduleError: Bad costs or factors.
     """
     costs = costs or Costs()
-    speeds = costs.factors() if slow is None else Costs(slow=slow).factors()
-    pattern = FailurePattern.of(replicas, stages, failed)
+    live = _live_factors(stages, replicas, slow, failed, costs)
     work = [sum(row) for row in costs.per_stage(stages)]
     return max(
-        least_largest_load(
-            replicas * microbatches,
-            [work[p] * speeds.get(Worker(r, p), 1.0) for r in pattern.survivors(p)],
-        )[0]
+        least_largest_load(replicas * microbatches, [work[p] * f for f in live[p]])[0]
         for p in range(stages)
     )
+
+
+def _live_factors(
+    stages: int,
+    replicas: int,
+    slow: Mapping[tuple[int, int], float] | None,
+    failed: FailurePattern | Iterable[tuple[int, int]],
+    costs: Costs,
+) -> list[list[float]]:
+    """Per stage, the speed factor of each live worker (`slow`; None: `costs.slow`)."""
+    speeds = costs.factors() if slow is None else Costs(slow=slow).factors()
+    pattern = FailurePattern.of(replicas, stages, failed)
+    return [[speeds.get(Worker(r, p), 1.0) for r in pattern.survivors(p)] for p in range(stages)]
 
 
 def fill_bound(
@@ -190,8 +199,7 @@ def fill_bound(
         ScheduleError: Bad costs or factors.
     """
     costs = costs or Costs()
-    speeds = costs.factors() if slow is None else Costs(slow=slow).factors()
-    pattern = FailurePattern.of(replicas, stages, failed)
+    live = _live_factors(stages, replicas, slow, failed, costs)
     # Per position the cheaper of the split and the fused ops: F, the backward
     # (B, or BW where a schedule fuses it) and one slice's F+B+W (or F+BW).
     fused = costs.fused_per_stage(stages)
@@ -200,7 +208,6 @@ def fill_bound(
         for (f, b, w), (ff, bw) in zip(costs.per_stage(stages), fused, strict=True)
     ]
     total, room = replicas * microbatches, math.floor(mem_limit + 1e-9)
-    live = [[speeds.get(Worker(r, p), 1.0) for r in pattern.survivors(p)] for p in range(stages)]
     bound = 0.0
     for p in range(stages):
         forward, work = table[p][0], table[p][2]
