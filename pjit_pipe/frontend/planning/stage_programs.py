@@ -67,10 +67,10 @@ def stage_programs(
     res = jax.tree.map(lambda b: b[0], store)  # what B and W read (B's cotangents: zeros)
     ops = {"F": forward}
     if s in st.split:
-        b = jax.jit(lambda p, r, g, w: st.input_grad(s, unpack(p), r, g, w, 0), donate_argnums=3)
+        b = jax.jit(lambda p, r, g, ws: st.input_grad(s, unpack(p), r, g, ws, 0), donate_argnums=3)
         w = jax.jit(lambda p, r: pack(st.weight_grad(s, unpack(p), r)))
-        w_store = jax.tree.map(lambda b: b[None], res.w)  # a one-slot W-pool
-        ops |= {"B": _writing(lambda w: b(p, res, g, w), w_store)[0], "W": lambda: w(p, res)}
+        w_store = jax.tree.map(lambda v: v[None], res.w)  # a one-slot W-pool
+        ops |= {"B": _writing(lambda ws: b(p, res, g, ws), w_store)[0], "W": lambda: w(p, res)}
     else:
 
         def fused_backward(p, r):

@@ -5,9 +5,9 @@ message ppermutes as for a model, with three hooks:
 
 - every op function (tick_ops.py) becomes a stub: a host callback
   (`host.run(device, kind, stage)`) whose result is folded into zeros of the
-  shapes the real op returns (an F's residual stores pass through unwritten),
-  so nothing is computed but the stores, the conditionals and the messages
-  are the real program's;
+  shapes the real op returns (the residual stores an F or B writes into pass
+  through unwritten), so nothing is computed but the stores, the
+  conditionals and the messages are the real program's;
 - at the start of each tick, once the message rows its lanes read are
   gathered (and a deferred plan's late messages have arrived),
   `host.start(device)`; every lane reads through its result;
@@ -87,7 +87,7 @@ class EmulatedTicks:
         def stub(params, x, y, inbox, res, row):
             shapes = jax.eval_shape(run, params, x, y, inbox, res, row)
             token = self._call(host_run, (inbox, res, row))
-            # An F returns the residual stores it writes into: they pass through.
+            # An F or B returns the residual stores it writes into: they pass through.
             outs = [
                 res if isinstance(out, Residuals) else jax.tree.map(_zeros, out) for out in shapes
             ]

@@ -243,8 +243,8 @@ class TickProgram:
     def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry, updates: bool = False):
         """`run(op, *carry)` for the op of `group` that the lane's branch names, else
         `carry` unchanged: a two-way cond (branch 0 passes the carry through) of a
-        switch over the group's ops; ops that `updates` a carried store in place
-        run in a chain of two-way conds where a switch would copy it."""
+        switch over the group's ops. With `updates` (the ops write a carried store
+        in place), a chain of two-way conds where a switch would copy the store."""
         ids, fns = group
         pick = np.zeros(len(self.plan.branches) + 1, np.int32)  # branch id -> 1 + op index
         pick[ids] = np.arange(1, len(ids) + 1)
