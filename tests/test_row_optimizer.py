@@ -91,8 +91,8 @@ def test_the_optax_rows_hold_each_stage_state_at_its_parameters_offsets():
         mu = jax.tree.map(lambda a: a + 1.0, state[0].mu)
         nu = jax.tree.map(lambda a: a + 2.0, state[0].nu)
         packed = rows.spec.pack(s, (state[0]._replace(mu=mu, nu=nu), *state[1:]))
-        f32 = packed["float32"]
+        assert (rows.spec.sizes["float32+0"], rows.spec.sizes["float32+1"]) == (L, L)
         used = [(start, n) for key, start, n in SPEC.slots[s] if key == "float32"]
-        for start, n in used:
-            assert bool(jnp.all(f32[start : start + n] == 1.0))  # mu, at the row's offsets
-            assert bool(jnp.all(f32[L + start : L + start + n] == 2.0))  # nu, one row later
+        for start, n in used:  # mu and nu each in a row of their own, at the row's offsets
+            assert bool(jnp.all(packed["float32+0"][start : start + n] == 1.0))
+            assert bool(jnp.all(packed["float32+1"][start : start + n] == 2.0))

@@ -139,6 +139,7 @@ class PipelineStep(StepIO):
             )
 
         def body(params, opt, x, y, rows, pos, *updates):
+            blocks = params, opt  # this device's (1, v, L) buffers, for the row step
             params, opt, x, y, rows, pos = self._local(params, opt, x, y, rows, pos)
             skipped = jnp.zeros((), bool)
             if low.stepping:
@@ -156,13 +157,15 @@ class PipelineStep(StepIO):
                 params, opt = new
             else:
                 loss, grads = low.tick_loop(params, x, y, rows, pos)
-                new = self._stepper.optimizer_step(spec, params, grads, opt, pos)
-                if skip_nonfinite:
-                    (params, opt), skipped = self._stepper.unless_nonfinite(
-                        loss, grads, new, (params, opt)
-                    )
+                keep = self._stepper.finite(loss, grads) if skip_nonfinite else None
+                if self._stepper.rows is not None:  # in place on the blocks (row_optimizer.py)
+                    grads = {k: g[None] for k, g in grads.items()}
+                    new = self._stepper.rows.step(*blocks[:1], grads, blocks[1], keep)
+                    params, opt = ({k: b[0] for k, b in bufs.items()} for bufs in new)
                 else:
-                    params, opt = new
+                    params, opt = self._stepper.optimizer_step(spec, params, grads, opt, pos, keep)
+                if keep is not None:
+                    skipped = ~keep
             return (
                 {k: b[None] for k, b in params.items()},
                 {k: b[None] for k, b in opt.items()},

@@ -42,8 +42,9 @@ Split = tuple[str | None, ...]  # per dimension, 'tensor' or None
 
 
 def dtype_of(key: str) -> str:
-    """The dtype name of a buffer key (flat or shaped)."""
-    return key.split("|", 1)[0]
+    """The dtype name of a buffer key (flat, shaped, or a flat row of its own:
+    "float32+1", row_optimizer.py)."""
+    return key.split("|", 1)[0].split("+", 1)[0]
 
 
 def is_shaped(key: str) -> bool:

@@ -179,16 +179,20 @@ class StageOptimizer:
             return params, opt, (msgs, res, wcarry, losses)
         return params, opt, prog.loss.loss(prog.topo.psum(losses, prog.topo.axes), count)
 
-    def optimizer_step(self, opt_spec: FlatSpec, params, grads, opt, pos: jax.Array):
+    def optimizer_step(
+        self, opt_spec: FlatSpec, params, grads, opt, pos: jax.Array, keep: jax.Array | None = None
+    ):
         """Each held stage's OPT: the optax update of its own parameter pytree.
 
         `pos` is this device's pipeline position (it picks the stages to update).
+        With `keep` (a scalar bool, `finite`'s verdict) the new values are taken
+        only where it is true, else the old ones.
         An optimizer that takes tree norms (clip_by_global_norm) first runs one
         pass per norm call that only finds its whole-model value (see global_norm.py).
         A leafwise one runs on the whole rows instead (row_optimizer.py).
         """
         if self.rows is not None:  # one elementwise rule: whole rows, no switch
-            return self.rows.step(params, grads, opt)
+            return self.rows.step(params, grads, opt, keep)
         prog, optimizer = self.prog, self.optimizer
 
         def stage_args(s, c):
@@ -217,20 +221,22 @@ class StageOptimizer:
                 return prog.param_spec.pack(s, optax.apply_updates(p, upd)), opt_spec.pack(s, o)
 
         out = self._each_chunk(update, pos)
-        return (
+        new = (
             {k: jnp.stack([p_c[k] for p_c, _ in out]) for k in params},
             {k: jnp.stack([o_c[k] for _, o_c in out]) for k in opt},
         )
+        if keep is None:
+            return new
+        return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, (params, opt))
 
-    def unless_nonfinite(self, loss: jax.Array, grads: Buffers, new: Any, old: Any):
-        """(`new` where the loss and the whole model's gradient norm are finite, else
-        `old`; whether it kept `old`). The norm counts each stage once (its first
-        live holder), and every device takes the same choice."""
-        local = sum(jnp.sum(jnp.square(g.astype(jnp.float32))) for g in grads.values())
+    def finite(self, loss: jax.Array, grads: Buffers) -> jax.Array:
+        """Whether the loss and the whole model's gradient norm are finite (the
+        non-finite check's verdict, a scalar bool). The norm counts each stage
+        once (its first live holder), and every device takes the same choice."""
+        # A dot product: XLA:CPU materializes the squares of a sum of squares first.
+        local = sum(_dot_self(g) for g in grads.values())
         squared_norm = self._across_stages([local], SUM)
-        finite = jnp.all(jnp.isfinite(loss)) & jnp.isfinite(squared_norm)
-        kept = jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
-        return kept, ~finite
+        return jnp.all(jnp.isfinite(loss)) & jnp.isfinite(squared_norm)
 
     def _uncounted(self, s: int) -> frozenset[str]:
         """Tied units stage s holds whose norm its first holder counts instead."""
@@ -269,3 +275,9 @@ def _per_chunk(mine: jax.Array, buf: jax.Array) -> jax.Array:
     """A (v, 1) per-chunk flag shaped to broadcast over a (v, ...) buffer (a flat
     row, or a shaped buffer of a leaf split over 'tensor')."""
     return mine.reshape(mine.shape[0], *([1] * (buf.ndim - 1)))
+
+
+def _dot_self(g: jax.Array) -> jax.Array:
+    """sum(g * g) in float32, as one dot product (no array of squares)."""
+    flat = jnp.ravel(g).astype(jnp.float32)
+    return jnp.dot(flat, flat, precision=lax.Precision.HIGHEST)

@@ -26,9 +26,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
+from jax import lax
 
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of
 from pjit_pipe.lowering.layout.leafwise import leafwise, like
 
 
@@ -66,8 +68,8 @@ class RowOptimizer:
     def _build(cls, optimizer: optax.GradientTransformation, param_spec: FlatSpec) -> RowOptimizer:
         row = _row(param_spec)
         state = jax.eval_shape(optimizer.init, row)
-        state_spec = FlatSpec([state])
         is_row = like(row)
+        state_spec = _row_state_spec(state, is_row)
         # Per node of the row state: its slot, or per parameter key (in the sorted order
         # jax flattens a dict in) its region's slot.
         slots = iter(state_spec.slots[0])
@@ -94,16 +96,40 @@ class RowOptimizer:
             placed.append(at)
         return cls(optimizer, _PlacedSpec(treedefs, avals, placed, state_spec.sizes), state_spec)
 
-    def step(self, params: Buffers, grads: Buffers, opt: Buffers) -> tuple[Buffers, Buffers]:
-        """(new parameter rows, new optax rows) from (v, L) parameter, gradient and
-        optax rows: every chunk's update at once, whatever stage it holds."""
+    def step(
+        self, params: Buffers, grads: Buffers, opt: Buffers, keep: jax.Array | None = None
+    ) -> tuple[Buffers, Buffers]:
+        """(new parameter rows, new optax rows) from parameter, gradient and optax
+        rows of shape (..., L): every chunk's update at once, whatever stage it
+        holds.
+
+        With `keep` (a scalar bool) each new value is taken only where it is
+        true, else the old one (the non-finite check, step.py): the choice is
+        made inside the update's own kernels. Given the program's own buffers
+        (their leading dimensions too: a row cut out of them by rank is a
+        bitcast that stops XLA from writing in place), each kernel writes its
+        row over the donated one: no copy, no row-long temporary (on a CPU a
+        fresh row-long buffer also costs its page faults, every step)."""
 
         def chunk(p: Buffers, g: Buffers, o: Buffers) -> tuple[Buffers, Buffers]:
             with jax.named_scope("OPT rows"):  # metadata only: see tick_ops._named
-                updates, state = self.optimizer.update(g, self.state_spec.unpack(0, o), p)
-                return optax.apply_updates(p, updates), self.state_spec.pack(0, state)
+                old = self.state_spec.unpack(0, o)
+                new = optax.apply_updates(p, self.optimizer.update(g, old, p)[0])
+                if keep is not None:
+                    new = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, p)
+                # The state is stepped apart, after the parameters: their kernel reads
+                # the old state, the state's kernels then overwrite it in place (in one
+                # pass XLA may fuse the state's rule into the parameters' kernel as
+                # well, and then copies the old state to keep it for that kernel).
+                new, g, old = lax.optimization_barrier((new, g, old))
+                state = self.optimizer.update(g, old, p)[1]
+                if keep is not None:
+                    state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), state, old)
+                return new, self.state_spec.pack(0, state)
 
-        return jax.vmap(chunk)(params, grads, opt)
+        for _ in range(next(iter(params.values())).ndim - 1):
+            chunk = jax.vmap(chunk)
+        return chunk(params, grads, opt)
 
 
 class _PlacedSpec(FlatSpec):
@@ -134,7 +160,7 @@ class _PlacedSpec(FlatSpec):
         for key, size in self.sizes.items():
             placed = sorted(
                 (
-                    (start, jnp.ravel(leaf).astype(key))
+                    (start, jnp.ravel(leaf).astype(dtype_of(key)))
                     for leaf, (k, start, _) in zip(leaves, self.slots[i], strict=True)
                     if k == key
                 ),
@@ -143,12 +169,38 @@ class _PlacedSpec(FlatSpec):
             pieces, end = [], 0
             for start, flat in placed:
                 if start > end:
-                    pieces.append(jnp.zeros((start - end,), key))
+                    pieces.append(jnp.zeros((start - end,), dtype_of(key)))
                 pieces.append(flat)
                 end = start + flat.shape[0]
-            pieces.append(jnp.zeros((size - end,), key))
+            if size > end:
+                pieces.append(jnp.zeros((size - end,), dtype_of(key)))
             out[key] = jnp.concatenate(pieces)
         return out
+
+
+def _row_state_spec(state: Any, is_row: Any) -> _PlacedSpec:
+    """The row state's layout: each leaf of a parameter-shaped node (one per
+    parameter dtype: adam's mu, nu) in a row buffer of its own, keyed
+    "<dtype>+<n>", so the step's elementwise kernels update it in place (a
+    row holding several would be rebuilt by a concatenate, and XLA copies a
+    donated buffer that a kernel both slices and rewrites); the other leaves (a
+    step count) packed one after another into a "<dtype>" row."""
+    slots: list[tuple[str, int, int]] = []
+    sizes: dict[str, int] = {}
+    own: dict[str, int] = {}  # per dtype, row buffers so far
+    for node in jax.tree.leaves(state, is_leaf=is_row):
+        for leaf in jax.tree.leaves(node):
+            dtype, n = np.dtype(leaf.dtype).name, int(np.prod(leaf.shape, dtype=np.int64))
+            if is_row(node):
+                key = f"{dtype}+{own.get(dtype, 0)}"
+                own[dtype] = own.get(dtype, 0) + 1
+                slots.append((key, 0, n))
+                sizes[key] = n
+            else:
+                slots.append((dtype, sizes.get(dtype, 0), n))
+                sizes[dtype] = sizes.get(dtype, 0) + n
+    avals = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in jax.tree.leaves(state)]
+    return _PlacedSpec([jax.tree.structure(state)], [avals], [slots], sizes)
 
 
 class _Layout:
