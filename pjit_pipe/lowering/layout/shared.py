@@ -164,13 +164,14 @@ class SharedGrads:
         for t, key, offset, n, starts, holds in self.entries:
             for c in range(starts.shape[1]):
                 start, mine = jnp.asarray(starts[:, c])[pos], jnp.asarray(holds[:, c])[pos]
-                row = out[key][c]
                 if n is None:
-                    out[key] = out[key].at[c].set(jnp.where(mine, total[t], row))
+                    out[key] = out[key].at[c].set(jnp.where(mine, total[t], out[key][c]))
                     continue
-                old = lax.dynamic_slice(row, (start,), (n,))
-                new = jnp.where(mine, total[t][offset : offset + n], old)
-                out[key] = out[key].at[c].set(lax.dynamic_update_slice(row, new, (start,)))
+                # Only the unit's n elements are read and written, in place: a whole
+                # row cut out and set back costs XLA copies of the row-long buffer.
+                old = lax.dynamic_slice(out[key], (c, start), (1, n))
+                new = jnp.where(mine, total[t][offset : offset + n][None], old)
+                out[key] = lax.dynamic_update_slice(out[key], new, (c, start))
         return out
 
 
