@@ -120,7 +120,8 @@ class RowOptimizer:
                 # The state is stepped apart, after the parameters: their kernel reads
                 # the old state, the state's kernels then overwrite it in place (in one
                 # pass XLA may fuse the state's rule into the parameters' kernel as
-                # well, and then copies the old state to keep it for that kernel).
+                # well, and then copies the old state to keep it for that kernel; the
+                # XLA of jaxlib 0.10 copies it either way).
                 new, g, old = lax.optimization_barrier((new, g, old))
                 state = self.optimizer.update(g, old, p)[1]
                 if keep is not None:
