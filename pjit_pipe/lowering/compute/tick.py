@@ -184,8 +184,7 @@ class TickProgram:
     def flat_grads(self, grads: list[Any], pos: jax.Array) -> Buffers:
         """Per-chunk accumulators -> the (v, L) gradient rows of the device layout."""
         rows = [layout.leave(g, pos) for layout, g in zip(self.layouts, grads, strict=True)]
-        # One concatenate of the chunks' rows, not a stack: XLA makes a stack of
-        # packed rows a chain of in-place updates and copies each row-long result.
+        # One concatenate, not a stack (XLA copies each row of a stack of packed rows).
         return {
             k: jnp.concatenate([jnp.ravel(r[k]) for r in rows]).reshape(len(rows), *r0.shape)
             for k, r0 in rows[0].items()
