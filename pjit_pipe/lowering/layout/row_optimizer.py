@@ -122,7 +122,7 @@ class RowOptimizer:
                 # pass XLA may fuse the state's rule into the parameters' kernel as
                 # well, and then copies the old state to keep it for that kernel; the
                 # XLA of jaxlib 0.10 copies it either way).
-                new, g, old = lax.optimization_barrier((new, g, old))
+                new, old = lax.optimization_barrier((new, old))
                 state = self.optimizer.update(g, old, p)[1]
                 if keep is not None:
                     state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), state, old)
