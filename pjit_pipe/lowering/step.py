@@ -139,7 +139,9 @@ class PipelineStep(StepIO):
             )
 
         def body(params, opt, x, y, rows, pos, *updates):
-            blocks = params, opt  # this device's (1, v, L) buffers, for the row step
+            # This device's (1, v, L) blocks: the row step updates them in place (a row
+            # cut out of them by rank would be copied first, row_optimizer.py).
+            param_block, opt_block = params, opt
             params, opt, x, y, rows, pos = self._local(params, opt, x, y, rows, pos)
             skipped = jnp.zeros((), bool)
             if low.stepping:
@@ -158,9 +160,9 @@ class PipelineStep(StepIO):
             else:
                 loss, grads = low.tick_loop(params, x, y, rows, pos)
                 keep = self._stepper.finite(loss, grads) if skip_nonfinite else None
-                if self._stepper.rows is not None:  # in place on the blocks (row_optimizer.py)
-                    grads = {k: g[None] for k, g in grads.items()}
-                    new = self._stepper.rows.step(*blocks[:1], grads, blocks[1], keep)
+                if self._stepper.rows is not None:
+                    grad_block = {k: g[None] for k, g in grads.items()}
+                    new = self._stepper.rows.step(param_block, grad_block, opt_block, keep)
                     params, opt = ({k: b[0] for k, b in bufs.items()} for bufs in new)
                 else:
                     params, opt = self._stepper.optimizer_step(spec, params, grads, opt, pos, keep)
