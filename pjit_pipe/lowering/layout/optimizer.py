@@ -108,8 +108,8 @@ class StageOptimizer:
             positions = [p for p, chunk in stepper if chunk == c]
             return functools.partial(prog.topo.reduce_over_replicas, positions=positions)
 
-        def step(row, losses, stepper, state):
-            grads, params, chunks, opt, done, wcarry = state
+        def step(row, losses, stepper, grads, state):
+            params, chunks, opt, done, wcarry = state
             mine = ((row.update >> jnp.arange(v)) & 1).astype(bool)[:, None]
             g = {
                 k: jnp.where(_per_chunk(mine, b), b, 0)
@@ -141,14 +141,10 @@ class StageOptimizer:
             params = {k: jnp.where(_per_chunk(mine, b), new_p[k], b) for k, b in params.items()}
             opt = {k: jnp.where(_per_chunk(mine, b), new_o[k], b) for k, b in opt.items()}
             if weights is not None:
-                wcarry = weights.after_step(wcarry, state[1], params, mine)
+                wcarry = weights.after_step(wcarry, state[0], params, mine)
             else:
                 chunks = prog.chunk_params(params, pos)
-            grads = [
-                jax.tree.map(lambda a, m=mine[c, 0]: jnp.where(m, 0, a), g)
-                for c, g in enumerate(grads)
-            ]
-            return grads, params, chunks, opt, done + mine[:, 0], wcarry
+            return params, chunks, opt, done + mine[:, 0], wcarry
 
         def tick(carry, inputs):
             row, stepper = inputs
@@ -163,12 +159,21 @@ class StageOptimizer:
             # lane, whose tick's F lane then idles.
             it = jnp.where(row.f.branch > 0, row.f.iteration, row.w.iteration)
             losses = losses.at[it].add(dloss)
-            grads, params, chunks, opt, done, wcarry = lax.cond(
+            before = done
+            params, chunks, opt, done, wcarry = lax.cond(
                 stepper > 0,
-                functools.partial(step, row, losses, stepper),
+                functools.partial(step, row, losses, stepper, grads),
                 lambda s: s,
-                (grads, params, chunks, opt, done, wcarry),
+                (params, chunks, opt, before, wcarry),
             )
+            # A stepped chunk's gradient starts again from zero; outside the cond, which
+            # would copy the accumulator twice a tick (into its output and back). The
+            # flag is read off the cond's output, so the cond's reads come first.
+            stepped = done > before
+            grads = [
+                jax.tree.map(lambda a, m=stepped[c]: jnp.where(m, 0, a), g)
+                for c, g in enumerate(grads)
+            ]
             return (msgs, res, grads, losses, params, chunks, opt, done, wcarry), None
 
         carry = (msgs, res, grads, losses, params, chunks, opt, done, wcarry)
