@@ -4,13 +4,13 @@ Every device scans over the rows of its own tick table (plan.py). In each
 tick it reads the message rows its lanes need, runs up to one op per lane (two
 W's in the W lane) in the table's lane order, F, B, W/BW or B, W/BW, F
 (ir/ticks.py; each group of ops of tick_ops.py is its own two-way `lax.cond`,
-equal stages' ops one branch, merged_switch.py; a second W has conds of its
-own, in plans whose table has one; a loss-stage F and backward that share a
-tick run as one op in the W lane, plan.FUSED), then the ppermutes of the two
-message channels run (delivery.py; a deferred plan runs its late channel's at
-the start of the next tick) and the received messages are stored in the slots
-the row names. After the loop the parameter gradients are summed over the
-live replicas of each stage.
+and a second W has conds of its own, in plans whose table has one; a loss-stage
+F and backward that share a tick run as one op in the W lane, plan.FUSED), then the
+ppermutes of the two message channels run (delivery.py; a deferred plan runs
+its late channel's at the start of the next tick) and the received messages
+are stored in the slots the row names. After
+the loop the parameter gradients are summed over the live replicas of each
+stage.
 
 Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
 - message store: (K + 1, message size) per dtype, the activations and
@@ -248,22 +248,25 @@ class TickProgram:
     def lane(self, group: OpGroup, lane: OpRow, run: Callable, *carry, updates: bool = False):
         """`run(op, *carry)` for the op of `group` that the lane's branch names, else
         `carry` unchanged: a two-way cond (branch 0 passes the carry through) of a
-        switch over the group's ops; with `updates` (the ops write a carried store in
-        place), a chain of two-way conds where a switch would copy the store."""
+        switch over the group's ops. With `updates` (the ops write a carried store
+        in place), a chain of two-way conds where a switch would copy the store."""
         ids, fns = group
         pick = np.zeros(len(self.plan.branches) + 1, np.int32)  # branch id -> 1 + op index
         pick[ids] = np.arange(1, len(ids) + 1)
         which = jnp.asarray(pick)[lane.branch]
         if len(fns) == 1:
             op = fns[0]
-        elif updates and not SWITCH_UPDATES_IN_PLACE:
+        elif updates and not SWITCH_UPDATES_IN_PLACE:  # equal ones share a cond
             merged = MergedBranches([functools.partial(run, fn) for fn in fns], *carry)
             for k in range(merged.count):
                 taken = (which > 0) & (merged.index(which - 1) == k)
                 carry = lax.cond(taken, functools.partial(merged.run, k), lambda *c: c, *carry)
             return carry
         else:
-            op = functools.partial(merged_switch, which - 1, fns)
+
+            def op(*operands):  # equal stages' ops compile once (merged_switch.py)
+                return merged_switch(which - 1, fns, *operands)
+
         return lax.cond(which > 0, functools.partial(run, op), lambda *c: c, *carry)
 
     def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow, back_params=None):

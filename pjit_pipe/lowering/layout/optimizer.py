@@ -26,7 +26,6 @@ import optax
 from jax import lax
 
 from pjit_pipe.lowering.comms.topology import over_devices
-from pjit_pipe.lowering.compute.merged_switch import merged_switch
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 from pjit_pipe.lowering.layout.global_norm import SUM, StageNorms, count_norm_calls, stage_norms
@@ -258,9 +257,7 @@ class StageOptimizer:
         for c in range(sched.chunks):
             stages_c = [held[p][c] for p in range(sched.stages)]
             which = jnp.asarray(np.argsort(np.argsort(stages_c)), jnp.int32)[pos]
-            out.append(
-                merged_switch(which, [functools.partial(fn, s, c) for s in sorted(stages_c)])
-            )
+            out.append(lax.switch(which, [functools.partial(fn, s, c) for s in sorted(stages_c)]))
         return out
 
     def _across_stages(self, per_chunk: list[jax.Array], combine: str) -> jax.Array:

@@ -43,8 +43,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
-from pjit_pipe.lowering.compute.merged_switch import merged_switch
 from pjit_pipe.lowering.layout.flat_buffers import (
     Buffers,
     FlatSpec,
@@ -118,7 +118,7 @@ class ChunkLayout:
         inside a branch that one stage's devices take would put a collective there
         (tick.py's rule; docs/tensor_parallel.md)."""
         if not self.spec.tensor_split:
-            return merged_switch(pos, [functools.partial(convert, s) for s in self.stages], bufs)
+            return lax.switch(pos, [functools.partial(convert, s) for s in self.stages], bufs)
         shaped = {k: b for k, b in bufs.items() if is_shaped(k)}
 
         def branch(s: int, flat: Any) -> Any:
@@ -135,7 +135,7 @@ class ChunkLayout:
             for k in self.spec.sizes
             if is_shaped(k) and k not in shaped
         }
-        return {**absent, **merged_switch(pos, branches, flat), **shaped}
+        return {**absent, **lax.switch(pos, branches, flat), **shaped}
 
     def unpack(self, s: int, carried: Any) -> Any:
         """Stage s's parameter tree (inside its op): reshapes, or flat slices."""
