@@ -47,7 +47,6 @@ from pjit_pipe.lowering.comms.messages import MessageSpec
 from pjit_pipe.lowering.comms.topology import Topology
 from pjit_pipe.lowering.compute.emulated_ticks import EmulatedTicks, EmulationHost
 from pjit_pipe.lowering.compute.loss import LossLayout
-from pjit_pipe.lowering.compute.merged_switch import MergedBranches, merged_switch
 from pjit_pipe.lowering.compute.stages import Residuals, StageVjp
 from pjit_pipe.lowering.compute.tick_ops import Inbox, OpGroup, StageOps
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
@@ -256,16 +255,14 @@ class TickProgram:
         which = jnp.asarray(pick)[lane.branch]
         if len(fns) == 1:
             op = fns[0]
-        elif updates and not SWITCH_UPDATES_IN_PLACE:  # equal ones share a cond
-            merged = MergedBranches([functools.partial(run, fn) for fn in fns], *carry)
-            for k in range(merged.count):
-                taken = (which > 0) & (merged.index(which - 1) == k)
-                carry = lax.cond(taken, functools.partial(merged.run, k), lambda *c: c, *carry)
+        elif updates and not SWITCH_UPDATES_IN_PLACE:
+            for i, fn in enumerate(fns, 1):
+                carry = lax.cond(which == i, functools.partial(run, fn), lambda *c: c, *carry)
             return carry
         else:
 
-            def op(*operands):  # equal stages' ops compile once (merged_switch.py)
-                return merged_switch(which - 1, fns, *operands)
+            def op(*operands):
+                return lax.switch(which - 1, fns, *operands)
 
         return lax.cond(which > 0, functools.partial(run, op), lambda *c: c, *carry)
 
