@@ -21,6 +21,7 @@ import re
 from typing import Any
 
 from pjit_pipe.errors import SplitError
+from pjit_pipe.lowering.host_heap import keep_on_heap
 
 _PERMUTE = re.compile(r"collective-permute(?:-start)?\(.*?op_name=\"([^\"]*)\"")
 
@@ -41,7 +42,8 @@ def stage_local_permutes(hlo_text: str) -> list[str]:
 
 
 class BranchSafeJit:
-    """A jitted function whose first compile is checked by `stage_local_permutes`.
+    """A jitted function whose first compile is checked by `stage_local_permutes`
+    (and, on CPU, whose temporaries are then kept on the heap: host_heap.py).
 
     The first call lowers and compiles for its arguments (JAX keeps that
     executable, so the call after it does not compile again) and raises
@@ -84,4 +86,5 @@ class BranchSafeJit:
                 "or use a smaller tensor"
             )
         self.checked = True
+        keep_on_heap(compiled)
         return compiled
