@@ -172,7 +172,11 @@ class SharedGrads:
                 old = lax.dynamic_slice(out[key], (c, start), (1, n))
                 new = jnp.where(mine, total[t][offset : offset + n][None], old)
                 out[key] = lax.dynamic_update_slice(out[key], new, (c, start))
-        return out
+        # The rows leave as they are: without the barrier XLA:CPU fuses these writes
+        # into their readers as well (the norm of the non-finite check, the row
+        # optimizer's kernels) and copies the whole (v, L) gradient to keep it for
+        # them (zb-v on a tied GPT-2 at 1x1: one row-long copy and one write less).
+        return lax.optimization_barrier(out)
 
 
 def check_shared(shared: Mapping[str, Sequence[int]], stage_params: Sequence[Any]) -> None:
