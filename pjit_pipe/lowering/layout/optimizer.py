@@ -137,9 +137,12 @@ class StageOptimizer:
                 factor = prog.loss.grad_factor(prog.topo.psum(losses, prog.topo.axes), count)
                 f = factor[jnp.minimum(done, iterations - 1)][:, None]
                 g = {k: b * f.astype(b.dtype) for k, b in g.items()}
-            new_p, new_o = self.optimizer_step(opt_spec, params, g, opt, pos)
-            params = {k: jnp.where(_per_chunk(mine, b), new_p[k], b) for k, b in params.items()}
-            opt = {k: jnp.where(_per_chunk(mine, b), new_o[k], b) for k, b in opt.items()}
+            if v == 1:  # the choice inside the update's kernels: no pass over the rows
+                params, opt = self.optimizer_step(opt_spec, params, g, opt, pos, mine[0, 0])
+            else:
+                new_p, new_o = self.optimizer_step(opt_spec, params, g, opt, pos)
+                params = {k: jnp.where(_per_chunk(mine, b), new_p[k], b) for k, b in params.items()}
+                opt = {k: jnp.where(_per_chunk(mine, b), new_o[k], b) for k, b in opt.items()}
             if weights is not None:
                 wcarry = weights.after_step(wcarry, state[0], params, mine)
             else:
