@@ -12,16 +12,17 @@ A pipelined step needs more temporaries than a plain step of the same model:
 the loop holds each chunk's parameters in size classes (layout/param_layout.py)
 next to the gradient. On the d256 GPT-2 of benchmarks/bench_models.py its
 block is 39 MiB against the plain step's 27 MiB, and the page faults alone
-made the 1f1b step 1.31x the plain step instead of 1.07x.
+cost it about a quarter of a plain step (docs/performance.md).
 
 `keep_on_heap(compiled)` does past the cap what glibc does below it: when a
 CPU executable's block is over 32 MiB it raises the mmap threshold above the
 block, the trim threshold to twice that (glibc's own ratio) and the top pad
 to it (so that a thread arena's heap that held the block is not unmapped when
-it empties), and the freed block stays on the heap for the next run. It only ever raises them, acts on
-glibc alone (elsewhere it does nothing), and `PJIT_PIPE_HOST_HEAP=0` in the
-environment turns it off. The cost is the one glibc accepts below 32 MiB:
-memory freed at the end of a step is kept for the next one.
+it empties), and the freed block stays on the heap for the next run. It only
+ever raises them, acts on glibc alone (elsewhere it does nothing), and
+`PJIT_PIPE_HOST_HEAP=0` in the environment turns it off. The cost is the one
+glibc accepts below 32 MiB: memory freed at the end of a step is kept for
+the next one.
 """
 
 from __future__ import annotations
