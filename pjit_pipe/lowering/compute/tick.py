@@ -183,12 +183,11 @@ class TickProgram:
 
     def flat_grads(self, grads: list[Any], pos: jax.Array) -> Buffers:
         """Per-chunk accumulators -> the (v, L) gradient rows of the device layout."""
-        rows = [layout.leave(g, pos) for layout, g in zip(self.layouts, grads, strict=True)]
-        # One concatenate, not a stack (XLA copies each row of a stack of packed rows).
-        return {
-            k: jnp.concatenate([jnp.ravel(r[k]) for r in rows]).reshape(len(rows), *r0.shape)
-            for k, r0 in rows[0].items()
-        }
+        # One concatenate of every chunk's pieces: neither a stack (XLA copies each
+        # row of it) nor a concatenate of packed rows (a second row-long pass).
+        rows = [layout.leave_pieces(g, pos) for layout, g in zip(self.layouts, grads, strict=True)]
+        join = lambda k: jnp.concatenate([jnp.ravel(p) for r in rows for p in r[k]])  # noqa: E731
+        return {k: join(k).reshape(len(rows), *self.param_spec.shapes[k]) for k in rows[0]}
 
     # ---- one tick ----
     #

@@ -135,6 +135,16 @@ class FlatSpec:
 
     def pack(self, i: int, tree: Any) -> Buffers:
         """Tree number `i` as flat buffers (every key of `sizes`, zero padded)."""
+        return {
+            key: got[0] if is_shaped(key) else jnp.concatenate(got)
+            for key, got in self.pieces(i, tree).items()
+        }
+
+    def pieces(self, i: int, tree: Any) -> dict[str, list[jax.Array]]:
+        """Per key of `sizes`, what `pack(i, tree)` concatenates into its buffer: the
+        raveled leaves in order, then the zero padding (a shaped buffer: itself).
+        A caller that packs several trees into one row concatenates all their
+        pieces at once: a concatenate of packed rows is a second row-long pass."""
         leaves = jax.tree.leaves(tree)
         if len(leaves) != len(self.slots[i]):
             raise ValueError(f"tree {i}: {len(leaves)} leaves, expected {len(self.slots[i])}")
@@ -144,15 +154,15 @@ class FlatSpec:
                 parts[key].append(jnp.asarray(leaf).astype(dtype_of(key)))
             else:
                 parts[key].append(jnp.ravel(self._pinned(leaf)).astype(key))
-        out = {}
         for key, size in self.sizes.items():
             if is_shaped(key):
-                got = parts[key]
-                out[key] = got[0] if got else jnp.zeros(self.shapes[key], dtype_of(key))
+                if not parts[key]:
+                    parts[key].append(jnp.zeros(self.shapes[key], dtype_of(key)))
                 continue
-            flat = jnp.concatenate(parts[key]) if parts[key] else jnp.zeros((0,), key)
-            out[key] = jnp.pad(flat, (0, size - flat.shape[0]))
-        return out
+            pad = size - sum(part.shape[0] for part in parts[key])
+            if pad or not parts[key]:
+                parts[key].append(jnp.zeros((pad,), key))
+        return parts
 
     def write(
         self, i: int, stores: Buffers, slot: Any, leaves: Sequence[Any], first: int = 0

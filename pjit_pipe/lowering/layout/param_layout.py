@@ -111,6 +111,14 @@ class ChunkLayout:
             return self._to_row(self.stages[0], carried)
         return self._switch(self._to_row, carried, pos)
 
+    def leave_pieces(self, carried: Any, pos: jax.Array) -> dict[str, list[jax.Array]]:
+        """`leave`'s row as pieces to concatenate (`FlatSpec.pieces`): a chunk of one
+        layout hands its leaves over without packing them, so the caller builds the
+        (v, L) rows of every chunk in one concatenate."""
+        if self.flat or not self.same:
+            return {k: [b] for k, b in self.leave(carried, pos).items()}
+        return self.spec.pieces(self.stages[0], self.unpack(self.stages[0], carried))
+
     def _switch(self, convert: Any, bufs: Any, pos: jax.Array) -> Any:
         """convert(stages[pos], bufs): a switch on the position. Shaped buffers (split
         over 'tensor') are the same in both layouts and stay out of it, and the flat

@@ -160,7 +160,9 @@ class SharedGrads:
         if first_replica_only:
             first = lax.axis_index("data") == 0
             total = {k: jnp.where(first, b, 0) for k, b in total.items()}
-        out = dict(reduced)
+        # A row that a concatenate has just built is copied whole before an in-place
+        # write into it, unless a barrier stands between the two (XLA:CPU 0.10-0.12).
+        out = lax.optimization_barrier(dict(reduced))
         for t, key, offset, n, starts, holds in self.entries:
             for c in range(starts.shape[1]):
                 start, mine = jnp.asarray(starts[:, c])[pos], jnp.asarray(holds[:, c])[pos]
