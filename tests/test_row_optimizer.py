@@ -120,6 +120,19 @@ def test_a_row_step_told_not_to_keep_returns_its_inputs():
     skipped = step(params, grads, opt_rows, jnp.array(False))
     for a, b in zip(jax.tree.leaves(skipped), jax.tree.leaves((params, opt_rows)), strict=True):
         np.testing.assert_array_equal(np.asarray(a, np.float64), np.asarray(b, np.float64))
+    # One flag per chunk (the stepping loop's chunks that step): rows 0 and 2 take the
+    # step, row 1 keeps its inputs.
+    mixed = step(params, grads, opt_rows, jnp.array([True, False, True]))
+    for got, new, old in zip(
+        jax.tree.leaves(mixed),
+        jax.tree.leaves(kept),
+        jax.tree.leaves((params, opt_rows)),
+        strict=True,
+    ):
+        for row, want in ((0, new), (1, old), (2, new)):
+            np.testing.assert_array_equal(
+                np.asarray(got[row], np.float64), np.asarray(want[row], np.float64)
+            )
 
 
 @pytest.mark.parametrize("chunks", [1, 2])

@@ -137,12 +137,7 @@ class StageOptimizer:
                 factor = prog.loss.grad_factor(prog.topo.psum(losses, prog.topo.axes), count)
                 f = factor[jnp.minimum(done, iterations - 1)][:, None]
                 g = {k: b * f.astype(b.dtype) for k, b in g.items()}
-            if v == 1:  # the choice inside the update's kernels: no pass over the rows
-                params, opt = self.optimizer_step(opt_spec, params, g, opt, pos, mine[0, 0])
-            else:
-                new_p, new_o = self.optimizer_step(opt_spec, params, g, opt, pos)
-                params = {k: jnp.where(_per_chunk(mine, b), new_p[k], b) for k, b in params.items()}
-                opt = {k: jnp.where(_per_chunk(mine, b), new_o[k], b) for k, b in opt.items()}
+            params, opt = self.optimizer_step(opt_spec, params, g, opt, pos, mine[:, 0])
             if weights is not None:
                 wcarry = weights.after_step(wcarry, state[0], params, mine)
             else:
@@ -193,8 +188,9 @@ class StageOptimizer:
         """Each held stage's OPT: the optax update of its own parameter pytree.
 
         `pos` is this device's pipeline position (it picks the stages to update).
-        With `keep` (a scalar bool, `finite`'s verdict) the new values are taken
-        only where it is true, else the old ones.
+        With `keep` (a bool for every chunk, `finite`'s verdict, or one per chunk,
+        those that step) a chunk's new values are taken only where it is true,
+        else the old ones.
         An optimizer that takes tree norms (clip_by_global_norm) first runs one
         pass per norm call that only finds its whole-model value (see global_norm.py).
         A leafwise one runs on the whole rows instead (row_optimizer.py).
@@ -235,7 +231,11 @@ class StageOptimizer:
         )
         if keep is None:
             return new
-        return jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, (params, opt))
+        return jax.tree.map(
+            lambda n, o: jnp.where(_per_chunk(jnp.broadcast_to(keep, o.shape[:1]), o), n, o),
+            new,
+            (params, opt),
+        )
 
     def finite(self, loss: jax.Array, grads: Buffers) -> jax.Array:
         """Whether the loss and the whole model's gradient norm are finite (the
@@ -280,8 +280,8 @@ class StageOptimizer:
 
 
 def _per_chunk(mine: jax.Array, buf: jax.Array) -> jax.Array:
-    """A (v, 1) per-chunk flag shaped to broadcast over a (v, ...) buffer (a flat
-    row, or a shaped buffer of a leaf split over 'tensor')."""
+    """A (v,) or (v, 1) per-chunk flag shaped to broadcast over a (v, ...) buffer (a
+    flat row, or a shaped buffer of a leaf split over 'tensor')."""
     return mine.reshape(mine.shape[0], *([1] * (buf.ndim - 1)))
 
 

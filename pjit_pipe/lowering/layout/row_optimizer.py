@@ -103,15 +103,16 @@ class RowOptimizer:
         rows of shape (..., L): every chunk's update at once, whatever stage it
         holds.
 
-        With `keep` (a scalar bool) each new value is taken only where it is
-        true, else the old one (the non-finite check, step.py): the choice is
-        made inside the update's own kernels. Given the program's own buffers
+        With `keep` (a bool, one for every chunk or one per chunk) each chunk's new
+        values are taken only where it is true, else the old ones (the non-finite
+        check, step.py; the chunks that step in a tick of the stepping loop): the
+        choice is made inside the update's own kernels. Given the program's own buffers
         (their leading dimensions too: a row cut out of them by rank is a
         bitcast that stops XLA from writing in place), each kernel writes its
         row over the donated one: no copy, no row-long temporary (on a CPU a
         fresh row-long buffer also costs its page faults, every step)."""
 
-        def chunk(p: Buffers, g: Buffers, o: Buffers) -> tuple[Buffers, Buffers]:
+        def chunk(p: Buffers, g: Buffers, o: Buffers, keep: Any) -> tuple[Buffers, Buffers]:
             with jax.named_scope("OPT rows"):  # metadata only: see tick_ops._named
                 old = self.state_spec.unpack(0, o)
                 new = optax.apply_updates(p, self.optimizer.update(g, old, p)[0])
@@ -128,9 +129,12 @@ class RowOptimizer:
                     state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), state, old)
                 return new, self.state_spec.pack(0, state)
 
-        for _ in range(next(iter(params.values())).ndim - 1):
+        lead = next(iter(params.values())).shape[:-1]  # (..., v): a row per chunk
+        if keep is not None:
+            keep = jnp.broadcast_to(keep, lead)
+        for _ in lead:
             chunk = jax.vmap(chunk)
-        return chunk(params, grads, opt)
+        return chunk(params, grads, opt, keep)
 
 
 class _PlacedSpec(FlatSpec):
