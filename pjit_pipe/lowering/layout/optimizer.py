@@ -241,7 +241,8 @@ class StageOptimizer:
         """Whether the loss and the whole model's gradient norm are finite (the
         non-finite check's verdict, a scalar bool). The norm counts each stage
         once (its first live holder), and every device takes the same choice."""
-        # A dot product: XLA:CPU materializes the squares of a sum of squares first.
+        # A dot product: the XLA:CPU of jax 0.10-0.11 materializes the squares of a sum
+        # of squares first (that of 0.12 materializes both inside the step's program).
         local = sum(_dot_self(g) for g in grads.values())
         squared_norm = self._across_stages([local], SUM)
         return jnp.all(jnp.isfinite(loss)) & jnp.isfinite(squared_norm)
@@ -286,6 +287,6 @@ def _per_chunk(mine: jax.Array, buf: jax.Array) -> jax.Array:
 
 
 def _dot_self(g: jax.Array) -> jax.Array:
-    """sum(g * g) in float32, as one dot product (no array of squares)."""
+    """sum(g * g) in float32, as one dot product (finite's comment)."""
     flat = jnp.ravel(g).astype(jnp.float32)
     return jnp.dot(flat, flat, precision=lax.Precision.HIGHEST)
