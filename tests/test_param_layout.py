@@ -51,7 +51,8 @@ def test_every_position_gets_its_own_tree_back(trees):
         # an op of stage s reads its own tree, whatever the others hold
         assert_trees_equal(layout.unpack(s, carried), trees[s])
         # a gradient packed by stage s leaves as stage s's flat row
-        back = layout.leave(layout.pack(s, trees[s]), jnp.int32(p))
+        pieces = layout.leave_pieces(layout.pack(s, trees[s]), jnp.int32(p))
+        back = {k: jnp.concatenate(got) for k, got in pieces.items()}
         for k in spec.sizes:
             np.testing.assert_array_equal(np.asarray(back[k]), np.asarray(row[k]))
         if not layout.flat:  # each leaf is a whole buffer: no slicing inside the op
@@ -69,3 +70,11 @@ def test_uniform_stages_need_no_switch_and_unrelated_ones_stay_flat():
     unrelated = [{"w": jnp.ones((5,))}, {"w": jnp.ones((7,))}, {"w": jnp.ones((9,))}]
     assert ChunkLayout(FlatSpec(unrelated), [0, 1, 2]).flat  # 21 elements against 9
     assert ChunkLayout(FlatSpec(same), [0, 1, 2], classes=False).flat
+    # a uniform chunk's gradient leaves leaf by leaf, in its flat row's order
+    trees = [
+        {"w": jnp.arange(16.0).reshape(4, 4) + 100 * s, "b": -jnp.arange(4.0)} for s in range(3)
+    ]
+    spec = FlatSpec(trees)
+    pieces = layout.leave_pieces(layout.pack(1, trees[1]), jnp.int32(1))
+    for k, row in spec.pack(1, trees[1]).items():
+        np.testing.assert_array_equal(np.asarray(jnp.concatenate(pieces[k])), np.asarray(row))

@@ -103,21 +103,16 @@ class ChunkLayout:
             return self._to_classes(self.stages[0], row)
         return self._switch(self._to_classes, row, pos)
 
-    def leave(self, carried: Any, pos: jax.Array) -> Buffers:
-        """A carried gradient -> the device's flat row (the inverse of `enter`)."""
-        if self.flat:
-            return carried
-        if self.same:
-            return self._to_row(self.stages[0], carried)
-        return self._switch(self._to_row, carried, pos)
-
     def leave_pieces(self, carried: Any, pos: jax.Array) -> dict[str, list[jax.Array]]:
-        """`leave`'s row as pieces to concatenate (`FlatSpec.pieces`): a chunk of one
+        """A carried gradient -> the device's flat row (the inverse of `enter`), as the
+        pieces that concatenate into each buffer (`FlatSpec.pieces`): a chunk of one
         layout hands its leaves over without packing them, so the caller builds the
         (v, L) rows of every chunk in one concatenate."""
-        if self.flat or not self.same:
-            return {k: [b] for k, b in self.leave(carried, pos).items()}
-        return self.spec.pieces(self.stages[0], self.unpack(self.stages[0], carried))
+        if self.flat:
+            return {k: [b] for k, b in carried.items()}
+        if self.same:
+            return self.spec.pieces(self.stages[0], self.unpack(self.stages[0], carried))
+        return {k: [b] for k, b in self._switch(self._to_row, carried, pos).items()}
 
     def _switch(self, convert: Any, bufs: Any, pos: jax.Array) -> Any:
         """convert(stages[pos], bufs): a switch on the position. Shaped buffers (split
