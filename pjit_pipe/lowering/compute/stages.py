@@ -32,6 +32,7 @@ branch (docs/tensor_parallel.md).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, Sequence
 from typing import Any, NamedTuple
 
@@ -40,6 +41,7 @@ import jax.numpy as jnp
 
 from pjit_pipe.errors import LossFnError, OptionError
 from pjit_pipe.ir.memory import StoredBytes
+from pjit_pipe.lowering.compute.replay import TracedOnce
 from pjit_pipe.lowering.compute.residual_policy import (
     DEFAULT_POLICY,
     check_policy,
@@ -86,59 +88,47 @@ class StageVjp:
     ):
         self.fns = list(stage_fns)
         self.tensor_split = tensor_split
+        # (computation, stage) -> its jaxpr, traced once for every program (replay.py)
+        self._replayed: dict[tuple[str, int], TracedOnce] = {}
         self.loss_fn = loss_fn
         self.S = len(self.fns)
         self.param_avals = [jax.eval_shape(lambda p: p, p) for p in stage_params]
-        self.act_avals: list[Any] = [x_mb]
-        for s in range(self.S - 1):
-            self.act_avals.append(
-                jax.eval_shape(self.fns[s], self.param_avals[s], self.act_avals[s])
-            )
         self.policies = tuple(check_policy(p) for p in (policies or (DEFAULT_POLICY,) * self.S))
         if len(self.policies) != self.S:
             raise OptionError(
                 f"policies: give one residual policy per virtual stage ({self.S}), got {policies!r}"
             )
-        # The names a "names" stage saves: those its function marks.
-        self.saved_names = {
-            s: saved_names(self.fns[s], self.param_avals[s], self.act_avals[s])
-            for s in range(self.S)
-            if self.policies[s] == "names"
-        }
         self.split = frozenset(s for s in split if 0 < s < self.S)
-        self.splitters = {
-            s: SplitBackward(
-                lambda p, a, y, s=s: self.forward(s, p, a, y),
-                self.param_avals[s],
-                self.act_avals[s],
-                y_mb if s == self.S - 1 else None,
-            )
-            for s in sorted(self.split)
-        }
-        self.res_treedef: list[Any] = []
-        self.res_where: list[list[tuple[str, int]]] = []
+        self.act_avals: list[Any] = [x_mb]  # stage s's input
+        self.saved_names: dict[int, Any] = {}  # a "names" stage's: the names it marks
+        self.splitters: dict[int, SplitBackward] = {}
+        # Per stage, where each leaf of its pullback comes from (a parameter, or a
+        # stored residual) and the pullback's tree: recorded by its first F trace.
+        self.res_where: dict[int, list[tuple[str, int]]] = {}
+        self.res_treedef: dict[int, Any] = {}
         stored, kept = [], []
         for s in range(self.S):
-            box: dict[str, Any] = {}
-
-            def probe(p, a, y, s=s, box=box):
-                out, pull, where, leaves = self._vjp_parts(s, p, a, y)
-                box["where"], box["treedef"] = where, jax.tree.structure(pull)
-                return out, leaves
-
-            out, leaves = jax.eval_shape(probe, self.param_avals[s], self.act_avals[s], y_mb)
-            loss = out[0] if s in self.split else out
-            if s == self.S - 1 and (loss.ndim != 1 or loss.dtype != jnp.float32):
+            p, a, y = self.param_avals[s], self.act_avals[s], y_mb if s == self.S - 1 else None
+            if self.policies[s] == "names":
+                self.saved_names[s] = saved_names(self.fns[s], p, a)
+            if s in self.split:
+                fn = lambda p, a, y, s=s: self.forward(s, p, a, y)  # noqa: E731
+                self.splitters[s] = SplitBackward(fn, p, a, y)
+            # F's first trace, which the programs' F ops replay (replay.py); its
+            # output is the next stage's input.
+            out, leaves = jax.eval_shape(self._replay("F", s, self._forward_stored), p, a, y)
+            out = out[0] if s in self.split else out
+            if s < self.S - 1:
+                self.act_avals.append(out)
+            elif out.ndim != 1 or out.dtype != jnp.float32:
                 raise LossFnError(
-                    f"loss_fn must return a float32 vector (see loss.LossLayout), got {loss}"
+                    f"loss_fn must return a float32 vector (see loss.LossLayout), got {out}"
                 )
-            self.res_where.append(box["where"])
-            self.res_treedef.append(box["treedef"])
             # A split stage also keeps W's data operands and the site cotangents B writes.
             sb = self.splitters.get(s)
             stored.append(leaves if sb else [])
             kept.append([sb.stored, sb.perturbations] if sb else leaves)
-        self.loss_aval = loss
+        self.loss_aval = out
         self.b_spec = FlatSpec(stored, replicated=tensor_split)
         self.w_spec = FlatSpec(kept, replicated=tensor_split)
 
@@ -178,6 +168,23 @@ class StageVjp:
                 where.append(("stored", seen[id(leaf)]))
         return out, pull, where, stored
 
+    def _replay(self, name: str, s: int, compute: Callable) -> TracedOnce:
+        """`compute(s, ...)` traced once for every program (replay.py); traced anew each
+        time where the stage's weights split over 'tensor'."""
+        key = (name, s)
+        if key not in self._replayed:
+            fn = functools.partial(compute, s)
+            self._replayed.setdefault(key, TracedOnce(fn, enabled=not self.tensor_split))
+        return self._replayed[key]
+
+    def _forward_stored(self, s: int, p: Any, a: Any, y: Any) -> tuple[Any, list[Any]]:
+        """F's compute: (output, the vjp residual leaves it stores)."""
+        out, pull, where, stored = self._vjp_parts(s, p, a, y)
+        if self.res_where.setdefault(s, where) != where:
+            raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
+        self.res_treedef.setdefault(s, jax.tree.structure(pull))
+        return out, stored
+
     def _checkpointed(self, s: int, fn: Callable) -> Callable:
         """`fn`, stage s's forward, under the stage's residual policy."""
         return checkpointed(fn, self.policies[s], self.saved_names.get(s, ()))
@@ -197,9 +204,7 @@ class StageVjp:
         by leaf: a split stage's vjp residuals into B-pool row `b_slot` and W's data
         operands into the head of W-pool row `w_slot` (B writes the cotangents
         after them); any other stage's vjp residuals into W-pool row `w_slot`."""
-        out, _, where, stored = self._vjp_parts(s, p, a, y)
-        if where != self.res_where[s]:
-            raise RuntimeError(f"stage {s}: vjp residual structure changed between traces")
+        out, stored = self._replay("F", s, self._forward_stored)(p, a, y)
         if s not in self.split:
             return out, store._replace(w=self.w_spec.write(s, store.w, w_slot, stored))
         (out, operands) = out
@@ -229,6 +234,9 @@ class StageVjp:
         cotangent `seed`. Nothing is stored: with forward and backward in one
         computation XLA keeps or recomputes intermediates as it likes, as in a
         plain `jax.value_and_grad` (no checkpoint policy, no packed rows)."""
+        return self._replay("FUSED", s, self._value_and_grad)(p, a, y, seed)
+
+    def _value_and_grad(self, s: int, p: Any, a: Any, y: Any, seed: Any) -> tuple[Any, Any, Any]:
         if s == 0:  # the raw batch may be integers: no input gradient
             out, pull = jax.vjp(lambda p: self.forward(s, p, a, y), p)
             return out, pull(seed)[0], None
@@ -236,9 +244,18 @@ class StageVjp:
         dparams, dinput = pull(seed)
         return out, dparams, dinput
 
-    def recompute_pullback(self, s: int, p: Any, a: Any, y: Any) -> Callable:
-        """The stage's vjp function by re-running its forward (remat)."""
-        return self._vjp_parts(s, p, a, y)[1]
+    def backward(self, s: int, p: Any, res: Residuals, g: Any) -> Any:
+        """The stage's vjp of the output cotangent `g` from its stored residuals:
+        (parameter gradient, input gradient), or (parameter gradient,) on stage 0."""
+        return self._replay("BW", s, lambda s, p, res, g: self.pullback(s, p, res)(g))(p, res, g)
+
+    def recompute_backward(self, s: int, p: Any, a: Any, y: Any, g: Any) -> Any:
+        """`backward` by re-running the stage's forward (remat) instead of reading
+        stored residuals."""
+        return self._replay("remat BW", s, self._recompute_backward)(p, a, y, g)
+
+    def _recompute_backward(self, s: int, p: Any, a: Any, y: Any, g: Any) -> Any:
+        return self._vjp_parts(s, p, a, y)[1](g)
 
     # ---- the split backward (stages in `split`) ----
 
@@ -247,17 +264,26 @@ class StageVjp:
     ) -> tuple[Any, Buffers]:
         """B: (input gradient, `w_store` with the site cotangents written into W-pool
         row `slot` after W's data operands, leaf by leaf in place)."""
-        dinput, cots = self.pullback(s, p, res)(g)
+        dinput, cots = self._replay("B", s, self._input_grad)(p, res, g)
         first = len(self.splitters[s].stored)  # the row's leaves before the cotangents
         return dinput, self.w_spec.write(s, w_store, slot, jax.tree.leaves(cots), first)
 
+    def _input_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
+        return self.pullback(s, p, res)(g)
+
     def weight_grad(self, s: int, p: Any, res: Residuals) -> Any:
         """W: the parameter gradient from the W-pool row's data operands and cotangents."""
+        return self._replay("W", s, self._weight_grad)(p, res)
+
+    def _weight_grad(self, s: int, p: Any, res: Residuals) -> Any:
         operands, cots = self.w_spec.unpack(s, res.w)
         return self.splitters[s].weight_grads(p, operands, cots)
 
     def fused_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
         """BW of a split stage: B then W without storing the cotangents."""
+        return self._replay("split BW", s, self._fused_grad)(p, res, g)
+
+    def _fused_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
         dinput, cots = self.pullback(s, p, res)(g)
         operands, _ = self.w_spec.unpack(s, res.w)
         return self.splitters[s].weight_grads(p, operands, cots), dinput

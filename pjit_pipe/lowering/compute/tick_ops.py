@@ -144,10 +144,10 @@ class StageOps:
                     dparams, dinput = st.fused_grad(s, p, r, g)
             else:
                 if self.remat:
-                    pull = st.recompute_pullback(s, p, stage_input(x, inbox, row), y_mb)
+                    grads = st.recompute_backward(s, p, stage_input(x, inbox, row), y_mb, g)
                 else:
-                    pull = st.pullback(s, p, r)
-                dparams, dinput = pull(g) if s > 0 else (pull(g)[0], None)
+                    grads = st.backward(s, p, r, g)
+                dparams, dinput = grads if s > 0 else (grads[0], None)
             if kind in (Kind.B, Kind.BW) and s > 0:
                 msg = self.msg_spec.pack_grad(s - 1, dinput)
             if kind is Kind.B:
