@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import PartitionSpec as PS
 
 import pjit_pipe as pp
@@ -116,14 +117,20 @@ class CountedMLP(nn.Module):
         return x
 
 
-def test_a_failure_variant_runs_no_stage_module_and_matches_the_fault_free_step():
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_failure_variant_runs_no_stage_module_and_matches_the_fault_free_step(remat):
     model = CountedMLP()
     x = np.random.default_rng(2).normal(size=(8, 8)).astype(np.float32)
     y = np.zeros_like(x)
     params = model.init(jax.random.key(0), x)
     loss = lambda out, y: jnp.mean((out - y) ** 2)  # noqa: E731
     pm = pp.pipeline(
-        model, stages=2, microbatches=2, schedule="zb-h1", mesh=pp.make_mesh(data=2, stage=2)
+        model,
+        stages=2,
+        microbatches=2,
+        schedule="zb-h1",
+        mesh=pp.make_mesh(data=2, stage=2),
+        remat=remat,
     )
     want = pm.value_and_grad(loss)(params, x, y)
     CountedBlock.calls = 0

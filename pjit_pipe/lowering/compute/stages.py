@@ -140,6 +140,11 @@ class StageVjp:
         out = self.fns[s](p, a)
         return self.loss_fn(out, y) if s == self.S - 1 else out
 
+    def remat_forward(self, s: int, p: Any, a: Any, y: Any) -> Any:
+        """F under remat: the stage output (the loss vector on the last stage) and
+        nothing stored; `recompute_backward` runs the forward again."""
+        return self._replay("remat F", s, self.forward)(p, a, y)
+
     def _vjp_parts(self, s: int, p: Any, a: Any, y: Any):
         """(output, pullback, residual origin list, stored residual leaves); a split
         stage's pullback is w.r.t. (input, perturbations) and its output is

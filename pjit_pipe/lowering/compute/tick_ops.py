@@ -123,7 +123,7 @@ class StageOps:
             if kind is Kind.F:
                 a = stage_input(x, inbox, row)
                 if self.remat:
-                    out = st.forward(s, p, a, y_mb)
+                    out = st.remat_forward(s, p, a, y_mb)
                 else:
                     out, res = st.forward_into(s, p, a, y_mb, res, row.bres_w, row.res_w)
                 if s == S - 1:
