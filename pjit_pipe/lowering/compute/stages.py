@@ -252,7 +252,10 @@ class StageVjp:
     def backward(self, s: int, p: Any, res: Residuals, g: Any) -> Any:
         """The stage's vjp of the output cotangent `g` from its stored residuals:
         (parameter gradient, input gradient), or (parameter gradient,) on stage 0."""
-        return self._replay("BW", s, lambda s, p, res, g: self.pullback(s, p, res)(g))(p, res, g)
+        return self._replay("pull", s, self._pull)(p, res, g)
+
+    def _pull(self, s: int, p: Any, res: Residuals, g: Any) -> Any:
+        return self.pullback(s, p, res)(g)
 
     def recompute_backward(self, s: int, p: Any, a: Any, y: Any, g: Any) -> Any:
         """`backward` by re-running the stage's forward (remat) instead of reading
@@ -269,12 +272,9 @@ class StageVjp:
     ) -> tuple[Any, Buffers]:
         """B: (input gradient, `w_store` with the site cotangents written into W-pool
         row `slot` after W's data operands, leaf by leaf in place)."""
-        dinput, cots = self._replay("B", s, self._input_grad)(p, res, g)
+        dinput, cots = self._replay("pull", s, self._pull)(p, res, g)  # w.r.t. (input, sites)
         first = len(self.splitters[s].stored)  # the row's leaves before the cotangents
         return dinput, self.w_spec.write(s, w_store, slot, jax.tree.leaves(cots), first)
-
-    def _input_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
-        return self.pullback(s, p, res)(g)
 
     def weight_grad(self, s: int, p: Any, res: Residuals) -> Any:
         """W: the parameter gradient from the W-pool row's data operands and cotangents."""
