@@ -206,6 +206,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
         (["1f1b", "-P", "4", "-m", "4", "--costs", "1,2,1,0", "--unit-ms", "0"], "--unit-ms"),
         (["1f1b", "-P", "4", "-m", "4", "--costs", "1,2"], "--costs"),
         (["1f1b", "-P", "4", "-m", "4"], "--costs"),
+        (["1f1b", "-P", "4", "-m", "4", "--costs", "1,2,1,0", "--tick-cost", "-1"], "--tick-cost"),
         (["async-1f1b", "-P", "4", "-m", "4", "--costs", "1,2,1,0"], "asynchronous"),
     ],
 )
@@ -217,13 +218,20 @@ def test_bad_values_get_one_line(args, word):
 
 
 @pytest.mark.slow
-def test_cli_prints_the_three_prices_and_the_measured_period():
-    done = _cli("gpipe", "-P", "2", "-m", "2", "--costs", "1,1,1,0", "--iterations", "2", "--json")
+@pytest.mark.parametrize("tick_cost", [0.0, 0.5])
+def test_cli_prints_the_three_prices_and_the_measured_period(tick_cost):
+    done = _cli(
+        "gpipe", "-P", "2", "-m", "2", "--costs", "1,1,1,0", "--iterations", "2",
+        "--tick-cost", str(tick_cost), "--json",
+    )  # fmt: skip
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert out["runtime"] == "in-process"
-    # GPipe behind a barrier: (m + P - 1)(F + BW) = 3 x 3, whichever way ticks meet
-    assert out["event_period"] == out["lockstep_period"] == out["neighbor_period"] == 9
+    assert out["runtime"] == "in-process" and out["tick_cost"] == tick_cost
+    # GPipe behind a barrier: (m + P - 1)(F + BW) = 3 x 3, whichever way ticks meet, plus
+    # the tick cost once a tick in the tick-synchronous prices (nothing sleeps it)
+    assert out["event_period"] == 9
+    ticks = out["ticks"] / out["iterations"]
+    assert out["lockstep_period"] == out["neighbor_period"] == 9 + tick_cost * ticks
     # Every tick sleeps its price, so no run can beat 9 units; how far above it a run
     # lands depends on the machine's load (benchmarks.bench_emulate prints that ratio).
     assert out["measured_period"] >= 9 * 0.95

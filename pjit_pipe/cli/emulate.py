@@ -10,16 +10,23 @@ prices of the table and the measured steady period, in cost units.
 With --slow R:S:FACTOR the ops of worker R:S sleep FACTOR times longer; the
 table is the mitigated one (part of the slow workers' microbatches moved to
 peers, packed at those speeds), or with --unmitigated the fault-free table.
+
+--tick-cost T prices (and packs) the table with a fixed cost of T units a
+tick, as `pjit-pipe schedule --tick-cost` does: the machinery a tick runs
+besides its ops (callbacks, conditionals, ppermutes), which the sleeps do
+not include. Nothing sleeps it; it only enters the lockstep and neighbour
+prices.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
 from pjit_pipe.cli.device_choice import ensure_host_devices
-from pjit_pipe.cli.schedule_command import costs_arg, positive_float, positive_int
+from pjit_pipe.cli.schedule_command import costs_arg, positive_float, positive_int, tick_cost
 from pjit_pipe.compiler import ScheduleSpec, build_schedule, build_table
 from pjit_pipe.errors import OptionError
 from pjit_pipe.ir.costs import Costs
@@ -82,6 +89,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         help=f"iterations run back to back, at least 2 (default {DEFAULT_ITERATIONS})",
     )
     p.add_argument("--mem-limit", type=positive_float, default=None, metavar="K")
+    p.add_argument(
+        "--tick-cost",
+        type=tick_cost,
+        default=0.0,
+        metavar="T",
+        help="the fixed cost of a tick in cost units, priced and packed for, not slept (default 0)",
+    )
     p.add_argument(
         "--unit-ms",
         type=positive_float,
@@ -146,8 +160,9 @@ def run(args: argparse.Namespace) -> int:
     slow = parse_slow(args.slow, args.replicas, args.stages, schedule.failed)
     # The unmitigated table is packed as if every worker were healthy; both run
     # (and are priced) at the slow workers' speeds.
-    packed_for: Costs = args.costs if args.unmitigated else args.costs.with_slow(slow)
-    costs: Costs = args.costs.with_slow(slow)
+    given = dataclasses.replace(args.costs, tick=args.tick_cost)
+    packed_for: Costs = given if args.unmitigated else given.with_slow(slow)
+    costs: Costs = given.with_slow(slow)
     n = args.iterations
     sync = args.pack_for or ("neighbor" if args.processes else "global")
     table = build_table(schedule, packed_for, n, args.mem_limit, sync=sync)
@@ -177,6 +192,7 @@ def run(args: argparse.Namespace) -> int:
         "iterations": n,
         "unit_ms": args.unit_ms,
         "ticks": len(table),
+        "tick_cost": args.tick_cost,
         "slow": {str(w): f for w, f in costs.slow},
         "unmitigated": args.unmitigated,
     }
