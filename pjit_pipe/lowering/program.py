@@ -226,7 +226,7 @@ def lower(
             split,
             o.policies,
             tensor_split=any_split(splits),
-            reuse=impls is None,
+            rng_impls=impls,
         )
     topology = Topology.of(mesh, schedule.failed)
     _check_tensor(topology, splits, weights_kind=schedule.kind)

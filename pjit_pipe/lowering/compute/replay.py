@@ -15,12 +15,15 @@ mesh, and every later call, in this program or another, evaluates that jaxpr
 on its arguments: the same equations, bound afresh, with no Python model code
 and no differentiation run again.
 
-Not used, and the function is called directly, where the traced jaxpr could
-depend on more than the arguments:
-- with microbatch keys in scope (a model that draws random numbers reads
-  them from a context variable, rng.py, so they would be baked in);
-- with weights split over 'tensor' (a stage's sharding constraints name the
-  mesh of the program that traced it).
+A model that draws random numbers reads its microbatch's keys from a
+context variable (rng.py). Where keys are in scope, they become inputs of
+the traced jaxpr like the arguments (the keys' stream names and
+implementations are part of the signature), and the jaxpr's function puts
+them back in scope for the model, so no key is baked in.
+
+Not used, and the function is called directly, with weights split over
+'tensor': a stage's sharding constraints name the mesh of the program that
+traced it.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AbstractMesh, use_abstract_mesh
 
-from pjit_pipe.lowering.compute.rng import active_key_data
+from pjit_pipe.lowering.compute.rng import active_key_data, microbatch_rngs
 
 NO_MESH = AbstractMesh((), ())
 
@@ -54,25 +57,35 @@ class TracedOnce:
         self._lock = threading.Lock()  # failure variants trace in background threads
 
     def __call__(self, *args: Any) -> Any:
-        if not self.enabled or active_key_data() is not None:
+        if not self.enabled:
             return self.fn(*args)
-        leaves, tree = jax.tree.flatten(args)
-        key = (tree, tuple(_signature(a) for a in leaves))
+        keys, impls = active_key_data() or ({}, {})
+        leaves, tree = jax.tree.flatten((args, keys))
+        key = (tree, tuple(_signature(a) for a in leaves), tuple(sorted(impls.items())))
         with self._lock:
             entry = self._traced.get(key)
         if entry is None:
-            entry = self._trace(tree, leaves)
+            entry = self._trace(tree, leaves, impls)
             with self._lock:
                 self._traced.setdefault(key, entry)
         closed, out_tree = entry
         return jax.tree.unflatten(out_tree, jex.jaxpr_as_fun(closed)(*leaves))
 
-    def _trace(self, tree: Any, leaves: list[Any]) -> tuple[jex.ClosedJaxpr, Any]:
+    def _trace(
+        self, tree: Any, leaves: list[Any], impls: dict[str, Any]
+    ) -> tuple[jex.ClosedJaxpr, Any]:
         structs = [
             jax.ShapeDtypeStruct(shape, dtype, weak_type=weak)
             for shape, dtype, weak in map(_signature, leaves)
         ]
-        flat = lambda *xs: self.fn(*jax.tree.unflatten(tree, xs))  # noqa: E731
+
+        def flat(*xs: Any) -> Any:
+            args, keys = jax.tree.unflatten(tree, xs)
+            if not keys:
+                return self.fn(*args)
+            with microbatch_rngs(keys, impls):  # the keys given, not those of this trace
+                return self.fn(*args)
+
         with use_abstract_mesh(NO_MESH):  # not the mesh of the program tracing it now
             closed, out_shape = jax.make_jaxpr(flat, return_shape=True)(*structs)
         return closed, jax.tree.structure(out_shape)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -43,28 +43,29 @@ def traced_stages(
     split: Collection[int],
     policies: Sequence[str] | None,
     tensor_split: bool = False,
-    reuse: bool = True,
+    rng_impls: Mapping[str, Any] | None = None,
 ) -> tuple[LossLayout, StageVjp]:
     """(the loss layout, the StageVjp) of these stages: the ones built before for
     the same arguments, or built now. `stage_params`, `x_mb`, `y_mb` are avals;
-    `tensor_split` as in StageVjp; `reuse=False` (stages traced under microbatch keys) builds them afresh."""
-    key = None
-    if reuse:
-        key = (
-            tuple(stage_fns),
-            loss_fn,
-            has_aux,
-            tuple(_shapes(p) for p in stage_params),
-            _shapes(x_mb),
-            _shapes(y_mb),
-            frozenset(split),
-            None if policies is None else tuple(policies),
-            tensor_split,
-        )
-        try:
-            hash(key)
-        except TypeError:  # an unhashable loss or stage function: build afresh
-            key = None
+    `tensor_split` as in StageVjp; `rng_impls`: the key streams' implementations
+    of a model that draws random numbers (the stages take the keys as inputs,
+    replay.py, so their values do not matter)."""
+    key: tuple | None = (
+        tuple(stage_fns),
+        loss_fn,
+        has_aux,
+        tuple(_shapes(p) for p in stage_params),
+        _shapes(x_mb),
+        _shapes(y_mb),
+        frozenset(split),
+        None if policies is None else tuple(policies),
+        tensor_split,
+        tuple(sorted((rng_impls or {}).items())),
+    )
+    try:
+        hash(key)
+    except TypeError:  # an unhashable loss or stage function: build afresh
+        key = None
     if key is not None:
         with _lock:
             if key in _built:
