@@ -5,10 +5,12 @@ and shapes over other devices and tick tables. Building a `StageVjp` traces
 every stage's forward and vjp and runs the split backward's site analysis:
 on the tiny GPT (2x4, zb-h1) about 0.6 s of a variant's 0.7 s of building
 before JAX traces the program. Programs given the same stage function
-objects, loss function, shapes, split stages and residual policies take the
-`StageVjp` and `LossLayout` the first of them built. Neither changes once
-built: the LossLayout records the loss's form while the StageVjp traces the
-last stage, and the same function on the same shapes has the same form.
+objects, loss function, shapes, split stages, residual policies and random
+key streams take the `StageVjp` and `LossLayout` the first of them built,
+and with it the stage computations it traced (replay.py). Neither changes
+once built: the LossLayout records the loss's form while the StageVjp
+traces the last stage, and the same function on the same shapes has the
+same form; the keys' values are inputs of every traced stage, not part of it.
 """
 
 from __future__ import annotations
