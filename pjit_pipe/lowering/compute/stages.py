@@ -251,7 +251,9 @@ class StageVjp:
 
     def backward(self, s: int, p: Any, res: Residuals, g: Any) -> Any:
         """The stage's vjp of the output cotangent `g` from its stored residuals:
-        (parameter gradient, input gradient), or (parameter gradient,) on stage 0."""
+        (parameter gradient, input gradient), or (parameter gradient,) on stage 0; a
+        split stage's is w.r.t. (input, site perturbations): (input gradient, site
+        cotangents)."""
         return self._replay("pull", s, self._pull)(p, res, g)
 
     def _pull(self, s: int, p: Any, res: Residuals, g: Any) -> Any:
@@ -272,7 +274,7 @@ class StageVjp:
     ) -> tuple[Any, Buffers]:
         """B: (input gradient, `w_store` with the site cotangents written into W-pool
         row `slot` after W's data operands, leaf by leaf in place)."""
-        dinput, cots = self._replay("pull", s, self._pull)(p, res, g)  # w.r.t. (input, sites)
+        dinput, cots = self.backward(s, p, res, g)
         first = len(self.splitters[s].stored)  # the row's leaves before the cotangents
         return dinput, self.w_spec.write(s, w_store, slot, jax.tree.leaves(cots), first)
 
@@ -289,7 +291,7 @@ class StageVjp:
         return self._replay("split BW", s, self._fused_grad)(p, res, g)
 
     def _fused_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
-        dinput, cots = self.pullback(s, p, res)(g)
+        dinput, cots = self._pull(s, p, res, g)
         operands, _ = self.w_spec.unpack(s, res.w)
         return self.splitters[s].weight_grads(p, operands, cots), dinput
 
