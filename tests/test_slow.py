@@ -11,10 +11,12 @@ from hypothesis import strategies as st
 
 from pjit_pipe.cli import main
 from pjit_pipe.ir.costs import Costs
+from pjit_pipe.ir.failures import FailurePattern
 from pjit_pipe.ir.ops import Kind, Worker
 from pjit_pipe.ir.schedule import ScheduleError
 from pjit_pipe.ir.serialize import from_json
 from pjit_pipe.ir.slow import parse_slow, parse_slow_events
+from pjit_pipe.passes import KEEPS, balanced_counts, share_placement
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.simulator import fill_bound, least_largest_load, simulate, slow_bound
 
@@ -133,6 +135,43 @@ def test_target_one_worker_at_half_speed(kind):
         if op.kind is Kind.F and op.replica != w.replica
     ]
     assert moved and all(op.replica == 0 and w.stage == 1 for w, op in moved)
+
+
+@pytest.mark.parametrize("keep", KEEPS)
+@pytest.mark.parametrize("blocks", [False, True])
+def test_share_placements_run_each_slice_once_at_the_given_counts(keep, blocks):
+    replicas, stages, microbatches = 4, 3, 6
+    base = make_schedule("1f1b", stages, microbatches, replicas=replicas)
+    pattern = FailurePattern.of(replicas, stages, {(3, 2)})
+    costs = Costs(slow={(0, 1): 3.0, (2, 1): 2.0, (1, 2): 1.5})
+    counts = balanced_counts(base, pattern, costs)
+    for start in range(replicas):
+        placement = share_placement(base, pattern, counts, keep, blocks, start)
+        slots = itertools.product(range(stages), range(microbatches), range(replicas))
+        assert sorted(placement) == sorted(slots)  # every slice placed, once
+        ran = Counter(placement.values())
+        assert ran == Counter({w: n for w, n in counts.items() if n})
+        assert all(w.stage == s and w not in pattern.failed for (s, _, _), w in placement.items())
+        if keep != "homes":
+            continue
+        for giver in (Worker(0, 1), Worker(2, 1)):  # fewer slices than its own m
+            homes = [r for (_, _, r), w in placement.items() if w == giver]
+            assert len(homes) == counts[giver] < microbatches
+            assert len(set(homes)) == min(counts[giver], replicas)  # spread over the homes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1"])
+def test_two_workers_at_half_speed_on_four_replicas_meet_the_targets(kind):
+    # Keeping only their own microbatches, the two slow workers slow every round trip of
+    # their replicas' first stages, and the period stays at 32; slices from every home
+    # spread those round trips and reach 31.
+    slow = {(0, 1): 2.0, (1, 2): 2.0}
+    priced = Costs(slow=slow)
+    got = period(make_schedule(kind, 4, 8, replicas=4, slow=slow), priced)
+    bound = slow_bound(4, 8, 4, slow)
+    assert bound - 1e-9 <= got <= 1.05 * bound
+    assert got <= 0.7 * period(make_schedule(kind, 4, 8, replicas=4), priced)
 
 
 @st.composite

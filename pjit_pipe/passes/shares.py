@@ -24,7 +24,9 @@ from pjit_pipe.passes.list_scheduler import Placement
 from pjit_pipe.simulator import least_largest_load
 
 TRIMS = ("slow", "fast")  # whose spare capacity is given up first, on ties
-KEEPS = ("early", "late", "spread")  # which of its own microbatches a giving worker keeps
+# Which slices a giving worker keeps: the first, the last or evenly spaced ones of its own
+# microbatches, or ("homes") evenly spaced microbatches of every home replica in turn.
+KEEPS = ("early", "late", "spread", "homes")
 
 
 def balanced_counts(
@@ -80,21 +82,47 @@ def _kept(microbatches: int, keep: int, how: str) -> list[int]:
     return sorted({(i * microbatches) // keep for i in range(keep)}) if keep else []
 
 
+def _from_homes(
+    start: int, keep: int, microbatches: int, replicas: int, taken: set[tuple[int, int]]
+) -> list[tuple[int, int]]:
+    """`keep` (microbatch, home replica) slices for a giving worker, one home replica
+    after another from replica `start`, evenly spaced microbatches, skipping `taken`.
+
+    A slow worker that keeps only its own microbatches slows every round trip of
+    its own replica's first stage, which then waits for them with its memory full;
+    slices from every home spread those slow round trips over the replicas.
+    """
+    picks: list[tuple[int, int]] = []
+    for i in range(keep):
+        home = (start + i) % replicas
+        want = (i * microbatches) // keep
+        j = next(
+            (want + d) % microbatches
+            for d in range(microbatches)
+            if ((want + d) % microbatches, home) not in taken
+        )
+        picks.append((j, home))
+        taken.add((j, home))
+    return picks
+
+
 def share_placement(
     schedule: Schedule,
     pattern: FailurePattern,
     counts: dict[Worker, int],
     keep: str = "early",
     blocks: bool = False,
+    start: int = 0,
 ) -> Placement:
     """Which live worker runs each slot, given how many slices each runs (`counts`).
 
-    A worker with fewer than its m own slices keeps `keep` ones of its own
-    microbatches ("early": the first, "late": the last, "spread": evenly
-    spaced); a failed worker keeps none. The others' slices, ordered by
-    microbatch, are dealt to the workers with more than m: round-robin among
-    those still short, or in contiguous blocks (`blocks`). All chunks of one
-    microbatch on one position go to the same worker.
+    A worker with fewer than its m own slices keeps `keep` ones ("early": the
+    first of its own microbatches, "late": the last, "spread": evenly spaced,
+    "homes": spread over every home replica, `_from_homes`); a failed worker
+    keeps none. Every other worker keeps its own slices that no giving worker
+    took. The rest, ordered by microbatch, are dealt to the workers still short
+    of their counts: round-robin, or in contiguous blocks (`blocks`). All chunks
+    of one microbatch on one position go to the same worker.
 
     Args:
         schedule: The fault-free schedule (its shape and layout).
@@ -102,6 +130,7 @@ def share_placement(
         counts: {live worker: slices}, adding up to D*m per position.
         keep: One of KEEPS.
         blocks: Deal the moved slices in blocks rather than round-robin.
+        start: With keep="homes", the home replica every giving worker starts from.
 
     Returns:
         The placement of every (virtual stage, microbatch, home replica).
@@ -111,27 +140,34 @@ def share_placement(
     """
     if keep not in KEEPS:
         raise ScheduleError(f"keep must be one of {', '.join(KEEPS)}, got {keep!r}")
-    m = schedule.microbatches
+    m, replicas = schedule.microbatches, schedule.replicas
     placement: Placement = {}
     for p in range(schedule.stages):
         held = schedule.held_stages(p)
         live = [Worker(r, p) for r in pattern.survivors(p)]
-        if sum(counts[w] for w in live) != schedule.replicas * m:
+        if sum(counts[w] for w in live) != replicas * m:
             raise ScheduleError(
                 f"counts of position {p} add up to {sum(counts[w] for w in live)}, "
-                f"not replicas x microbatches = {schedule.replicas * m}"
+                f"not replicas x microbatches = {replicas * m}"
             )
-        moved: list[tuple[int, int]] = []  # (microbatch, home replica) of slices that move
-        for r in range(schedule.replicas):
-            worker = Worker(r, p)
-            stays = _kept(m, min(counts.get(worker, 0), m), keep)
-            moved += [(j, r) for j in range(m) if j not in stays]
-            placement.update({(s, j, r): worker for s in held for j in stays})
-        moved.sort()
-        short = {w: counts[w] - m for w in live if counts[w] > m}
-        takers = [w for w in live if w in short]
+        runs: dict[Worker, list[tuple[int, int]]] = {}  # (microbatch, home replica) kept
+        taken: set[tuple[int, int]] = set()
+        for w in live:  # the giving workers choose first
+            if counts[w] < m:
+                if keep == "homes":
+                    runs[w] = _from_homes(start, counts[w], m, replicas, taken)
+                else:
+                    runs[w] = [(j, w.replica) for j in _kept(m, counts[w], keep)]
+                    taken.update(runs[w])
+        for w in live:
+            if counts[w] >= m:
+                runs[w] = [(j, w.replica) for j in range(m) if (j, w.replica) not in taken]
+                taken.update(runs[w])
+        moved = sorted({(j, r) for j in range(m) for r in range(replicas)} - taken)
+        short = {w: counts[w] - len(runs[w]) for w in live if counts[w] > len(runs[w])}
+        takers = list(short)
         turn = 0
-        for j, r in moved:
+        for slot in moved:
             if blocks:
                 peer = next(w for w in takers if short[w])
             else:
@@ -140,5 +176,7 @@ def share_placement(
                 peer = takers[turn % len(takers)]
                 turn += 1
             short[peer] -= 1
-            placement.update({(s, j, r): peer for s in held})
+            runs[peer].append(slot)
+        for w, slices in runs.items():
+            placement.update({(s, j, r): w for s in held for j, r in slices})
     return placement

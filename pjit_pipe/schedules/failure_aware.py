@@ -40,17 +40,25 @@ def _placements(base: Schedule, pat: FailurePattern, costs: Costs) -> list[Place
     Failures only: every round-robin rotation and a block assignment of the
     orphaned microbatches (`passes.assign`). With slow workers: the counts that
     reach each position's least largest load (`passes.balanced_counts`, both
-    trims), each with every choice of the microbatches a giving worker keeps,
-    dealt round-robin or in blocks (`passes.share_placement`); then the plain
-    failure assignment.
+    trims), each with every choice of the slices a giving worker keeps (its own
+    first, last or evenly spaced microbatches, or evenly spaced ones of every
+    home replica in turn, starting at a slow worker's replica or the next),
+    the rest dealt round-robin or in blocks (`passes.share_placement`); then
+    the plain failure assignment.
     """
     found: list[Placement] = []
-    if any(f > 1.0 for w, f in costs.factors().items() if w not in pat.failed):
+    slow = [w for w, f in costs.factors().items() if w not in pat.failed and f > 1.0]
+    if slow:
+        # Where slices from every home start: a slow worker's replica or the next
+        # (other starts found no shorter period on bench_slow's grid).
+        homes_starts = sorted({(w.replica + d) % base.replicas for w in slow for d in (0, 1)})
         for trim in TRIMS:
             counts = balanced_counts(base, pat, costs, trim)
             for keep in KEEPS:
+                starts = homes_starts if keep == "homes" else (0,)
                 for blocks in (False, True):
-                    found.append(share_placement(base, pat, counts, keep, blocks))
+                    for start in starts:
+                        found.append(share_placement(base, pat, counts, keep, blocks, start))
         found.append(assign(base, pat))
     else:
         spread = max(len(pat.survivors(p)) for p in range(base.stages))
