@@ -86,7 +86,7 @@ def _from_homes(
     start: int, keep: int, microbatches: int, replicas: int, taken: set[tuple[int, int]]
 ) -> list[tuple[int, int]]:
     """`keep` (microbatch, home replica) slices for a giving worker, one home replica
-    after another from replica `start`, evenly spaced microbatches, skipping `taken`.
+    after another from replica `start`, evenly spaced microbatches, none of `taken`.
 
     A slow worker that keeps only its own microbatches slows every round trip of
     its own replica's first stage, which then waits for them with its memory full;
@@ -99,10 +99,9 @@ def _from_homes(
         j = next(
             (want + d) % microbatches
             for d in range(microbatches)
-            if ((want + d) % microbatches, home) not in taken
+            if ((want + d) % microbatches, home) not in taken | set(picks)
         )
         picks.append((j, home))
-        taken.add((j, home))
     return picks
 
 
@@ -158,7 +157,7 @@ def share_placement(
                     runs[w] = _from_homes(start, counts[w], m, replicas, taken)
                 else:
                     runs[w] = [(j, w.replica) for j in _kept(m, counts[w], keep)]
-                    taken.update(runs[w])
+                taken.update(runs[w])
         for w in live:
             if counts[w] >= m:
                 runs[w] = [(j, w.replica) for j in range(m) if (j, w.replica) not in taken]
