@@ -1,11 +1,12 @@
-"""Parameters inside the tick loop: size classes against flat rows, in one run.
+"""Parameters of the device and inside the tick loop: size classes against flat rows.
 
-A chunk whose pipeline positions hold stages of different parameter shapes
-used to keep them in a flat row per dtype, and every op sliced its weights
-out of it (XLA copies a slice that feeds a matmul). The lowering now holds
-them in size classes, whole buffers per (dtype, size) that an op reshapes
-(`pjit_pipe/lowering/layout/param_layout.py`). For each model and kind this compiles
-both (the flat one by refusing every class, `MAX_CLASS_OVERHEAD = 0`) and
+Stages of different parameter shapes kept in a flat row per dtype make
+every op slice its weights out of it (XLA copies a slice that feeds a
+matmul). Size classes are whole buffers per (dtype, size) that an op
+reshapes (`pjit_pipe/lowering/layout/param_layout.py`), the device's own
+layout or, where that costs too much memory, each chunk's inside the loop.
+For each model and kind this compiles both (the flat one by refusing every
+class, `MAX_CLASS_OVERHEAD = 0`) and
 prints the classes' bytes over the flat row's, XLA's compiled temp memory,
 the median step time of each over `--rounds` rounds of alternating calls,
 and the median of the per-round ratios.
@@ -64,16 +65,21 @@ def _case(name, model, x, y, loss, D, P, m, kinds, rounds, failed=()):
                 temp = step.memory_analysis().temp_size_in_bytes / 2**20
                 notes[(kind, layout)] = f"temp {temp:6.2f} MiB"
                 if layout == "classes":
-                    notes[(kind, "overhead")] = [
-                        _class_bytes(ly) / _flat_bytes(ly) for ly in step._low.layouts
-                    ]
+                    spec = step._low.param_spec
+                    notes[(kind, "overhead")] = (
+                        f"the device's classes: {spec.class_overhead():.3f}x its flat rows"
+                        if spec.classes
+                        else "classes in the loop / flat row bytes per chunk: "
+                        + ", ".join(
+                            f"{_class_bytes(ly) / _flat_bytes(ly):.3f}" for ly in step._low.layouts
+                        )
+                    )
     finally:
         param_layout.MAX_CLASS_OVERHEAD = default
     times = round_times(programs, rounds)
     print(f"  {name}, mesh {D}x{P}, m={m}, {rounds} rounds:")
     for kind in kinds:
-        over = ", ".join(f"{o:.3f}" for o in notes[(kind, "overhead")])
-        print(f"    {kind}: class bytes / flat row bytes per chunk: {over}")
+        print(f"    {kind}: {notes[(kind, 'overhead')]}")
         for layout in ("flat", "classes"):
             ms = statistics.median(times[(kind, layout)]) * 1e3
             print(f"      {layout:8s} {ms:8.2f} ms  {notes[(kind, layout)]}")
@@ -85,7 +91,7 @@ def _case(name, model, x, y, loss, D, P, m, kinds, rounds, failed=()):
 
 
 def _flat_bytes(layout: param_layout.ChunkLayout) -> int:
-    return sum(n * np.dtype(k).itemsize for k, n in layout.spec.sizes.items())
+    return sum(layout.spec.nbytes(k) for k in layout.spec.sizes)
 
 
 def _class_bytes(layout: param_layout.ChunkLayout) -> int:

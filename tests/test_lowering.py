@@ -221,18 +221,24 @@ def test_uniform_stages_match_unpipelined(kind, D, P):
     fns, params = uniform_model(P * v)
     x, y = uniform_batch(D * 4 * MB, seed=1)
     step = lower(sched, fns, xent, mesh_of(D, P), params, x, y)
-    assert all(layout.same and not layout.flat for layout in step._low.layouts)
+    assert step._low.param_spec.classes  # every op reads its leaves whole
+    assert all(layout.same for layout in step._low.layouts)
     loss, grads = step.value_and_grad(params, x, y)
     ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
     assert abs(float(loss) - float(ref_loss)) <= 1e-5 * abs(float(ref_loss))
     assert_trees_close(grads, ref_grads)
 
 
-def class_model(num_stages: int, width: int = 8, seed: int = 0):
+def class_model(num_stages: int, width: int = 8, seed: int = 0, lopsided: bool = False):
     """Dense stages of one width behind a narrower input layer, a head on the last:
-    a chunk's stages differ but share most leaf sizes, so the loop holds their
-    parameters in size classes (lowering/layout/param_layout.py) with a switch on entry."""
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 3 * num_stages))
+    the stages differ but share most leaf sizes, so the device keeps their
+    parameters in size classes (lowering/layout/param_layout.py). `lopsided`
+    gives the first stage a wide input table and the last a wide projection
+    before its head, of two other sizes: classes of every stage would then hold
+    both on every device, so the device keeps flat rows and each chunk (the
+    stages it holds share their sizes) enters classes of its own in the loop,
+    with a switch on entry."""
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed), 5 * num_stages))
     params = []
     for s in range(num_stages):
         d_in = 2 if s == 0 else width
@@ -240,31 +246,41 @@ def class_model(num_stages: int, width: int = 8, seed: int = 0):
             "w": jax.random.normal(next(keys), (d_in, width)) / np.sqrt(d_in),
             "b": 0.1 * jax.random.normal(next(keys), (width,)),
         }
+        if s == 0 and lopsided:
+            p["table"] = jax.random.normal(next(keys), (16 * width, d_in)) / np.sqrt(d_in)
         if s == num_stages - 1:
+            if lopsided:
+                p["wide"] = jax.random.normal(next(keys), (width, 7 * width)) / np.sqrt(width)
             p["head"] = jax.random.normal(next(keys), (width, CLASSES)) / np.sqrt(width)
         params.append(p)
 
     def fn(p, a):
+        if "table" in p:
+            a = a + jnp.tanh(a @ p["table"].T) @ p["table"] / p["table"].shape[0]
         h = jnp.tanh(a @ p["w"] + p["b"])
+        if "wide" in p:
+            h = jnp.tanh(h @ p["wide"]) @ p["wide"].T / p["wide"].shape[1]
         return h @ p["head"] if "head" in p else h
 
     return [fn] * num_stages, params
 
 
 @pytest.mark.parametrize(
-    "kind, D, P",
-    [("zb-h1", 1, 4), ("interleaved-1f1b", 2, 2)],
-    ids=["zb-h1-1x4", "interleaved-2x2"],
+    "kind, D, P, lopsided",
+    [("zb-h1", 1, 4, False), ("interleaved-1f1b", 2, 2, False), ("interleaved-1f1b", 2, 2, True)],
+    ids=["zb-h1-1x4", "interleaved-2x2", "interleaved-2x2-in-loop"],
 )
-def test_size_classes_match_value_and_grad_and_adam(kind, D, P):
+def test_size_classes_match_value_and_grad_and_adam(kind, D, P, lopsided):
     sched, v = schedule_or_skip(kind, P, 4, D)
-    fns, params = class_model(P * v)
+    fns, params = class_model(P * v, lopsided=lopsided)
     x, y = uniform_batch(D * 4 * MB, seed=1, width=2)
     y = y % CLASSES
     opt = optax.adam(1e-2)
     step = lower(sched, fns, xent, mesh_of(D, P), params, x, y, LoweringOptions(optimizer=opt))
     layouts = step._low.layouts
-    assert not any(layout.flat for layout in layouts)
+    # The device's buffers are classes, or (lopsided) each chunk enters its own.
+    assert step._low.param_spec.classes != lopsided
+    assert all(layout.flat != lopsided for layout in layouts)
     assert not all(layout.same for layout in layouts)  # positions lay out differently
     loss, grads = step.value_and_grad(params, x, y)
     ref_loss, ref_grads = reference_value_and_grad(fns, params, x, y)
@@ -280,16 +296,18 @@ def test_size_classes_match_value_and_grad_and_adam(kind, D, P):
     assert_trees_close(params, ref_params)
 
 
-def test_size_classes_step_inside_the_loop():
-    """Two iterations in one call: the optimizer steps inside the loop and the
-    new parameters re-enter the size classes after each step."""
-    P, m = 4, 4
-    fns, params = class_model(P)
+@pytest.mark.parametrize("kind, P, lopsided", [("zb-h1", 4, False), ("interleaved-1f1b", 2, True)])
+def test_size_classes_step_inside_the_loop(kind, P, lopsided):
+    """Two iterations in one call: the optimizer steps inside the loop on the
+    device's classes, or (lopsided) on its flat rows, the new parameters
+    re-entering the chunks' classes after each step."""
+    m = 4
+    sched, v = schedule_or_skip(kind, P, m, 1)
+    fns, params = class_model(P * v, lopsided=lopsided)
     opt = optax.sgd(0.5, momentum=0.9)
     batches = [uniform_batch(m * MB, seed=40 + i, width=2) for i in range(2)]
     batches = [(bx, by % CLASSES) for bx, by in batches]
     xs, ys = (jnp.stack(b) for b in zip(*batches, strict=True))
-    sched = make_schedule("zb-h1", P, m)
     step = lower(
         PackedTicks.one_op_per_tick(sched, 2),
         fns,
@@ -299,7 +317,9 @@ def test_size_classes_step_inside_the_loop():
         *batches[0],
         LoweringOptions(optimizer=opt),
     )
-    assert not step._low.layouts[0].flat and not step._low.layouts[0].same
+    assert step._low.param_spec.classes != lopsided
+    assert all(layout.flat != lopsided for layout in step._low.layouts)
+    assert not step._low.layouts[0].same
     got, _, losses = step.train_step(params, step.init_opt_state(params), xs, ys)
     ref, want = unpipelined_training(fns, params, opt, batches)
     np.testing.assert_allclose(np.asarray(losses), want, rtol=1e-5)

@@ -134,8 +134,8 @@ def test_loss_unbroken_through_failure_and_rejoin(reference, kind, D, P, fail, r
     assert switches == expect
     assert [e.bytes_moved for e in tr.events if e.kind == "switch"] == moved
     # the committed state lives on the full mesh again after the rejoin
-    devices = set(state.device_params["float32"].sharding.device_set)
-    assert devices == set(tr.pipelined.mesh.devices.flat)
+    for buffer in state.device_params.values():
+        assert set(buffer.sharding.device_set) == set(tr.pipelined.mesh.devices.flat)
 
 
 class UncheckedPlan:

@@ -93,8 +93,9 @@ class TrainState:
     `params` and `opt_state` give the module-layout view (see the module doc).
 
     Attributes:
-        device_params: per dtype, a (devices, v, L) buffer sharded by its leading
-            axis: row i holds device i's chunks' parameters, flattened and padded.
+        device_params: per buffer (a size class of leaves, or a dtype's flat
+            row), a (devices, v, L) array sharded by its leading axis: row i holds
+            device i's chunks' parameters, flattened and padded.
         device_opt: the same for each chunk's optax state.
         step: number of optimizer steps taken (asynchronous schedules: batches fed);
             a skipped non-finite step counts as taken (it used its batch).

@@ -97,7 +97,7 @@ class AsyncWeights:
 
     def extra_bytes(self, param_spec: FlatSpec, res_slots: int) -> int:
         """Bytes of those buffers per device (one chunk: async-1f1b has chunks=1)."""
-        row = sum(n * np.dtype(k).itemsize for k, n in param_spec.sizes.items())
+        row = sum(param_spec.nbytes(k) for k in param_spec.sizes)
         return self.extra_copies(res_slots) * row
 
     def init(self, params: Buffers, res_slots: int) -> Buffers:

@@ -49,8 +49,8 @@ from pjit_pipe.lowering.compute.emulated_ticks import EmulatedTicks, EmulationHo
 from pjit_pipe.lowering.compute.loss import LossLayout
 from pjit_pipe.lowering.compute.stages import Residuals, StageVjp
 from pjit_pipe.lowering.compute.tick_ops import Inbox, OpGroup, StageOps
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
-from pjit_pipe.lowering.layout.param_layout import ChunkLayout
+from pjit_pipe.lowering.layout.flat_buffers import Buffers
+from pjit_pipe.lowering.layout.param_layout import ChunkLayout, device_param_spec
 from pjit_pipe.lowering.layout.shared import SharedGrads
 from pjit_pipe.lowering.layout.tensor_layout import LeafSplits
 from pjit_pipe.lowering.tick_plan import FUSED, OpRow, TickPlan, TickRow, build_plan
@@ -125,7 +125,7 @@ class TickProgram:
         # Leaves split over 'tensor' get shaped buffers of their own (packing.py).
         self.splits = splits
         # `row_multiple`: ZeRO cuts each flat row into D slices (zero.py).
-        self.param_spec = FlatSpec(stages.param_avals, splits=splits, multiple=row_multiple)
+        self.param_spec = device_param_spec(stages.param_avals, splits, row_multiple)
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.post = Post(self.msg_spec, topology.axes)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]

@@ -1,12 +1,14 @@
 """Training state in the device layout: each device holds only the stages it runs.
 
 A compiled pipeline keeps its parameters and optax state between steps as
-per-dtype buffers of shape (devices, v, L), sharded over the program's mesh
-by their leading dimension: row i is device i's own `v` chunks, each chunk one
-virtual stage's tree flattened by a `FlatSpec` and zero-padded to the longest
-stage (L). A device therefore holds its stages and the padding up to the
-largest stage, and nothing else; data-parallel peers of a stage hold equal
-rows. The train step takes and returns these buffers, so no step gathers or
+buffers of shape (devices, v, L), sharded over the program's mesh by their
+leading dimension: row i is device i's own `v` chunks, each chunk one
+virtual stage's tree flattened by a `FlatSpec`. The buffers are the size
+classes of param_layout.py (a row per leaf size, "float32#4096#0"), or
+where those would cost too much memory one flat row per dtype zero padded
+to the longest stage (L). A device therefore holds its stages and the
+padding up to the largest stage, and nothing else; data-parallel peers of a
+stage hold equal rows. The train step takes and returns these buffers, so no step gathers or
 re-splits the model.
 
 `DeviceLayout` converts between this layout and per-stage trees outside the

@@ -42,9 +42,9 @@ Split = tuple[str | None, ...]  # per dimension, 'tensor' or None
 
 
 def dtype_of(key: str) -> str:
-    """The dtype name of a buffer key (flat, shaped, or a flat row of its own:
-    "float32+1", row_optimizer.py)."""
-    return key.split("|", 1)[0].split("+", 1)[0]
+    """The dtype name of a buffer key (flat, shaped, a size class "float32#4096#0",
+    or a flat row of its own: "float32+1", row_optimizer.py)."""
+    return key.split("|", 1)[0].split("+", 1)[0].split("#", 1)[0]
 
 
 def is_shaped(key: str) -> bool:
@@ -73,7 +73,11 @@ class FlatSpec:
     split or None (replicated: it goes into a flat row). `multiple`: flat rows
     are padded to a multiple of it (ZeRO's D slices, zero.py). `replicated`:
     each leaf is pinned replicated over 'tensor' as it is packed and unpacked
-    (module docstring); only inside the program's shard_map.
+    (module docstring); only inside the program's shard_map. `classes`: each
+    leaf that would sit in a flat row gets a flat row of its own instead, a
+    *size class* keyed by dtype, element count and occurrence
+    ("float32#4096#0": the first leaf of 4096 float32s in its tree), which
+    the trees with such a leaf share (`class_overhead` says what that costs).
     """
 
     def __init__(
@@ -83,8 +87,11 @@ class FlatSpec:
         splits: Sequence[Sequence[Split | None]] | None = None,
         multiple: int = 1,
         replicated: bool = False,
+        classes: bool = False,
     ):
         self.replicated = replicated
+        self.classes = classes
+        self._options = {"dtype": dtype, "multiple": multiple}  # for class_overhead
         self.treedefs = []
         self.avals: list[list[jax.ShapeDtypeStruct]] = []
         self.slots: list[list[tuple[str, int, int]]] = []
@@ -108,6 +115,10 @@ class FlatSpec:
                     slots.append((shaped, 0, n))
                     sizes[shaped], self.shapes[shaped], self.splits[shaped] = n, a.shape, how
                     continue
+                if classes:
+                    base = f"{key}#{n}"
+                    key = f"{base}#{seen.setdefault(base, 0)}"
+                    seen[base] += 1
                 start = offsets.get(key, 0)
                 slots.append((key, start, n))
                 offsets[key] = start + n
@@ -122,6 +133,19 @@ class FlatSpec:
         for key, n in self.sizes.items():
             self.shapes.setdefault(key, (n,))
         self.shapes = {k: self.shapes[k] for k in self.sizes}
+
+    def class_overhead(self) -> float:
+        """The bytes of this spec's buffers over those of the same trees in one flat
+        row per dtype (what `classes` costs: a class holds the most leaves of its
+        size that any tree has, so trees that share few sizes pay for each
+        other's)."""
+        flat = FlatSpec(
+            [jax.tree.unflatten(t, a) for t, a in zip(self.treedefs, self.avals, strict=True)],
+            splits=[[self.splits.get(k) for k, _, _ in slots] for slots in self.slots],
+            **self._options,
+        )
+        total = lambda spec: sum(spec.nbytes(k) for k in spec.sizes)  # noqa: E731
+        return total(self) / total(flat)
 
     def split_of(self, key: str) -> Split:
         """How buffer `key` splits over 'tensor' after its leading dimensions (a flat
@@ -153,7 +177,7 @@ class FlatSpec:
             if is_shaped(key):
                 parts[key].append(jnp.asarray(leaf).astype(dtype_of(key)))
             else:
-                parts[key].append(jnp.ravel(self._pinned(leaf)).astype(key))
+                parts[key].append(jnp.ravel(self._pinned(leaf)).astype(dtype_of(key)))
         for key, size in self.sizes.items():
             if is_shaped(key):
                 if not parts[key]:
@@ -161,7 +185,7 @@ class FlatSpec:
                 continue
             pad = size - sum(part.shape[0] for part in parts[key])
             if pad or not parts[key]:
-                parts[key].append(jnp.zeros((pad,), key))
+                parts[key].append(jnp.zeros((pad,), dtype_of(key)))
         return parts
 
     def write(
@@ -180,7 +204,7 @@ class FlatSpec:
                 value = jnp.asarray(leaf).astype(dtype_of(key))
                 at = (0,) * value.ndim
             else:
-                value, at = jnp.ravel(self._pinned(leaf)).astype(key), (start,)
+                value, at = jnp.ravel(self._pinned(leaf)).astype(dtype_of(key)), (start,)
             out[key] = lax.dynamic_update_slice(out[key], value[None], (slot, *at))
         return out
 

@@ -1,33 +1,38 @@
-"""How one chunk's parameters and gradient sit inside the tick loop.
+"""How a device keeps its stages' parameters, and how a chunk's sit inside the tick loop.
 
-Between steps a device keeps each held stage's parameters as flat rows, one
-per dtype, zero padded to the largest stage (device_state.py): SPMD needs one
-shape on every device, and the stages of a chunk differ. An op of stage s
-needs its parameter tree. Cutting that tree out of the flat row inside the op
-copies every weight on every op: XLA copies any slice that feeds a matmul
-(measured on CPU by python -m benchmarks.bench_param_layout: F 7.3-7.9 -> 8.5-9.7 ms, W 6.6 -> 9.0 ms,
-BW 15.1 -> 18.4 ms on a 4-block MLP stage, flat against a tree).
+SPMD needs one shape on every device, and the stages of a pipeline differ.
+An op of stage s needs its parameter tree, and cutting a leaf out of a
+longer buffer inside the op copies it: XLA copies any slice that feeds a
+matmul (measured on CPU by python -m benchmarks.bench_param_layout: F
+7.3-7.9 -> 8.5-9.7 ms, W 6.6 -> 9.0 ms, BW 15.1 -> 18.4 ms on a 4-block MLP
+stage, flat against a tree).
 
-So the loop holds a chunk's parameters in *size classes*: one whole 1-D
-buffer per leaf, keyed by (dtype, number of elements, index). Leaf i of
-stage s is a fixed buffer of its class, reshaped, and a reshape of a whole
-buffer is free (a bitcast in XLA). The positions of a chunk hold different
-stages, so a class has as many buffers as the position with the most leaves
-of that size, and a stage that has fewer leaves of a size leaves the rest at
-zero. The device's row enters the classes once per step (a switch on the
-pipeline position when positions lay out differently) and the gradient
-leaves them once, after the loop.
+So the device state (device_state.py) keeps the parameters in *size
+classes* (`device_param_spec`): one whole 1-D buffer per leaf, keyed by
+(dtype, number of elements, index), "float32#4096#0". Leaf i of stage s is
+a fixed buffer of its class, reshaped, and a reshape of a whole buffer is
+free (a bitcast in XLA); the gradient, the optax state (row_optimizer.py:
+a row per buffer) and ZeRO's slices (zero.py) follow the same buffers. The
+stages held by one buffer array differ, so a class has as many buffers as
+the stage with the most leaves of that size, and a stage with fewer leaves
+of a size leaves the rest at zero. Nothing is converted between steps or
+inside the loop, and asynchronous weights (a version per tick) are whole
+buffers too.
 
-A chunk stays flat when its classes would hold more than
-`MAX_CLASS_OVERHEAD` times the bytes of its flat row (stages whose leaves
-share no sizes: the classes would then hold every stage's weights on every
-device), and where a weight policy picks each tick's weights anew
-(asynchronous weights: entering the classes on every tick would cost more
-than it saves). An optimizer step inside the loop (staggered,
-multi-iteration and re-routed programs) re-enters its new parameters once,
-after the step. A chunk whose positions all hold stages of one layout
-(uniform chunks: the same blocks everywhere) has no overhead and needs no
-switch.
+Where the classes would hold more than `MAX_CLASS_OVERHEAD` times the bytes
+of one flat row per dtype zero padded to the largest stage (stages whose
+leaves share few sizes: the classes would then hold every stage's weights
+on every device), the device keeps flat rows, and a `ChunkLayout` moves
+each chunk into classes of its own stages inside the loop: the row enters
+them once per step (a switch on the pipeline position when positions lay
+out differently) and the gradient leaves them once, after the loop. A
+chunk stays flat there too when its own classes are over the limit, and
+where a weight policy picks each tick's weights anew (entering the classes
+on every tick would cost more than it saves). An optimizer step inside the
+loop (staggered, multi-iteration and re-routed programs) re-enters its new
+parameters once, after the step. A chunk whose positions all hold stages of
+one layout (uniform chunks: the same blocks everywhere) has no overhead and
+needs no switch.
 
 A leaf split over 'tensor' already has a shaped buffer of its own in the row
 (packing.py); its class is that buffer, kept in its shape, so the loop reads
@@ -55,6 +60,19 @@ from pjit_pipe.lowering.layout.flat_buffers import (
 
 # Classes may hold at most this many times the bytes of the chunk's flat row.
 MAX_CLASS_OVERHEAD = 1.25
+
+
+def device_param_spec(
+    avals: Sequence[Any], splits: Sequence[Sequence[Any]] | None, multiple: int
+) -> FlatSpec:
+    """How the device state keeps every stage's parameters: in size classes
+    (`FlatSpec(classes=True)`, a row per leaf size, so an op reads its leaves
+    as whole buffers and the loop needs no entering) unless those hold more than
+    `MAX_CLASS_OVERHEAD` times one flat row per dtype."""
+    spec = FlatSpec(avals, splits=splits, multiple=multiple, classes=True)
+    if spec.class_overhead() <= MAX_CLASS_OVERHEAD:
+        return spec
+    return FlatSpec(avals, splits=splits, multiple=multiple)
 
 
 class ChunkLayout:
@@ -85,14 +103,18 @@ class ChunkLayout:
                 j = seen.get((key, n), 0)
                 seen[(key, n)] = j + 1
                 keys.append(f"{key}.{n}.{j}")
-                self.sizes[keys[-1]] = (n, key)
+                self.sizes[keys[-1]] = (n, dtype_of(key))
                 self.shapes[keys[-1]] = (n,)
             self.keys[s] = keys
         self.sizes = dict(sorted(self.sizes.items()))
         itemsize = lambda key: np.dtype(key).itemsize  # noqa: E731
         class_bytes = sum(n * itemsize(key) for n, key in self.sizes.values())
         flat_bytes = sum(spec.nbytes(key) for key in spec.sizes)
-        self.flat = not classes or (not self.same and class_bytes > MAX_CLASS_OVERHEAD * flat_bytes)
+        self.flat = (
+            spec.classes  # already one row per class: every leaf read whole
+            or not classes
+            or (not self.same and class_bytes > MAX_CLASS_OVERHEAD * flat_bytes)
+        )
 
     def enter(self, row: Buffers, pos: jax.Array) -> Any:
         """The device's flat parameter row -> what the loop carries (`pos`: its

@@ -9,10 +9,11 @@ program's optimizer kernels (benchmarks/bench_kernels.py).
 
 When the update is leafwise (leafwise.py: one elementwise rule for every
 element of every leaf, as adam, adamw, sgd and momentum are) it runs once
-per dtype on the whole row instead, the same on every position, so no
-switch and a handful of kernels. For that the optax state's rows are laid
-out in step with the parameter row: the state of `optimizer.init(row)` (the
-row tree, {dtype: (L,)}) is packed as usual, and each stage's own state
+per parameter buffer (a size class or a dtype's flat row) on the whole row
+instead, the same on every position, so no switch, and rows of one size
+share their kernels and their trace. For that the optax state's rows are
+laid out in step with the parameter rows: the state of `optimizer.init(row)`
+(the row tree, {buffer key: (L,)}) is packed as usual, and each stage's own state
 (`optimizer.init(stage tree)`, the module layout the device layout converts
 to and from) sits inside it, each parameter-shaped part at its parameters'
 offsets in that part's row-long region. A row's padding holds zeros in and
@@ -22,6 +23,7 @@ whatever the rule makes of zeros out; no stage's leaf reads it.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -48,6 +50,27 @@ class RowOptimizer:
         self.optimizer = optimizer
         self.spec = spec
         self.state_spec = state_spec
+        # Per number of leading dimensions: `_step_row` mapped over them, jitted.
+        self._row_steps: dict[int, Callable] = {}
+
+    def _step_row(
+        self, p: jax.Array, g: jax.Array, old: Any, keep: jax.Array | None
+    ) -> tuple[jax.Array, Any]:
+        """One row's (new parameters, new optax state), the state's parameter-shaped
+        nodes cut to this row. With `keep` false the old values stay."""
+        new = optax.apply_updates(p, self.optimizer.update(g, old, p)[0])
+        if keep is not None:
+            new = jnp.where(keep, new, p)
+        # The state is stepped apart, after the parameters: their kernel reads the
+        # old state, the state's kernels then overwrite it in place (in one pass
+        # XLA may fuse the state's rule into the parameters' kernel as well, and
+        # then copies the old state to keep it for that kernel; the XLA of jaxlib
+        # 0.10 copies it either way).
+        new, old = lax.optimization_barrier((new, old))
+        state = self.optimizer.update(g, old, p)[1]
+        if keep is not None:
+            state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), state, old)
+        return new, state
 
     @classmethod
     def fit(
@@ -112,29 +135,39 @@ class RowOptimizer:
         row over the donated one: no copy, no row-long temporary (on a CPU a
         fresh row-long buffer also costs its page faults, every step)."""
 
-        def chunk(p: Buffers, g: Buffers, o: Buffers, keep: Any) -> tuple[Buffers, Buffers]:
-            with jax.named_scope("OPT rows"):  # metadata only: see tick_ops._named
-                old = self.state_spec.unpack(0, o)
-                new = optax.apply_updates(p, self.optimizer.update(g, old, p)[0])
-                if keep is not None:
-                    new = jax.tree.map(lambda n, o: jnp.where(keep, n, o), new, p)
-                # The state is stepped apart, after the parameters: their kernel reads
-                # the old state, the state's kernels then overwrite it in place (in one
-                # pass XLA may fuse the state's rule into the parameters' kernel as
-                # well, and then copies the old state to keep it for that kernel; the
-                # XLA of jaxlib 0.10 copies it either way).
-                new, old = lax.optimization_barrier((new, old))
-                state = self.optimizer.update(g, old, p)[1]
-                if keep is not None:
-                    state = jax.tree.map(lambda n, o: jnp.where(keep, n, o), state, old)
-                return new, self.state_spec.pack(0, state)
-
         lead = next(iter(params.values())).shape[:-1]  # (..., v): a row per chunk
         if keep is not None:
-            keep = jnp.broadcast_to(keep, lead)
-        for _ in lead:
-            chunk = jax.vmap(chunk)
-        return chunk(params, grads, opt, keep)
+            # Made once, behind a barrier: XLA would otherwise fuse the verdict's
+            # computation (the whole gradient's norm) into every row's kernel, with
+            # its operands in a different order in each, so that rows of one size
+            # no longer share one compiled kernel.
+            keep = lax.optimization_barrier(jnp.broadcast_to(keep, lead))
+        if len(lead) not in self._row_steps:
+            row_step = self._step_row
+            for _ in lead:  # every chunk's rows at once, in their own shapes
+                row_step = jax.vmap(row_step)
+            self._row_steps[len(lead)] = jax.jit(row_step)
+        row_step = self._row_steps[len(lead)]
+        with jax.named_scope("OPT rows"):  # metadata only: see tick_ops._named
+            # The row state's nodes: parameter-shaped ones ({key: row}) and the
+            # shared scalars (a step count). Each row steps alone, its nodes cut to
+            # its own row: the rule is leafwise, so that is the same update, and
+            # rows of one shape share one trace (`row_step` is jitted).
+            is_row = like(params)
+            nodes, treedef = jax.tree.flatten(self.state_spec.unpack(0, opt, lead), is_leaf=is_row)
+            stepped = {}
+            for k in params:
+                own = treedef.unflatten([n[k] if is_row(n) else n for n in nodes])
+                new, state = row_step(params[k], grads[k], own, keep)
+                stepped[k] = new, treedef.flatten_up_to(state)
+            first = next(iter(stepped.values()))[1]  # the scalars: the same from every row
+            state = treedef.unflatten(
+                [
+                    {k: got[i] for k, (_, got) in stepped.items()} if is_row(n) else first[i]
+                    for i, n in enumerate(nodes)
+                ]
+            )
+            return {k: new for k, (new, _) in stepped.items()}, self.state_spec.pack(0, state, lead)
 
 
 class _PlacedSpec(FlatSpec):
@@ -156,31 +189,41 @@ class _PlacedSpec(FlatSpec):
         self.splits = {}
         self.replicated = False  # no split leaves: the row step is refused with them (why_not_rows)
 
-    def pack(self, i: int, tree: Any) -> Buffers:
-        """Tree number `i` as flat rows: each leaf at its slot, zeros elsewhere."""
+    def pack(self, i: int, tree: Any, lead: tuple[int, ...] = ()) -> Buffers:
+        """Tree number `i` as flat rows: each leaf at its slot, zeros elsewhere. With
+        `lead`, every leaf has those leading dimensions first, and so do the rows."""
         leaves = jax.tree.leaves(tree)
         if len(leaves) != len(self.slots[i]):
             raise ValueError(f"tree {i}: {len(leaves)} leaves, expected {len(self.slots[i])}")
         out = {}
         for key, size in self.sizes.items():
+            dtype = dtype_of(key)
             placed = sorted(
                 (
-                    (start, jnp.ravel(leaf).astype(dtype_of(key)))
-                    for leaf, (k, start, _) in zip(leaves, self.slots[i], strict=True)
+                    (start, n, jnp.reshape(leaf, (*lead, n)).astype(dtype))
+                    for leaf, (k, start, n) in zip(leaves, self.slots[i], strict=True)
                     if k == key
                 ),
                 key=lambda part: part[0],
             )
             pieces, end = [], 0
-            for start, flat in placed:
+            for start, n, flat in placed:
                 if start > end:
-                    pieces.append(jnp.zeros((start - end,), dtype_of(key)))
+                    pieces.append(jnp.zeros((*lead, start - end), dtype))
                 pieces.append(flat)
-                end = start + flat.shape[0]
+                end = start + n
             if size > end:
-                pieces.append(jnp.zeros((size - end,), dtype_of(key)))
-            out[key] = jnp.concatenate(pieces)
+                pieces.append(jnp.zeros((*lead, size - end), dtype))
+            out[key] = pieces[0] if len(pieces) == 1 else jnp.concatenate(pieces, axis=-1)
         return out
+
+    def unpack(self, i: int, bufs: Buffers, lead: tuple[int, ...] = ()) -> Any:
+        """Tree number `i` back from flat rows with leading dimensions `lead`."""
+        leaves = [
+            bufs[key][..., start : start + n].reshape(*lead, *a.shape).astype(a.dtype)
+            for (key, start, n), a in zip(self.slots[i], self.avals[i], strict=True)
+        ]
+        return jax.tree.unflatten(self.treedefs[i], leaves)
 
 
 def _row_state_spec(state: Any, is_row: Any) -> _PlacedSpec:
@@ -237,7 +280,7 @@ def _fitted(optimizer: optax.GradientTransformation, layout: _Layout) -> RowOpti
 
 
 def _row(param_spec: FlatSpec) -> dict[str, jax.ShapeDtypeStruct]:
-    return {k: jax.ShapeDtypeStruct((n,), k) for k, n in param_spec.sizes.items()}
+    return {k: jax.ShapeDtypeStruct((n,), dtype_of(k)) for k, n in param_spec.sizes.items()}
 
 
 def _stage_trees(param_spec: FlatSpec) -> list[Any]:

@@ -125,7 +125,7 @@ class SharedGrads:
                 total = f"{unit}|{i}"
                 self.totals[total] = (spec.shapes[key], dtype_of(key))
                 self.entries.append((total, key, 0, None, np.zeros((P, v), np.int32), holds))
-        self.totals.update({k: ((n,), k) for k, n in flat_sizes.items()})
+        self.totals.update({k: ((n,), dtype_of(k)) for k, n in flat_sizes.items()})
         self.flat_totals = set(flat_sizes)  # the 1-D totals, one per dtype
 
     def __call__(

@@ -2,8 +2,8 @@
 
 With `zero=True` a worker (r, p) keeps the full parameters of its stages (the
 forward and backward read them every tick) but only slice r of their optax
-state. Each parameter buffer of the device layout (a flat row per dtype,
-padded to a multiple of D, or a shaped buffer of a leaf split over 'tensor';
+state. Each parameter buffer of the device layout (a size class or a flat
+row per dtype, padded to a multiple of D, or a shaped buffer of a leaf split over 'tensor';
 packing.py) is cut into D equal slices along one dimension: the row itself,
 or the first dimension of a shaped buffer that 'tensor' does not split and D
 divides (a shaped buffer with none keeps its optax state whole on every
