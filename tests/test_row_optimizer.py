@@ -167,6 +167,6 @@ def test_adam_steps_its_rows_in_the_temporary_memory_of_stateless_sgd(chunks):
         compiled = jitted.lower(params, opt_rows, x, y).compile()
         temp[name] = compiled.memory_analysis().temp_size_in_bytes
         row = sum(a.size * a.dtype.itemsize for a in params.values())
-    # The XLA of jaxlib 0.10 copies the old moments for the parameters' kernel first
-    # (buffer reuse keeps that under one row on this model); 0.11 and later do not.
-    assert temp["adam"] - temp["sgd"] < (row / 4 if jax.__version_info__ >= (0, 11) else row)
+    # The XLA of jaxlib 0.10 copies the old moments (two rows) for the parameters'
+    # kernels first; 0.11 and later do not.
+    assert temp["adam"] - temp["sgd"] < (row / 4 if jax.__version_info__ >= (0, 11) else 2 * row)
