@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-quick versions bench lint format clean
+.PHONY: demo test test-quick durations versions bench lint format clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -24,9 +24,14 @@ versions: $(STAMP)
 test: versions
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
-# The inner loop: everything but the tests marked slow.
+# The inner loop: everything but the slow tests (marked, or recorded over
+# QUICK_SECONDS in tests/durations.json: tests/conftest.py).
 test-quick: versions
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
+
+# Record every test's time (setup and teardown included) in tests/durations.json.
+durations: versions
+	$(BIN)/python -m pytest -q -n 2 --dist worksteal --record-durations
 
 bench: $(STAMP)
 	$(BIN)/python -m benchmarks.run

@@ -20,7 +20,8 @@ from pjit_pipe.frontend.cutter.analysis import liveness
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
 from pjit_pipe.models import CNN, GPT2LM, GPT2Config, gpt2_batch, lm_loss
 from pjit_pipe.runtime.checkpoint import Checkpoints
-from tests.test_frontend import compose, rel_err
+from tests.numerics import rel_err
+from tests.test_frontend import compose
 
 
 class MaskedCarry(nn.Module):

@@ -9,14 +9,7 @@ import pytest
 import pjit_pipe as pp
 from pjit_pipe.frontend import cut_module
 from pjit_pipe.models import GPT, Chain, GPTConfig, ResidualMLP, hetero_layers, mse_loss
-
-
-def rel_err(a, b) -> float:
-    """Largest leaf-wise max|a-b| / max|b|."""
-    return max(
-        float(jnp.max(jnp.abs(u - v)) / (jnp.max(jnp.abs(v)) + 1e-30))
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
+from tests.numerics import rel_err
 
 
 def compose(cut, params, x):

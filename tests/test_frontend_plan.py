@@ -13,7 +13,8 @@ from pjit_pipe.frontend.cutter.cut import layer_cut
 from pjit_pipe.frontend.planning.live_plan import profile_model, scaled
 from pjit_pipe.models import GPT, GPTConfig, lm_loss
 from pjit_pipe.planner import CostModel, Plan, plan_model
-from tests.test_frontend import compose, rel_err
+from tests.numerics import rel_err
+from tests.test_frontend import compose
 
 
 def tower():

@@ -11,7 +11,7 @@ import pytest
 
 import pjit_pipe as pp
 from pjit_pipe.models.llama import Llama, LlamaConfig, lm_loss, rotate
-from tests.test_frontend import rel_err
+from tests.numerics import rel_err
 
 TOKENS = jax.random.randint(jax.random.key(1), (8, 32), 0, 96)
 

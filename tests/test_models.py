@@ -3,7 +3,6 @@
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
@@ -12,14 +11,7 @@ import pjit_pipe as pp
 from pjit_pipe.cli import main
 from pjit_pipe.models import GPT, GPTConfig, ResidualMLP, lm_loss, mse_loss
 from pjit_pipe.models.char_corpus import CharCorpus
-
-
-def rel_err(a, b) -> float:
-    """Largest leaf-wise max|a-b| / max|b|."""
-    return max(
-        float(jnp.max(jnp.abs(u - v)) / (jnp.max(jnp.abs(v)) + 1e-30))
-        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
-    )
+from tests.numerics import rel_err
 
 
 def gpt_batch(n: int):

@@ -29,6 +29,7 @@ from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering import LoweringOptions, lower
 from pjit_pipe.schedules import make_schedule
 from pjit_pipe.tick_packing.packer import pack_ticks
+from tests.tiers import EXHAUSTIVE
 
 MATRIX = [(D, kind) for D in (2, 1) for kind in ("1f1b", "zb-h1")]
 
@@ -162,14 +163,20 @@ def test_clip_by_global_norm_sees_the_whole_model():
     check_clipped(2, optax.chain(clipped("adam"), optax.clip_by_global_norm(0.1)), P=2)
 
 
+# A clipped sgd under every kind and mesh: test_combination_matrix.py.
 @pytest.mark.slow
-@pytest.mark.parametrize("opt", ["adam", "sgd"])
-@pytest.mark.parametrize("D", [2, 1], ids=["2x4", "1x4"])
+@pytest.mark.parametrize(
+    ("D", "opt"),
+    [(2, "adam"), pytest.param(1, "adam", marks=EXHAUSTIVE)]
+    + [pytest.param(D, "sgd", marks=EXHAUSTIVE) for D in (2, 1)],
+    ids=["2x4-adam", "1x4-adam", "2x4-sgd", "1x4-sgd"],
+)
 def test_clip_by_global_norm_matrix(D, opt):
     check_clipped(D, clipped(opt))
 
 
 @pytest.mark.slow
+@pytest.mark.exhaustive  # two chunks under a clip: test_combination_matrix.py
 def test_clip_by_global_norm_with_two_chunks_per_device():
     check_clipped(2, clipped("sgd"), P=2, kind="interleaved-1f1b", v=2)
 

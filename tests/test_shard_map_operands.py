@@ -14,7 +14,7 @@ from jax.sharding import PartitionSpec as PS
 
 import pjit_pipe as pp
 from pjit_pipe.lowering import shard_map_without_empty_operands
-from tests.test_frontend import rel_err
+from tests.numerics import rel_err
 
 
 def test_whole_axis_scatters_and_zero_size_arguments_compile_and_match():

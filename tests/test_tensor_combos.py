@@ -11,7 +11,6 @@ import dataclasses
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 
@@ -19,6 +18,8 @@ import pjit_pipe as pp
 from pjit_pipe.frontend.cutter.tensor_split import unbox
 from pjit_pipe.models.gpt import GPT, GPTConfig, lm_loss
 from pjit_pipe.models.llama import Llama, LlamaConfig
+from tests.numerics import rel_err
+from tests.tiers import EXHAUSTIVE
 
 GPT_MODEL = GPT(dataclasses.replace(GPTConfig.tiny(), megatron=True))
 # Four query and four key/value heads: a tensor group of four holds whole heads.
@@ -31,14 +32,6 @@ STEPS = 3
 def batch(vocab: int, seq_len: int, n: int = 8):
     tokens = jax.random.randint(jax.random.key(0), (n, seq_len + 1), 0, vocab)
     return tokens[:, :-1], tokens[:, 1:]
-
-
-def rel_err(got, want) -> float:
-    """Largest over leaves of max|got - want| / max|want|."""
-    return max(
-        float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(b)))
-        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True)
-    )
 
 
 def trains_like_optax(model, vocab: int, seq_len: int, mesh, **options) -> None:
@@ -62,7 +55,8 @@ def trains_like_optax(model, vocab: int, seq_len: int, mesh, **options) -> None:
     assert rel_err(nn.meta.unbox(state.params), params) <= 1e-5
 
 
-@pytest.mark.parametrize("tensor", [2, 4])
+# tensor=2 on one stage, under every kind: test_combination_matrix.py's 1x1x2 rows.
+@pytest.mark.parametrize("tensor", [pytest.param(2, marks=EXHAUSTIVE), 4])
 def test_one_stage_split_over_tensor_trains_like_optax(tensor):
     c = GPT_MODEL.config
     trains_like_optax(GPT_MODEL, c.vocab, c.seq_len, pp.make_mesh(1, 1, tensor))
@@ -82,8 +76,10 @@ def test_llama_halving_its_heads_is_refused_not_deadlocked():
         pm.value_and_grad(lm_loss)(boxed, x, y)
 
 
-@pytest.mark.slow
+# test_combination_matrix.py runs both kinds with the Llama on 1x2x2.
 @pytest.mark.parametrize("kind", ["interleaved-1f1b", "zb-v"])
+@pytest.mark.slow
+@pytest.mark.exhaustive
 def test_chunked_kinds_split_over_tensor_train_like_optax(kind):
     # The Llama's head is split over 'tensor' and held by one chunk only.
     model = Llama(LlamaConfig.tiny(n_layers=4))
