@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-QUICK_SECONDS = 3.0
+QUICK_SECONDS = 2.0
 DURATIONS = Path(__file__).with_name("durations.json")
 
 

@@ -136,8 +136,10 @@ def test_llama_pipelined_1x4_1f1b_matches_jax():
     _pipelined_case(1, "1f1b", tie=False)
 
 
-# The opposite corner, with the tied head (a parameter of the first and the last stage).
+# The opposite corner, with the tied head (a parameter of the first and the last
+# stage). The tied Llama also trains in test_zero_combos.py, split over 'tensor'.
 @pytest.mark.slow
+@pytest.mark.exhaustive
 def test_llama_pipelined_2x4_zb_h1_tied_matches_jax():
     _pipelined_case(2, "zb-h1", tie=True)
 
