@@ -24,7 +24,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
 # The quick tier. A test is slow when it is marked so, or when its recorded time
 # (tests/durations.json: seconds per test id, setup and teardown included, on the
 # 2-core CI machine) exceeds QUICK_SECONDS; a test with no record yet counts as
-# quick. `make durations` records the whole suite again.
+# quick, and so does one marked `quick`. `make durations` records the whole suite
+# again.
 
 import json
 from pathlib import Path
@@ -47,7 +48,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     recorded = json.loads(DURATIONS.read_text()) if DURATIONS.exists() else {}
     for item in items:
-        if "slow" not in item.keywords and recorded.get(item.nodeid, 0.0) > QUICK_SECONDS:
+        if (
+            "slow" not in item.keywords
+            and "quick" not in item.keywords
+            and recorded.get(item.nodeid, 0.0) > QUICK_SECONDS
+        ):
             item.add_marker(pytest.mark.slow)
 
 
