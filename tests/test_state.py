@@ -15,6 +15,7 @@ import pytest
 
 import pjit_pipe as pp
 from pjit_pipe.models import GPT, GPTConfig, lm_loss
+from tests.tiers import EXHAUSTIVE
 
 CONFIG = GPTConfig.tiny(vocab=65)
 
@@ -25,7 +26,8 @@ def leaf_bytes(tree) -> int:
     )
 
 
-@pytest.mark.parametrize("D,P", [(2, 4), (1, 4)], ids=["2x4", "1x4"])
+# 1x4: the 2x4 case holds the same stages, in two replicas
+@pytest.mark.parametrize("D,P", [(2, 4), pytest.param(1, 4, marks=EXHAUSTIVE)], ids=["2x4", "1x4"])
 def test_each_device_holds_only_its_stage(D, P):
     rng = np.random.default_rng(0)
     x = rng.integers(0, CONFIG.vocab, size=(2 * D * 2, CONFIG.seq_len)).astype(np.int32)
