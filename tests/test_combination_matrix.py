@@ -16,8 +16,9 @@ of axis values, the kinds taken from the five whose tables differ in kind:
 `gpipe` and `auto` make 1-chunk tables lowered as 1f1b's and the zero-bubble
 ones are, and they meet every mesh in test_lowering.py. The full product, all
 seven kinds, is marked `slow` and `exhaustive` and runs only when asked
-(`pytest -m exhaustive`): it is 336 pipelines, too many for CI's budget. `async-1f1b` trains by a different rule (stale weights), so it is
-checked against its own host arithmetic in test_async_lowering.py instead.
+(`pytest -m exhaustive`): it is 336 pipelines, too many for CI's budget.
+`async-1f1b` trains by a different rule (stale weights), so it is checked against
+its own host arithmetic in test_async_lowering.py instead.
 """
 
 from __future__ import annotations

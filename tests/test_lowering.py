@@ -30,11 +30,10 @@ WIDTHS = (6, 9, 4, 7, 5, 8, 6, 7, 5)  # stage s maps WIDTHS[s] -> WIDTHS[s + 1]
 CHUNKED = {"interleaved-1f1b": 2, "zb-v": 2}
 # async-1f1b steps once per microbatch: tests/test_async_lowering.py checks it.
 SYNC_KINDS = tuple(k for k in KINDS if k != "async-1f1b")
-# Every kind on one replica (1x4) and on two (2x4); the 2x2 mesh (another stage
-# count) for the kinds whose layout depends on it (chunked, V-shaped) and 1f1b.
-# Every kind on 2x4 (and the chunked ones on 2x2). The same pipelines without
-# replicas (1x4) run only when asked: the 2x4 rows run them with a gradient
-# reduction on top, and test_combination_matrix.py trains every kind on D = 1.
+# Every kind on two replicas (2x4); the 2x2 mesh (another stage count) for the
+# kinds whose layout depends on it (chunked, V-shaped) and 1f1b. The same
+# pipelines on one replica (1x4) run only when asked: the 2x4 rows run them with a
+# gradient reduction on top, and test_combination_matrix.py trains every kind on D = 1.
 KIND_MESHES = [
     pytest.param(k, (D, 4), marks=EXHAUSTIVE if D == 1 else (), id=f"{k}-{D}x4")
     for k in SYNC_KINDS

@@ -171,13 +171,11 @@ def adamw_reference(batches, opt):
     return params, opt_state, losses
 
 
-@pytest.mark.parametrize(
-    # test_zero_combos.py steps adamw under ZeRO on both meshes (its tied Llama on
-    # 2x2x2, its MLP over four replicas)
-    "shape",
-    [pytest.param((4, 2, 1), marks=EXHAUSTIVE), pytest.param((2, 2, 2), marks=EXHAUSTIVE)],
-    ids=["4x2x1", "2x2x2"],
-)
+# test_zero_combos.py steps adamw under ZeRO on both meshes (its tied Llama on
+# 2x2x2, its MLP over four replicas)
+@pytest.mark.slow
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("shape", [(4, 2, 1), (2, 2, 2)], ids=["4x2x1", "2x2x2"])
 def test_zero_adamw_steps_match_optax(shape, boxed):
     opt = optax.adamw(1e-2, eps=1e-3)  # eps: see test_split_adamw_steps_match_optax
     batches = [gpt_batch(16, seed=s) for s in range(3)]
