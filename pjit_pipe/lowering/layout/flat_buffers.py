@@ -77,7 +77,7 @@ class FlatSpec:
     leaf that would sit in a flat row gets a flat row of its own instead, a
     *size class* keyed by dtype, element count and occurrence
     ("float32#4096#0": the first leaf of 4096 float32s in its tree), which
-    the trees with such a leaf share (`class_overhead` says what that costs).
+    the trees with such a leaf share (`without_classes` is the layout it replaces).
     """
 
     def __init__(
@@ -91,7 +91,7 @@ class FlatSpec:
     ):
         self.replicated = replicated
         self.classes = classes
-        self._options = {"dtype": dtype, "multiple": multiple}  # for class_overhead
+        self._options = {"dtype": dtype, "multiple": multiple}  # for without_classes
         self.treedefs = []
         self.avals: list[list[jax.ShapeDtypeStruct]] = []
         self.slots: list[list[tuple[str, int, int]]] = []
@@ -134,18 +134,19 @@ class FlatSpec:
             self.shapes.setdefault(key, (n,))
         self.shapes = {k: self.shapes[k] for k in self.sizes}
 
-    def class_overhead(self) -> float:
-        """The bytes of this spec's buffers over those of the same trees in one flat
-        row per dtype (what `classes` costs: a class holds the most leaves of its
-        size that any tree has, so trees that share few sizes pay for each
-        other's)."""
-        flat = FlatSpec(
+    def without_classes(self) -> FlatSpec:
+        """The same trees in one flat row per dtype: the layout `classes` replaces
+        (a class holds the most leaves of its size that any tree has, so trees that
+        share few sizes pay for each other's; `total_bytes` of both says how much)."""
+        return FlatSpec(
             [jax.tree.unflatten(t, a) for t, a in zip(self.treedefs, self.avals, strict=True)],
             splits=[[self.splits.get(k) for k, _, _ in slots] for slots in self.slots],
             **self._options,
         )
-        total = lambda spec: sum(spec.nbytes(k) for k in spec.sizes)  # noqa: E731
-        return total(self) / total(flat)
+
+    def total_bytes(self) -> int:
+        """Bytes of all buffers without leading dimensions."""
+        return sum(self.nbytes(key) for key in self.sizes)
 
     def split_of(self, key: str) -> Split:
         """How buffer `key` splits over 'tensor' after its leading dimensions (a flat

@@ -70,9 +70,8 @@ def device_param_spec(
     as whole buffers and the loop needs no entering) unless those hold more than
     `MAX_CLASS_OVERHEAD` times one flat row per dtype."""
     spec = FlatSpec(avals, splits=splits, multiple=multiple, classes=True)
-    if spec.class_overhead() <= MAX_CLASS_OVERHEAD:
-        return spec
-    return FlatSpec(avals, splits=splits, multiple=multiple)
+    flat = spec.without_classes()
+    return spec if spec.total_bytes() <= MAX_CLASS_OVERHEAD * flat.total_bytes() else flat
 
 
 class ChunkLayout:
@@ -91,6 +90,10 @@ class ChunkLayout:
         self.keys: dict[int, list[str]] = {}
         self.sizes: dict[str, tuple[int, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
+        # A device row already in classes has every leaf whole: nothing to enter.
+        self.flat = spec.classes or not classes
+        if self.flat:
+            return
         for s in dict.fromkeys(self.stages):
             seen: dict[tuple[str, int], int] = {}
             keys = []
@@ -109,12 +112,7 @@ class ChunkLayout:
         self.sizes = dict(sorted(self.sizes.items()))
         itemsize = lambda key: np.dtype(key).itemsize  # noqa: E731
         class_bytes = sum(n * itemsize(key) for n, key in self.sizes.values())
-        flat_bytes = sum(spec.nbytes(key) for key in spec.sizes)
-        self.flat = (
-            spec.classes  # already one row per class: every leaf read whole
-            or not classes
-            or (not self.same and class_bytes > MAX_CLASS_OVERHEAD * flat_bytes)
-        )
+        self.flat = not self.same and class_bytes > MAX_CLASS_OVERHEAD * spec.total_bytes()
 
     def enter(self, row: Buffers, pos: jax.Array) -> Any:
         """The device's flat parameter row -> what the loop carries (`pos`: its
