@@ -19,7 +19,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from pjit_pipe.ir.costs import Costs
@@ -51,27 +51,35 @@ def _ranks(schedule: Schedule) -> tuple[dict[Slot, int], dict[Slot, int]]:
 
 
 def priorities(
-    schedule: Schedule, placement: Placement, order: str = "interleave"
+    schedule: Schedule,
+    placement: Placement,
+    order: str = "interleave",
+    jitter: Mapping[Slot, tuple[float, float]] | None = None,
 ) -> tuple[Callable[[Slot], tuple], Callable[[Slot], tuple]]:
     """Sort keys for choosing among ready F (first) and ready B (second) on a worker.
 
     Ranks come from the input schedule's programs; `order` says where
     re-routed slots go among a peer's own: by rank ("interleave"), after
-    ("last") or before ("first") them.
+    ("last") or before ("first") them. `jitter` shifts a slot's F and B ranks
+    by the given amounts: the failure-aware search perturbs the order this way
+    where the ranks alone leave a worker idle (one period of ranks fits every
+    worker only when their loads are equal).
     """
     if order not in ORDERS:
         raise ScheduleError(f"order must be one of {', '.join(ORDERS)}, got {order!r}")
     frank, brank = _ranks(schedule)
+    shift = jitter or {}
 
-    def keyed(rank: dict[Slot, int]) -> Callable[[Slot], tuple]:
+    def keyed(rank: dict[Slot, int], which: int) -> Callable[[Slot], tuple]:
         def key(slot: Slot) -> tuple:
             moved = int(placement[slot].replica != slot[2])
             group = {"interleave": 0, "last": moved, "first": 1 - moved}[order]
-            return (group, rank[slot], moved, slot[2], slot[0])
+            at = rank[slot] + shift[slot][which] if slot in shift else rank[slot]
+            return (group, at, moved, slot[2], slot[0])
 
         return key
 
-    return keyed(frank), keyed(brank)
+    return keyed(frank, 0), keyed(brank, 1)
 
 
 @dataclass
@@ -310,9 +318,11 @@ def list_schedule(
     iterations: int = 3,
     kind: str = "reroute",
     reserve: bool = True,
+    jitter: Mapping[Slot, tuple[float, float]] | None = None,
 ) -> list[Schedule]:
-    """One schedule per simulated iteration of the list scheduler (later = steadier)."""
-    fkey, bkey = priorities(base, placement, order)
+    """One schedule per simulated iteration of the list scheduler (later = steadier);
+    `jitter` shifts op priorities (`priorities`)."""
+    fkey, bkey = priorities(base, placement, order, jitter)
     sched = ListScheduler(
         base, pattern, placement, fkey, bkey, costs, caps, split, staggered, reserve
     )
