@@ -12,9 +12,9 @@ The optimizer is SGD with momentum (optionally behind `clip_by_global_norm`, at 
 threshold below the gradients' norm so the clip acts), which compares tightly.
 
 CI runs a covering array (built here, greedily, from the product) with every pair
-of axis values, the kinds taken from the five whose tables differ in kind:
-`gpipe` and `auto` make 1-chunk tables lowered as 1f1b's and the zero-bubble
-ones are, and they meet every mesh in test_lowering.py. The full product, all
+of axis values over five kinds: `gpipe` and `auto` are left out of it, since they
+make 1-chunk tables that are lowered as 1f1b's and the zero-bubble kinds' are,
+and they meet every mesh in test_lowering.py. The full product, all
 seven kinds, is marked `slow` and `exhaustive` and runs only when asked
 (`pytest -m exhaustive`): it is 336 pipelines, too many for CI's budget.
 `async-1f1b` trains by a different rule (stale weights), so it is checked against

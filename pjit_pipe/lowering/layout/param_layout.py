@@ -90,7 +90,8 @@ class ChunkLayout:
         self.keys: dict[int, list[str]] = {}
         self.sizes: dict[str, tuple[int, str]] = {}
         self.shapes: dict[str, tuple[int, ...]] = {}
-        # A device row already in classes has every leaf whole: nothing to enter.
+        # Nothing to enter: the device row is already in classes (every leaf whole),
+        # or the caller keeps the chunk flat.
         self.flat = spec.classes or not classes
         if self.flat:
             return
