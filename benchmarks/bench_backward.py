@@ -333,7 +333,6 @@ def split_bytes(name: str, model: nn.Module, loss_fn, x: jax.Array, y: jax.Array
 def compiled_stores() -> None:
     """Residual stores and temp bytes of the compiled 1f1b and zb-h1 programs of
     tests/test_lowering.py::test_memory_follows_the_schedule's model (P=4, m=16)."""
-    import numpy as np
 
     from pjit_pipe.lowering import lower
     from pjit_pipe.schedules import make_schedule
@@ -355,12 +354,12 @@ def compiled_stores() -> None:
         return jnp.mean(out**2) + 0.0 * y.sum()
 
     mesh = pp.make_mesh(data=1, stage=P)
-    row = lambda spec: sum(n * np.dtype(k).itemsize for k, n in spec.sizes.items())  # noqa: E731
     print(f"  compiled, {P} stages of 4 tanh denses width {width}, m={m} x {rows} rows:")
     for kind in ("1f1b", "zb-h1"):
         step = lower(make_schedule(kind, P, m), [dense_stack] * P, loss, mesh, params, x, y)
         plan, st = step._low.plan, step._low.st
-        w_pool, b_pool = plan.res_slots * row(st.w_spec), plan.bres_slots * row(st.b_spec)
+        w_pool = plan.res_slots * st.w_spec.total_bytes()
+        b_pool = plan.bres_slots * st.b_spec.total_bytes()
         temp = step.memory_analysis().temp_size_in_bytes
         print(
             f"    {kind:6s} W-pool {plan.res_slots} slots {w_pool / 2**20:5.2f} MiB"

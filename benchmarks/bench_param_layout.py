@@ -67,7 +67,9 @@ def _case(name, model, x, y, loss, D, P, m, kinds, rounds, failed=()):
                 if layout == "classes":
                     spec = step._low.param_spec
                     notes[(kind, "overhead")] = (
-                        f"the device's classes: {spec.class_overhead():.3f}x its flat rows"
+                        "the device's classes: "
+                        f"{spec.total_bytes() / spec.without_classes().total_bytes():.3f}x "
+                        "its flat rows"
                         if spec.classes
                         else "classes in the loop / flat row bytes per chunk: "
                         + ", ".join(

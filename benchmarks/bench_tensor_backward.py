@@ -61,7 +61,7 @@ def describe(step) -> str:
         ("B", st.b_spec, low.plan.bres_slots),
         ("W", st.w_spec, low.plan.res_slots),
     ):
-        row = sum(spec.nbytes(k) for k in spec.sizes)
+        row = spec.total_bytes()
         pools.append(f"{name}-pool {slots} x {row / 1024:.0f} KiB")
     where = "; ".join(f"stage {s} sites: {v}" for s, v in sites.items()) or "no stage split"
     return f"{where}; {', '.join(pools)}"

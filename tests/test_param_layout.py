@@ -1,4 +1,5 @@
-"""Size classes (lowering/layout/param_layout.py): what goes in comes back out, per position."""
+"""Size classes (lowering/layout/param_layout.py, flat_buffers.py): what goes in comes
+back out, per position and per stored row."""
 
 from __future__ import annotations
 
@@ -78,3 +79,31 @@ def test_uniform_stages_need_no_switch_and_unrelated_ones_stay_flat():
     pieces = layout.leave_pieces(layout.pack(1, trees[1]), jnp.int32(1))
     for k, row in spec.pack(1, trees[1]).items():
         np.testing.assert_array_equal(np.asarray(jnp.concatenate(pieces[k])), np.asarray(row))
+
+
+@settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(stage_trees(), st.sampled_from([1.0, 1.25, 2.0]))
+def test_compact_classes_keep_the_limit_and_store_rows_leaf_by_leaf(trees, limit):
+    """The residual pools' layout: size classes unless they hold more than `limit`
+    times the flat row's bytes (both counted here from the leaves), and a tree
+    written into a row of a store, leaf by leaf, reads back whole."""
+    spec = FlatSpec.compact_classes(trees, limit)
+    itemsize = lambda leaf: np.dtype(leaf.dtype).itemsize  # noqa: E731
+    flat = {}  # dtype -> the largest tree's elements of it
+    most = {}  # (dtype, size) -> the most leaves of that size in one tree
+    for tree in trees:
+        per_dtype, per_size = {}, {}
+        for leaf in jax.tree.leaves(tree):
+            key = (np.dtype(leaf.dtype).name, leaf.size)
+            per_dtype[key[0]] = per_dtype.get(key[0], 0) + leaf.size * itemsize(leaf)
+            per_size[key] = per_size.get(key, 0) + 1
+        for k, n in per_dtype.items():
+            flat[k] = max(flat.get(k, 0), n)
+        for k, n in per_size.items():
+            most[k] = max(most.get(k, 0), n)
+    class_bytes = sum(n * size * np.dtype(k).itemsize for (k, size), n in most.items())
+    assert spec.classes == (class_bytes <= limit * sum(flat.values()))
+    store = spec.zeros(3)
+    for s, tree in enumerate(trees):
+        row = spec.write(s, store, 1, jax.tree.leaves(tree))
+        assert_trees_equal(spec.unpack(s, {k: b[1] for k, b in row.items()}), tree)

@@ -13,7 +13,7 @@ from pjit_pipe.lowering.compute.residual_policy import (
 from pjit_pipe.lowering.compute.rng import check_rngs, current_rngs, impls_of, microbatch_rngs
 from pjit_pipe.lowering.compute.stages import StageVjp
 from pjit_pipe.lowering.layout.device_state import DeviceLayout, device_bytes
-from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
+from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of
 from pjit_pipe.lowering.layout.param_layout import ChunkLayout
 from pjit_pipe.lowering.program import LoweringOptions, PipelineStep, lower
 from pjit_pipe.lowering.shard_map_operands import shard_map_without_empty_operands
@@ -37,6 +37,7 @@ __all__ = [
     "check_rngs",
     "current_rngs",
     "device_bytes",
+    "dtype_of",
     "impls_of",
     "lower",
     "lower_forward",

@@ -34,7 +34,14 @@ from jax.sharding import Mesh
 
 from pjit_pipe.frontend.planning.measure import median_seconds
 from pjit_pipe.frontend.planning.stage_programs import stage_programs
-from pjit_pipe.lowering import DEFAULT_POLICY, POLICIES, LossLayout, StageVjp, saved_names
+from pjit_pipe.lowering import (
+    DEFAULT_POLICY,
+    POLICIES,
+    LossLayout,
+    StageVjp,
+    dtype_of,
+    saved_names,
+)
 
 RowElements = dict[tuple[str, str], int]  # (pool "b" or "w", dtype) -> elements
 
@@ -103,16 +110,18 @@ def row_elements(stages: StageVjp, s: int) -> RowElements:
     got: RowElements = {}
     for pool, spec in (("b", stages.b_spec), ("w", stages.w_spec)):
         for key, _, n in spec.slots[s]:
-            got[pool, key] = got.get((pool, key), 0) + n
+            got[pool, dtype_of(key)] = got.get((pool, dtype_of(key)), 0) + n
     return got
 
 
 def pool_rows(stages: StageVjp) -> RowElements:
-    """The width of every pool row per (pool, dtype): what each device holds a row of."""
-    return {
-        **{("b", k): n for k, n in stages.b_spec.sizes.items()},
-        **{("w", k): n for k, n in stages.w_spec.sizes.items()},
-    }
+    """The width of every pool row per (pool, dtype): what each device holds a row
+    of (a row in size classes: the sum of its classes)."""
+    got: RowElements = {}
+    for pool, spec in (("b", stages.b_spec), ("w", stages.w_spec)):
+        for key, n in spec.sizes.items():
+            got[pool, dtype_of(key)] = got.get((pool, dtype_of(key)), 0) + n
+    return got
 
 
 def _nbytes(elements: RowElements) -> int:

@@ -134,6 +134,15 @@ class FlatSpec:
             self.shapes.setdefault(key, (n,))
         self.shapes = {k: self.shapes[k] for k in self.sizes}
 
+    @classmethod
+    def compact_classes(cls, trees: Sequence[Any], max_overhead: float, **options: Any) -> FlatSpec:
+        """`trees` in size classes (`classes=True`) unless those hold more than
+        `max_overhead` times the bytes of the flat layout; then flat. `options`
+        as for `FlatSpec`."""
+        spec = cls(trees, classes=True, **options)
+        flat = spec.without_classes()
+        return spec if spec.total_bytes() <= max_overhead * flat.total_bytes() else flat
+
     def without_classes(self) -> FlatSpec:
         """The same trees in one flat row per dtype: the layout `classes` replaces
         (a class holds the most leaves of its size that any tree has, so trees that
