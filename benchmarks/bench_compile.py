@@ -45,6 +45,10 @@ from pjit_pipe.models import GPT, GPTConfig, lm_loss
 from pjit_pipe.models.char_corpus import CharCorpus
 from pjit_pipe.runtime import Variants
 
+# Every round compiles afresh: a persistent cache (JAX_COMPILATION_CACHE_DIR in the
+# environment) would serve the later rounds' programs, which equal the first's.
+jax.config.update("jax_enable_compilation_cache", False)
+
 D, P, M, BATCH, LR = 2, 4, 8, 32, 3e-3
 FAILED = (1, 2)  # the demo's failure
 PHASES = ("build", "trace", "lower", "compile")

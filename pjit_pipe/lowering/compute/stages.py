@@ -30,8 +30,8 @@ each write and read of a stored leaf, and in a flat row each leaf of each
 stage sits at its own offset: every one a kernel of its own. In classes, the
 same-sized leaves of different stages are written and read by one kernel,
 compiled once: on the tiny GPT (2x4, zb-h1) the step's kernels go from 279
-to 244 and its compile from 2.6x to 2.2x a plain step's, at the same speed
-(python -m benchmarks.bench_compile).
+to 244 and its compile from 2.44x to 2.16x a plain step's, at the same speed
+(docs/performance.md).
 
 With weights split over 'tensor' (`tensor_split`), both pools' rows are
 replicated over it (flat_buffers.py): they hold split values (a column-parallel
