@@ -84,9 +84,10 @@ def test_uniform_stages_need_no_switch_and_unrelated_ones_stay_flat():
 @settings(max_examples=10, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(stage_trees(), st.sampled_from([1.0, 1.25, 2.0]))
 def test_compact_classes_keep_the_limit_and_store_rows_leaf_by_leaf(trees, limit):
-    """The residual pools' layout: size classes unless they hold more than `limit`
-    times the flat row's bytes (both counted here from the leaves), and a tree
-    written into a row of a store, leaf by leaf, reads back whole."""
+    """The residual pools' layout: every leaf in a size class where all classes fit
+    in `limit` times the flat row's bytes (both counted here from the leaves),
+    never more bytes than that, and a tree written into a row of a store, leaf by
+    leaf, reads back whole."""
     spec = FlatSpec.compact_classes(trees, limit)
     itemsize = lambda leaf: np.dtype(leaf.dtype).itemsize  # noqa: E731
     flat = {}  # dtype -> the largest tree's elements of it
@@ -103,7 +104,19 @@ def test_compact_classes_keep_the_limit_and_store_rows_leaf_by_leaf(trees, limit
             most[k] = max(most.get(k, 0), n)
     class_bytes = sum(n * size * np.dtype(k).itemsize for (k, size), n in most.items())
     assert spec.classes == (class_bytes <= limit * sum(flat.values()))
+    assert spec.total_bytes() <= limit * sum(flat.values())
     store = spec.zeros(3)
     for s, tree in enumerate(trees):
         row = spec.write(s, store, 1, jax.tree.leaves(tree))
         assert_trees_equal(spec.unpack(s, {k: b[1] for k, b in row.items()}), tree)
+
+
+def test_a_size_every_tree_has_gets_a_class_at_no_cost():
+    """Trees of leaf sizes {4, 4, 8} and {4, 16}: a flat row of 20 elements. One
+    class of 4 holds what both rows held (4 + a flat row of max(12, 16)); a
+    second class of 4, or a class of 8 or 16, would cost more."""
+    trees = [[jnp.ones(4), jnp.ones(4), jnp.ones(8)], [jnp.ones(4), jnp.ones(16)]]
+    spec = FlatSpec.compact_classes(trees, 1.0)
+    assert spec.sizes == {"float32": 16, "float32#4#0": 4}
+    assert not spec.classes
+    assert FlatSpec.compact_classes(trees, 2.0).classes  # 4 + 4 + 8 + 16 = 32 elements

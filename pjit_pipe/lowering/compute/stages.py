@@ -23,15 +23,14 @@ A stage that is not split (a fused BW, or the first stage, whose W does the
 whole backward) thus uses one pool, the one freed last, whatever the pool
 its neighbours use: one SPMD program sizes each pool by its busiest device.
 
-A pool row is kept in size classes (flat_buffers.py: a buffer per leaf size,
-every leaf whole at offset 0) unless that costs more than
-`MAX_POOL_CLASS_OVERHEAD` times one flat row per dtype. XLA makes a kernel of
-each write and read of a stored leaf, and in a flat row each leaf of each
-stage sits at its own offset: every one a kernel of its own. In classes, the
-same-sized leaves of different stages are written and read by one kernel,
-compiled once: on the tiny GPT (2x4, zb-h1) the step's kernels go from 279
-to 244 and its compile from 2.44x to 2.16x a plain step's, at the same speed
-(docs/performance.md).
+A pool row keeps as many leaves in size classes (flat_buffers.py: a buffer
+per leaf size, the leaf whole at offset 0) as cost no bytes over one flat row
+per dtype (`FlatSpec.compact_classes`); the rest sit in the flat row. XLA
+makes a kernel of each write and read of a stored leaf, and in a flat row
+each leaf of each stage sits at its own offset: every one a kernel of its
+own. In a class, the same-sized leaves of different stages are written and
+read by one kernel, compiled once: on the tiny GPT (2x4, zb-h1) the step's
+kernels go from 279 to 254, at the same speed (docs/performance.md).
 
 With weights split over 'tensor' (`tensor_split`), both pools' rows are
 replicated over it (flat_buffers.py): they hold split values (a column-parallel
@@ -61,10 +60,9 @@ from pjit_pipe.lowering.compute.residual_policy import (
 from pjit_pipe.lowering.compute.stage_backward import SplitBackward
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec
 
-# A pool row's size classes may hold at most this many times the bytes of its
-# flat row (module docstring), the limit the parameters' classes keep
-# (param_layout.py): what they buy is compile time, paid in every stored row.
-MAX_POOL_CLASS_OVERHEAD = 1.25
+# A pool row's size classes hold no more bytes than its flat row (module
+# docstring): they buy compile time, which is not worth memory in every stored row.
+MAX_POOL_CLASS_OVERHEAD = 1.0
 
 
 class Residuals(NamedTuple):

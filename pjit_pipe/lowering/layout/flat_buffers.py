@@ -28,7 +28,8 @@ leaves.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import collections
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -77,7 +78,10 @@ class FlatSpec:
     leaf that would sit in a flat row gets a flat row of its own instead, a
     *size class* keyed by dtype, element count and occurrence
     ("float32#4096#0": the first leaf of 4096 float32s in its tree), which
-    the trees with such a leaf share (`without_classes` is the layout it replaces).
+    the trees with such a leaf share (`without_classes` is the layout it replaces);
+    a mapping {(dtype name, elements): k} gives only the first k leaves of each
+    size in each tree a class, and the rest stay in the flat row (`compact_classes`).
+    `self.classes`: whether every leaf outside a shaped buffer has a class.
     """
 
     def __init__(
@@ -87,10 +91,9 @@ class FlatSpec:
         splits: Sequence[Sequence[Split | None]] | None = None,
         multiple: int = 1,
         replicated: bool = False,
-        classes: bool = False,
+        classes: bool | Mapping[tuple[str, int], int] = False,
     ):
         self.replicated = replicated
-        self.classes = classes
         self._options = {"dtype": dtype, "multiple": multiple}  # for without_classes
         self.treedefs = []
         self.avals: list[list[jax.ShapeDtypeStruct]] = []
@@ -103,7 +106,7 @@ class FlatSpec:
             avals = [_leaf_aval(leaf) for leaf in leaves]
             split = splits[i] if splits is not None else [None] * len(avals)
             offsets: dict[str, int] = {}
-            seen: dict[str, int] = {}
+            seen: dict[Any, int] = {}  # a shaped key's or a (dtype, size)'s leaves so far
             slots = []
             for a, how in zip(avals, split, strict=True):
                 key = np.dtype(dtype if dtype is not None else a.dtype).name
@@ -115,10 +118,10 @@ class FlatSpec:
                     slots.append((shaped, 0, n))
                     sizes[shaped], self.shapes[shaped], self.splits[shaped] = n, a.shape, how
                     continue
-                if classes:
-                    base = f"{key}#{n}"
-                    key = f"{base}#{seen.setdefault(base, 0)}"
-                    seen[base] += 1
+                j = seen.get((key, n), 0)
+                seen[key, n] = j + 1
+                if classes is True or (classes and j < classes.get((key, n), 0)):
+                    key = f"{key}#{n}#{j}"
                 start = offsets.get(key, 0)
                 slots.append((key, start, n))
                 offsets[key] = start + n
@@ -133,15 +136,33 @@ class FlatSpec:
         for key, n in self.sizes.items():
             self.shapes.setdefault(key, (n,))
         self.shapes = {k: self.shapes[k] for k in self.sizes}
+        self.classes = bool(classes) and all(
+            is_shaped(key) or "#" in key for slots in self.slots for key, _, _ in slots
+        )
 
     @classmethod
     def compact_classes(cls, trees: Sequence[Any], max_overhead: float, **options: Any) -> FlatSpec:
-        """`trees` in size classes (`classes=True`) unless those hold more than
-        `max_overhead` times the bytes of the flat layout; then flat. `options`
-        as for `FlatSpec`."""
-        spec = cls(trees, classes=True, **options)
-        flat = spec.without_classes()
-        return spec if spec.total_bytes() <= max_overhead * flat.total_bytes() else flat
+        """`trees` with as many leaves in size classes as fit in `max_overhead`
+        times the bytes of the flat layout, the largest sizes first (`options` as
+        for `FlatSpec`). Even at 1.0 most leaves fit where the trees share sizes:
+        a class of a size every tree has k leaves of holds what their flat rows
+        held, so it costs nothing while the leaves that only some trees have
+        stay in the flat row."""
+        spec = cls(trees, **options)
+        limit = max_overhead * spec.total_bytes()
+        most: dict[tuple[str, int], int] = {}  # (dtype, size) -> the most leaves in a tree
+        for slots in spec.slots:
+            counts = collections.Counter((key, n) for key, _, n in slots if not is_shaped(key))
+            for size, k in counts.items():
+                most[size] = max(most.get(size, 0), k)
+        counts = {}
+        for size in sorted(most, key=lambda size: -size[1]):
+            for k in range(1, most[size] + 1):
+                trial = cls(trees, classes={**counts, size: k}, **options)
+                if trial.total_bytes() > limit:
+                    break
+                counts[size], spec = k, trial
+        return spec
 
     def without_classes(self) -> FlatSpec:
         """The same trees in one flat row per dtype: the layout `classes` replaces

@@ -69,7 +69,9 @@ def device_param_spec(
     (`FlatSpec(classes=True)`, a row per leaf size, so an op reads its leaves
     as whole buffers and the loop needs no entering) unless those hold more than
     `MAX_CLASS_OVERHEAD` times one flat row per dtype."""
-    return FlatSpec.compact_classes(avals, MAX_CLASS_OVERHEAD, splits=splits, multiple=multiple)
+    spec = FlatSpec(avals, splits=splits, multiple=multiple, classes=True)
+    flat = spec.without_classes()
+    return spec if spec.total_bytes() <= MAX_CLASS_OVERHEAD * flat.total_bytes() else flat
 
 
 class ChunkLayout:
