@@ -144,25 +144,41 @@ class FlatSpec:
     def compact_classes(cls, trees: Sequence[Any], max_overhead: float, **options: Any) -> FlatSpec:
         """`trees` with as many leaves in size classes as fit in `max_overhead`
         times the bytes of the flat layout, the largest sizes first (`options` as
-        for `FlatSpec`). Even at 1.0 most leaves fit where the trees share sizes:
-        a class of a size every tree has k leaves of holds what their flat rows
-        held, so it costs nothing while the leaves that only some trees have
-        stay in the flat row."""
-        spec = cls(trees, **options)
-        limit = max_overhead * spec.total_bytes()
-        most: dict[tuple[str, int], int] = {}  # (dtype, size) -> the most leaves in a tree
-        for slots in spec.slots:
-            counts = collections.Counter((key, n) for key, _, n in slots if not is_shaped(key))
-            for size, k in counts.items():
-                most[size] = max(most.get(size, 0), k)
-        counts = {}
+        for `FlatSpec`). Even at 1.0 many leaves fit where the trees share sizes:
+        a class costs nothing when every tree whose leaves fill a flat row (the
+        longest) has a leaf of its size, since that tree's row shrinks by what
+        the class holds. A class's cost never falls as it takes more leaves, so
+        the fill stops at the first one over the limit."""
+        flat = cls(trees, **options)
+        multiple = options.get("multiple", 1)
+        padded = lambda n: -(-n // multiple) * multiple  # noqa: E731
+        # Per tree, its leaves per (dtype name, elements) outside shaped buffers.
+        per_tree = [
+            collections.Counter((key, n) for key, _, n in slots if not is_shaped(key))
+            for slots in flat.slots
+        ]
+        most = {size: max(c[size] for c in per_tree) for c in per_tree for size in c}
+
+        def nbytes(counts: dict[tuple[str, int], int]) -> int:
+            """Bytes of the classes `counts` and of the flat rows left beside them."""
+            classes = sum(k * padded(n) * np.dtype(d).itemsize for (d, n), k in counts.items())
+            rows: dict[str, int] = {}
+            for tree in per_tree:
+                left: dict[str, int] = {}
+                for (d, n), k in tree.items():
+                    left[d] = left.get(d, 0) + max(0, k - counts.get((d, n), 0)) * n
+                for d, elements in left.items():
+                    rows[d] = max(rows.get(d, 0), elements)
+            return classes + sum(padded(e) * np.dtype(d).itemsize for d, e in rows.items() if e)
+
+        limit = max_overhead * nbytes({})
+        counts: dict[tuple[str, int], int] = {}
         for size in sorted(most, key=lambda size: -size[1]):
             for k in range(1, most[size] + 1):
-                trial = cls(trees, classes={**counts, size: k}, **options)
-                if trial.total_bytes() > limit:
+                if nbytes({**counts, size: k}) > limit:
                     break
-                counts[size], spec = k, trial
-        return spec
+                counts[size] = k
+        return cls(trees, classes=counts, **options) if counts else flat
 
     def without_classes(self) -> FlatSpec:
         """The same trees in one flat row per dtype: the layout `classes` replaces
