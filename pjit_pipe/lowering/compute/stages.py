@@ -79,11 +79,12 @@ class StageVjp:
     After `__init__` (an abstract pass over the stage chain), `act_avals[s]` is
     the input of stage s, and `b_spec` / `w_spec` the B-pool / W-pool rows
     (module docstring) shared by all stages (a stage's tree number s in each).
-    `policies[s]`: the residual policy stage s's F stores under (residual_policy.POLICIES); None:
-    DEFAULT_POLICY for every stage. Its default, matmul outputs (and the stage
-    input), leaves B and W only the cheap elementwise ops to recompute, which is
-    what XLA's fusion does in an unpipelined step anyway, at a fraction of the
-    memory traffic of every residual. `tensor_split`: some weight is split over
+    `policies[s]`: the residual policy stage s's F stores under
+    (residual_policy.POLICIES); None: DEFAULT_POLICY for every stage. Its
+    default, matmul outputs (and the stage input), leaves B and W only the cheap
+    elementwise ops to recompute, which is what XLA's fusion does in an
+    unpipelined step anyway, at a fraction of the memory traffic of every
+    residual. `tensor_split`: some weight is split over
     the mesh's 'tensor' axis, so the pools' rows are pinned replicated over it
     (module docstring).
     """
