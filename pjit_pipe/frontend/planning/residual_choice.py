@@ -23,7 +23,7 @@ policy always fits, so every stage gets a policy.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,6 +37,7 @@ from pjit_pipe.frontend.planning.stage_programs import stage_programs
 from pjit_pipe.lowering import (
     DEFAULT_POLICY,
     POLICIES,
+    FlatSpec,
     LossLayout,
     StageVjp,
     dtype_of,
@@ -107,20 +108,29 @@ def row_elements(stages: StageVjp, s: int) -> RowElements:
     Returns:
         {("b" or "w", dtype name): elements}.
     """
-    got: RowElements = {}
-    for pool, spec in (("b", stages.b_spec), ("w", stages.w_spec)):
-        for key, _, n in spec.slots[s]:
-            got[pool, dtype_of(key)] = got.get((pool, dtype_of(key)), 0) + n
-    return got
+    return _per_dtype(
+        (pool, key, n) for pool, spec in _pools(stages) for key, _, n in spec.slots[s]
+    )
 
 
 def pool_rows(stages: StageVjp) -> RowElements:
     """The width of every pool row per (pool, dtype): what each device holds a row
     of (a row in size classes: the sum of its classes)."""
+    return _per_dtype(
+        (pool, key, n) for pool, spec in _pools(stages) for key, n in spec.sizes.items()
+    )
+
+
+def _pools(stages: StageVjp) -> tuple[tuple[str, FlatSpec], ...]:
+    return ("b", stages.b_spec), ("w", stages.w_spec)
+
+
+def _per_dtype(elements: Iterable[tuple[str, str, int]]) -> RowElements:
+    """(pool, buffer key, elements) summed per (pool, dtype): a row's flat part and
+    its size classes count alike."""
     got: RowElements = {}
-    for pool, spec in (("b", stages.b_spec), ("w", stages.w_spec)):
-        for key, n in spec.sizes.items():
-            got[pool, dtype_of(key)] = got.get((pool, dtype_of(key)), 0) + n
+    for pool, key, n in elements:
+        got[pool, dtype_of(key)] = got.get((pool, dtype_of(key)), 0) + n
     return got
 
 
