@@ -61,6 +61,30 @@ def test_a_sim_result_with_several_iterations_and_a_title(tmp_path: Path) -> Non
     assert any(t.startswith("my gpipe") and "makespan" in t for t in texts)
 
 
+def test_every_op_is_one_box_at_its_simulated_time_on_its_worker_row() -> None:
+    from matplotlib.figure import Figure
+
+    from pjit_pipe.simulator import draw_gantt
+
+    sched = make_schedule("zb-h1", 4, 8, replicas=2, failed={(1, 2)})
+    result = simulate(sched, COSTS)
+    ax = Figure().add_subplot()
+    draw_gantt(ax, result, "t", width=12.0)
+    row = {w: i for i, w in enumerate(sorted(result.busy))}
+    drawn = []  # (left, width, row) of every box, read back from the axes' collections
+    for collection in ax.collections:
+        for path in collection.get_paths():
+            (x0, y0), (x1, y1) = path.vertices.min(0), path.vertices.max(0)
+            if x1 > x0:
+                drawn.append((round(x0, 9), round(x1 - x0, 9), round((y0 + y1) / 2)))
+    expected = [
+        (round(e.start, 9), round(e.end - e.start, 9), row[e.worker])
+        for e in result.events
+        if e.end > e.start
+    ]
+    assert sorted(drawn) == sorted(expected)
+
+
 @pytest.mark.parametrize("name", ["g.pdf", "g", "g.png.txt"])
 def test_other_suffixes_are_rejected(tmp_path: Path, name: str) -> None:
     with pytest.raises(ValueError, match=r"\.png or \.svg"):
