@@ -32,6 +32,7 @@ import numpy as np
 import optax
 from jax import lax
 
+from pjit_pipe.lowering.compute.replay import TracedOnce
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of
 from pjit_pipe.lowering.layout.leafwise import leafwise, like
 
@@ -50,7 +51,9 @@ class RowOptimizer:
         self.optimizer = optimizer
         self.spec = spec
         self.state_spec = state_spec
-        # Per number of leading dimensions: `_step_row` mapped over them, jitted.
+        # Per number of leading dimensions: `_step_row` mapped over them, jitted; its
+        # trace is made once per row signature for every program (replay.py), so a
+        # failure variant does not vmap and trace the optax rule again.
         self._row_steps: dict[int, Callable] = {}
 
     def _step_row(
@@ -146,7 +149,7 @@ class RowOptimizer:
             row_step = self._step_row
             for _ in lead:  # every chunk's rows at once, in their own shapes
                 row_step = jax.vmap(row_step)
-            self._row_steps[len(lead)] = jax.jit(row_step)
+            self._row_steps[len(lead)] = jax.jit(TracedOnce(row_step))
         row_step = self._row_steps[len(lead)]
         with jax.named_scope("OPT rows"):  # metadata only: see tick_ops._named
             # The row state's nodes: parameter-shaped ones ({key: row}) and the
