@@ -7,7 +7,8 @@ the background meanwhile, the one the failure needs first. A third of the way
 in, worker 1:2 fails, its microbatches move to its peer 0:2 on the
 precompiled program (the demo says so if it has to wait for that program),
 and at two thirds it rejoins. Compiled programs are kept on disk (see
-`--cache-dir`), so a second demo compiles nothing. Written
+`--cache-dir`), so a later demo loads them instead of compiling them again;
+variants still compiling when training ends are left for the next run. Written
 to files: the schedule's Gantt chart, the re-routed schedule's, and the loss
 curve with the failure and the rejoin marked. Last, a text sample.
 """
@@ -117,7 +118,9 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for bar in bars:
             bar.close()
-    print(f"{len(compiled)} of {workers} failure variants compiled in the background")
+    left = workers - len(compiled)
+    later = "" if not left or args.no_cache else f"; the next demo compiles the other {left}"
+    print(f"{len(compiled)} of {workers} failure variants ready in the background{later}")
     path = gantt(pm.schedule, args.gantt)
     print(f"Schedule chart ({options.schedule}, unit costs) saved to {path}")
     variant = pm.with_failures([FAILED_WORKER])
