@@ -15,7 +15,8 @@ functions each round, so nothing is reused from an earlier round; the variant
 is that round's pipeline with a worker down, and shares its traced stages as
 every failure variant does), medians over the rounds. Then all single-failure variants through `Variants.precompile`
 (two compile threads), and `pjit-pipe demo` twice in fresh processes over one
-empty cache folder: cold, then warm.
+empty cache folder: cold, then warm (the second run, which loads what the first
+compiled and compiles the failure variants the first had not finished).
 
 Run: python -m benchmarks.bench_compile [--rounds N] [--no-demo]
 """
@@ -204,7 +205,8 @@ def main(argv: list[str]) -> None:
         warm = demo_seconds(cache)
     print(
         f"pjit-pipe demo in a fresh process: {cold:.1f} s cold (empty cache), "
-        f"{warm:.1f} s warm ({cold / base:.1f}x and {warm / base:.1f}x the plain step)"
+        f"{warm:.1f} s warm, the second run ({cold / base:.1f}x and {warm / base:.1f}x the "
+        "plain step)"
     )
 
 
