@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 # What is installed: the package and its dependencies (RUNTIME), and the test and
 # lint tools on top (TESTING), so `make demo` on a fresh clone waits only for the
-# first. Python 3.11's own pip (22.3 or later) installs editable projects as is.
+# first.
 RUNTIME := $(VENV)/.installed
 TESTING := $(VENV)/.installed-test
 
@@ -14,6 +14,7 @@ TESTING := $(VENV)/.installed-test
 
 $(RUNTIME): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e .
 	touch $(RUNTIME)
 
