@@ -316,3 +316,36 @@ def test_weighted_loss_with_the_optimizer_inside_the_loop():
         want_losses.append(float(loss))
     np.testing.assert_allclose(np.asarray(losses), want_losses, rtol=1e-5)
     assert_trees_close(got, want)
+
+
+def test_a_train_step_follows_the_batch_shape_from_step_to_step():
+    """One TrainStep given global batches of 8, 16 and again 8 rows runs the program
+    of each shape (the second one built at its first step, the first found again),
+    and its losses and parameters equal plain optax on the same batches."""
+    model = nn.Sequential([nn.Dense(6), nn.Dense(5), nn.Dense(2)])
+    opt = optax.adam(0.05)
+    pm = pp.pipeline(model, stages=2, microbatches=2, mesh=pp.make_mesh(1, 2), optimizer=opt)
+    keys = jax.random.split(jax.random.key(3), 6)
+    batches = [
+        (jax.random.normal(keys[2 * i], (n, 3)), jax.random.normal(keys[2 * i + 1], (n, 2)))
+        for i, n in enumerate((8, 16, 8))
+    ]
+    params = model.init(jax.random.key(4), batches[0][0])
+    step = pm.train_step(lambda out, y: jnp.mean((out - y) ** 2), donate=False)
+    state = step.init(params, batches[0])
+    losses = []
+    for b in batches:
+        state, loss = step(state, b)
+        losses.append(float(loss))
+
+    def plain_loss(p, x, y):
+        return jnp.mean((model.apply(p, x) - y) ** 2)
+
+    want, opt_state, want_losses = params, opt.init(params), []
+    for x, y in batches:
+        loss, g = jax.value_and_grad(plain_loss)(want, x, y)
+        upd, opt_state = opt.update(g, opt_state, want)
+        want = optax.apply_updates(want, upd)
+        want_losses.append(float(loss))
+    np.testing.assert_allclose(losses, want_losses, rtol=1e-5)
+    assert_trees_close(state.params, want)
