@@ -13,12 +13,14 @@ and its ops are counted: StableHLO ops after lowering, HLO instructions after
 XLA's passes. Ratios are to the plain step measured in the same round (fresh
 functions each round, so nothing is reused from an earlier round; the variant
 is that round's pipeline with a worker down, and shares its traced stages as
-every failure variant does), medians over the rounds. Then all single-failure variants through `Variants.precompile`
-(two compile threads), and `pjit-pipe demo` twice in fresh processes over one
+every failure variant does), medians over the rounds; `--kinds` adds the step
+under other schedule kinds (1f1b and gpipe run one fused backward per stage,
+where zb-h1 splits it into B and W). Then all single-failure variants through
+`Variants.precompile` (two compile threads), and `pjit-pipe demo` twice in fresh processes over one
 empty cache folder: cold, then warm (the second run, which loads what the first
 compiled and compiles the failure variants the first had not finished).
 
-Run: python -m benchmarks.bench_compile [--rounds N] [--no-demo]
+Run: python -m benchmarks.bench_compile [--rounds N] [--no-demo] [--kinds 1f1b,gpipe]
 """
 
 from __future__ import annotations
@@ -112,12 +114,12 @@ def plain_step(model: GPT, batch: tuple) -> dict[str, float]:
     return phases(*plain_jitted(model, batch))
 
 
-def pipeline(model: GPT) -> pp.Pipelined:
+def pipeline(model: GPT, kind: str = "zb-h1") -> pp.Pipelined:
     return pp.pipeline(
         model,
         stages=P,
         microbatches=M,
-        schedule="zb-h1",
+        schedule=kind,
         mesh=pp.make_mesh(data=D, stage=P),
         optimizer=optax.adam(LR),
     )
@@ -169,7 +171,14 @@ def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the step timings")
     parser.add_argument("--no-demo", action="store_true", help="skip the cold and warm demo")
+    parser.add_argument(
+        "--kinds",
+        default="",
+        help="schedule kinds whose step to compile beside zb-h1's, comma-separated "
+        "(e.g. 1f1b,gpipe: their stages run one fused backward, where zb-h1 splits it)",
+    )
     args = parser.parse_args(argv)
+    kinds = [k for k in args.kinds.split(",") if k]
 
     model, batch = setup()
     pm = pipeline(model)
@@ -178,12 +187,15 @@ def main(argv: list[str]) -> None:
     plain: list[dict[str, float]] = []
     rows: dict[str, list[dict[str, float]]] = {"plain step": plain, "pipelined step": []}
     rows[f"variant {FAILED[0]}:{FAILED[1]} down"] = []
+    rows.update({f"step under {kind}": [] for kind in kinds})
     for _ in range(args.rounds):
         plain.append(plain_step(model, batch))
         fresh = pipeline(model)  # new closures: no trace reused from an earlier round
         rows["pipelined step"].append(pipelined_step(fresh, state, batch))
         variant = fresh.with_failures([FAILED])
         rows[f"variant {FAILED[0]}:{FAILED[1]} down"].append(pipelined_step(variant, state, batch))
+        for kind in kinds:
+            rows[f"step under {kind}"].append(pipelined_step(pipeline(model, kind), state, batch))
     print(f"tiny GPT, {D}x{P} mesh, zb-h1, m={M}, batch {BATCH}; medians of {args.rounds} rounds")
     table(rows, plain)
 

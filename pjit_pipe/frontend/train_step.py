@@ -73,6 +73,7 @@ class TrainStep:
         # The last call's (state view, batch signature, rng streams) and the program
         # and view it got: steps of one run ask for the same one, and finding it in
         # the pipeline's cache keys every parameter leaf's shape (`_state_program`).
+        # The program stays alive while remembered, even if that cache drops it.
         self._last: tuple[StateView, tuple, tuple, tuple[Any, StateView]] | None = None
 
     def _program(
