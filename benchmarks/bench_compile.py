@@ -16,9 +16,10 @@ is that round's pipeline with a worker down, and shares its traced stages as
 every failure variant does), medians over the rounds; `--kinds` adds the step
 under other schedule kinds (1f1b and gpipe run one fused backward per stage,
 where zb-h1 splits it into B and W). Then all single-failure variants through
-`Variants.precompile` (two compile threads), and `pjit-pipe demo` twice in fresh processes over one
-empty cache folder: cold, then warm (the second run, which loads what the first
-compiled and compiles the failure variants the first had not finished).
+`Variants.precompile` (two compile threads), and `pjit-pipe demo` twice in
+fresh processes over one empty cache folder: cold, then warm (the second run,
+which loads what the first compiled and compiles the failure variants the
+first had not finished).
 
 Run: python -m benchmarks.bench_compile [--rounds N] [--no-demo] [--kinds 1f1b,gpipe]
 """

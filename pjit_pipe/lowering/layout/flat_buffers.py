@@ -172,8 +172,9 @@ class FlatSpec:
             return classes + sum(padded(e) * np.dtype(d).itemsize for d, e in rows.items() if e)
 
         # Shaped buffers are the same in every trial: the limit leaves room for them.
-        shaped = flat.total_bytes() - nbytes({})
-        limit = max_overhead * flat.total_bytes() - shaped
+        # Shaped buffers are the same in every trial: the limit leaves room for them.
+        whole = flat.total_bytes()
+        limit = max_overhead * whole - (whole - nbytes({}))
         counts: dict[tuple[str, int], int] = {}
         for size in sorted(most, key=lambda size: -size[1]):
             for k in range(1, most[size] + 1):
