@@ -258,17 +258,46 @@ def test_scan_whose_per_layer_outputs_are_used_is_named_when_it_blocks_a_cut():
         assert cut_module(model, params, x, 3).keys == (("inp",), ("stack",), ("out",))
 
 
-def test_transform_on_the_root_is_refused_by_name():
-    class JitRoot(nn.Module):
-        @nn.jit
-        @nn.compact
-        def __call__(self, x):
-            return nn.Dense(2, name="b")(jnp.tanh(nn.Dense(4, name="a")(x)))
+class JitRoot(nn.Module):
+    """gemma's Transformer layout: nn.jit (static argument names) on the root's call."""
 
-    x = jnp.ones((2, 3))
+    @functools.partial(nn.jit, static_argnames=("self", "scale"))
+    @nn.compact
+    def __call__(self, x, scale=2.0):
+        return nn.Dense(2, name="b")(jnp.tanh(nn.Dense(4, name="a")(x))) * scale
+
+
+def _logged(fn):
+    @functools.wraps(fn)
+    def logged(self, x):
+        return fn(self, x)
+
+    return logged
+
+
+class LoggedJitRoot(nn.Module):
+    """nn.jit under another decorator: not seen through."""
+
+    @_logged
+    @nn.jit
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="b")(jnp.tanh(nn.Dense(4, name="a")(x)))
+
+
+def test_jit_on_the_root_is_seen_through_and_a_hidden_one_refused_by_name():
+    x = jax.random.normal(jax.random.key(1), (2, 3))
     params = jax.jit(JitRoot().init)(jax.random.key(0), x)
-    with pytest.raises(ValueError, match=r"JitRoot.__call__ runs inside a Flax transform"):
-        cut_module(JitRoot(), params, x, 2)
+    cut = cut_module(JitRoot(), params, x, 2)
+    assert cut.keys == (("a",), ("b",))
+    out = jax.jit(lambda p, x: compose(cut, p, x))(params, x)
+    assert rel_err(out, JitRoot().apply(params, x)) < 1e-6
+    params = jax.eval_shape(LoggedJitRoot().init, jax.random.key(0), x)
+    with pytest.raises(
+        ValueError, match=r"LoggedJitRoot.__call__ runs inside a Flax transform that"
+    ) as refusal:
+        cut_module(LoggedJitRoot(), params, x, 2)
+    assert "__wrapped__" in str(refusal.value)
 
 
 def test_imbalanced_cut_warns_and_describe_reports_it():

@@ -68,6 +68,11 @@ class PipelineOptions:
         layers: the stage cut as inclusive (first, last) ranges of the model's
             layers (its clean cut segments), e.g. a planner's `Plan.stages`; None:
             the cutter balances by `balance`.
+        split_points: the cut points by path, where stages 1, 2, ... begin (one
+            fewer than stages*chunks), e.g. ["model.layers.8", ...]: module
+            paths as `Pipelined.describe` shows them (a module deeper than the
+            cutter's own choice is cut there too); None: the cutter balances
+            by `balance`.
         pack_polish: seconds HiGHS may spend on each window of ticks when it
             polishes the packed tick table of a schedule (not async-1f1b)
             (`pack_ticks(..., polish=)`: 1-9% off the zero-bubble kinds' priced
@@ -129,6 +134,7 @@ class PipelineOptions:
     search_time: float = 2.0
     max_programs: int = 8
     layers: tuple[tuple[int, int], ...] | None = None
+    split_points: tuple[str, ...] | None = None
     async_weights: AsyncWeightsMode | None = None
     pack_polish: float = 0.0
     skip_nonfinite: bool | None = None
@@ -219,6 +225,7 @@ class PipelineOptions:
                     f"(chunks={self.chunks}); give one range per stage, with one chunk"
                 )
             object.__setattr__(self, "layers", layers)
+        self._check_split_points()
         object.__setattr__(self, "failed", failed_workers(self.failed, self.replicas, self.stages))
         try:
             given = dict(self.slow)
@@ -228,6 +235,21 @@ class PipelineOptions:
             ) from None
         slow = check_slow(given, self.replicas, self.stages, self.failed)
         object.__setattr__(self, "slow", tuple(sorted((tuple(w), f) for w, f in slow.items())))
+
+    def _check_split_points(self) -> None:
+        if self.split_points is None:
+            return
+        points = self.split_points
+        if isinstance(points, str) or not all(isinstance(p, str) and p for p in points):
+            raise OptionError(
+                f"split_points: expected a list of module paths such as "
+                f"['model.layers.8'], got {points!r}"
+            )
+        if self.layers is not None:
+            raise OptionError(
+                "split_points and a plan's layers both fix the stage cut; give one of them"
+            )
+        object.__setattr__(self, "split_points", tuple(points))
 
     def _check_skip_nonfinite(self) -> None:
         if self.skip_nonfinite not in (None, True, False):

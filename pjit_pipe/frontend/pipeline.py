@@ -65,6 +65,7 @@ def pipeline(
     pack_polish: float = 0.0,
     skip_nonfinite: bool | None = None,
     zero: bool = False,
+    split_points: Sequence[str] | None = None,
 ) -> Pipelined | AutoPlanned | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
 
@@ -111,6 +112,8 @@ def pipeline(
             finite leaves the state as it was; None: yes, except on async-1f1b.
         zero: Shard each stage's optimizer state over its data-parallel
             replicas (ZeRO; docs/tensor_parallel.md).
+        split_points: The cut points by module path, where stages 1, 2, ...
+            begin (["model.layers.8", ...]); None: the cutter balances.
 
     Returns:
         A `Pipelined` model for a module instance or list of layers; with
@@ -121,15 +124,19 @@ def pipeline(
     Raises:
         OptionError: An option has a value it does not accept, `stages` is
             missing without a plan, `plan` is neither "auto" nor a Plan, an
-            option disagrees with the plan, or an option plan="auto" cannot
-            honour (a schedule it cannot plan, chunks other than 1, failed
-            workers).
+            option disagrees with the plan, split_points comes with a plan, or
+            an option plan="auto" cannot honour (a schedule it cannot plan,
+            chunks other than 1, failed workers).
         MeshError: The mesh is not a (data, stage) mesh from `make_mesh`, its
             stage axis differs from `stages`, or it differs from the plan's.
         FailurePlanError: `failed` is not a list of (replica, stage) pairs,
             names a worker outside the mesh, or takes down every replica of a
             stage.
     """
+    if split_points is not None and plan is not None:
+        raise OptionError(
+            "split_points and plan both fix the stage cut; give split_points or plan, not both"
+        )
     if isinstance(plan, str):
         if plan != "auto":
             raise OptionError(
@@ -189,6 +196,7 @@ def pipeline(
         pack_polish=pack_polish,
         skip_nonfinite=skip_nonfinite,
         zero=zero,
+        split_points=split_points,
     )
     return pipeline_with(module, options)
 

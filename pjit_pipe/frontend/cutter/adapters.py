@@ -39,6 +39,7 @@ import jax
 from flax import nnx
 
 from pjit_pipe.errors import CutError
+from pjit_pipe.frontend.cutter.linen_hooks import seen_through_call
 from pjit_pipe.frontend.cutter.trace import Run, call_args, drive, run_module
 from pjit_pipe.lowering import current_rngs
 
@@ -59,13 +60,16 @@ class Model(Protocol):
 
 
 class LinenModel:
-    """A `flax.linen.Module`; its children are its top-level parameter names."""
+    """A `flax.linen.Module`; a stage owns the parameters of the modules it calls
+    (their paths, see cut.py), so `children` is empty. A root `__call__` under
+    nn.jit or nn.remat is run without that decorator (`seen_through_call`)."""
 
     children: tuple[Path, ...] = ()
 
     def __init__(self, module: nn.Module):
         self.module = module
         self.name = type(module).__name__
+        self._call, self.root_transform = seen_through_call(module)
 
     def params(self, variables: Any) -> dict:
         """The 'params' dict of a Flax variables tree; other collections are refused."""
@@ -85,7 +89,7 @@ class LinenModel:
         return {"params": params}
 
     def run(self, params: dict, x: Any, run: Run) -> Any:
-        return run_module(self.module, {"params": params}, x, run)
+        return run_module(self.module, {"params": params}, x, run, self._call)
 
     def init(self, rng: jax.Array, x: Any) -> Any:
         args, kwargs = call_args(x)

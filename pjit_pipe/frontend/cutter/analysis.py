@@ -119,3 +119,26 @@ def liveness(jaxpr: Jaxpr) -> Liveness:
             f"({type(e).__name__}: {e}); pjit_pipe supports jax 0.10.2 to 0.12.x: install one "
             "of those, or report the primitive and version"
         ) from e
+
+
+def reads_of_each_output(jaxpr: Jaxpr) -> list[tuple[bool, ...]]:
+    """Per output of `jaxpr`, which of its inputs reach that output.
+
+    Args:
+        jaxpr: An open jaxpr.
+
+    Returns:
+        One tuple of flags per output, one flag per input.
+
+    Raises:
+        JaxprError: An equation has a form this JAX version's reader does not expect.
+    """
+    n = len(jaxpr.outvars)
+    try:
+        return [tuple(dce_jaxpr(jaxpr, [k == j for k in range(n)])[1]) for j in range(n)]
+    except _READ_ERRORS as e:
+        raise JaxprError(
+            f"jaxpr: cannot read equation '{_primitive_at_fault(e)}' on jax {jax.__version__} "
+            f"({type(e).__name__}: {e}); pjit_pipe supports jax 0.10.2 to 0.12.x: install one "
+            "of those, or report the primitive and version"
+        ) from e

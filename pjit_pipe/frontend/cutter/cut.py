@@ -1,12 +1,18 @@
 """Cut a Flax module into pipeline stages and split its parameters to match.
 
 Candidate cut points are the module's events (see `trace.py`): every
-top-level submodule call, or only the `boundary()` markers when the model has
-any. A candidate is kept only if it is a *clean* cut: the code after it reads
+call of a module below a container (the root's children; the blocks of a
+stack deeper down, see `nesting.py`), or only the `boundary()` markers when
+the model has any; `split_points` names them by path instead of balancing.
+A candidate is kept only if it is a *clean* cut: the code after it reads
 nothing computed before it except its activation. We check that on the jaxpr
 of each segment, traced with the model input and every skipped call's output
 passed as arguments: if any of them reaches the segment's output, the cut in
-front of the segment is dropped. What crosses a cut is the activation of the
+front of the segment is dropped (the refusal names what the code after it
+read). The last stage may leave some of the model's outputs to earlier stages
+(the per-block caches a model returns beside its logits) when it reads none of
+them itself: they are the cut's `stale_outputs`, and a loss that reads one is
+refused by name when the program is built (`StageCut.check_loss`). What crosses a cut is the activation of the
 event there: every array in its arguments (see `trace.py`), so a `(hidden,
 mask)` pair or integer positions cross as they are. The remaining segments are
 grouped into stages by estimated FLOPs (or parameter count).
@@ -16,9 +22,11 @@ reuses through `attend`) is held by each of them: `split` gives every holder
 a copy, the lowering sums their gradients before the update (see `shared`),
 and `merge` takes the first holder's copy.
 
-Parameters are split into *units*, the subtrees a stage owns whole: a linen
-module's top-level names (`params['params'][name]`), an NNX module's children
-(see `adapters.py`). A stage's parameters are a dict of its units, named by
+Parameters are split into *units*, the subtrees a stage owns whole: the
+parameters of each event's module (a linen module's top-level names,
+`params['params'][name]`, or the paths of nested blocks, 'transformer/h/0'),
+an NNX module's children (see `adapters.py`); a parameter outside them is a
+unit of its own. A stage's parameters are a dict of its units, named by
 their paths ('blocks_0' in linen, 'blocks/0' in NNX), and split/merge
 round-trip exactly: checkpoints never depend on the pipeline layout. The
 result, `StageCut`, and its split/merge live in stage_cut.py.
@@ -44,11 +52,12 @@ import jax.numpy as jnp
 
 from pjit_pipe.errors import CutError, OptionError
 from pjit_pipe.frontend.cutter.adapters import Model, Path, as_model
-from pjit_pipe.frontend.cutter.analysis import liveness
+from pjit_pipe.frontend.cutter.analysis import liveness, reads_of_each_output
 from pjit_pipe.frontend.cutter.balance import balance as balance_costs
+from pjit_pipe.frontend.cutter.nesting import choose_levels, containers_above
 from pjit_pipe.frontend.cutter.stacks import scan_share as scan_share_of
 from pjit_pipe.frontend.cutter.stacks import split_stacks
-from pjit_pipe.frontend.cutter.stage_cut import StageCut, get_path, imbalance
+from pjit_pipe.frontend.cutter.stage_cut import StageCut, StaleOutput, get_path, imbalance
 from pjit_pipe.frontend.cutter.trace import Event, Run, with_iterations
 
 BALANCE = ("flops", "params", "time")
@@ -67,8 +76,7 @@ def _key(entry: Any) -> Any:
 
 
 def _units(param_avals: dict, children: Sequence[Path]) -> dict[str, Path]:
-    """Unit name -> path, for every unit that holds parameters; a leaf belongs to the
-    longest child path that prefixes it, else to its top-level name."""
+    """Unit name -> path, for every unit that holds parameters (see `_unit_of`)."""
     units: dict[str, Path] = {}
     for path, _ in jax.tree_util.tree_flatten_with_path(param_avals)[0]:
         unit = _unit_of(tuple(map(_key, path)), children)
@@ -77,8 +85,24 @@ def _units(param_avals: dict, children: Sequence[Path]) -> dict[str, Path]:
 
 
 def _unit_of(path: Path, children: Sequence[Path]) -> Path:
+    """The unit of the leaf at `path`: the longest child path that prefixes it, else
+    its shortest prefix that no child path starts with (its top-level name when
+    the children are top-level)."""
     owners = [c for c in children if path[: len(c)] == c]
-    return max(owners, key=len) if owners else path[:1]
+    if owners:
+        return max(owners, key=len)
+    for k in range(1, len(path)):
+        if not any(c[:k] == path[:k] for c in children):
+            return path[:k]
+    return path
+
+
+def _event_paths(model: Model, events: Sequence[Event]) -> tuple[Path, ...]:
+    """The parameter subtrees stages own whole: an NNX model's children, else the
+    paths of the modules the events call."""
+    if model.children:
+        return model.children
+    return tuple(dict.fromkeys(e.path for e in events if e.path))
 
 
 def _is_aval(x: Any) -> bool:
@@ -92,39 +116,82 @@ class _Segment:
     keys: frozenset[str]  # names of the parameter units it reads
     flops: float
     clean: bool
+    reads: tuple[str, ...] = ()  # what it reads from before its start (unclean: why)
+    stale: tuple[StaleOutput, ...] = ()  # the last one: model outputs it cannot make
 
 
 IMBALANCE_WARNING = 1.5
+MODEL_INPUT = "the model input"
 
 
-def _probe(model: Model, events, x_aval, param_avals, start, stop) -> _Segment:
+@dataclass(frozen=True)
+class _Recorded:
+    """A model's events for inputs like x, and what each probe of a segment needs."""
+
+    model: Model
+    events: tuple[Event, ...]
+    x_aval: Any
+    param_avals: dict
+    levels: frozenset[Path]
+    children: tuple[Path, ...]
+    out_aval: Any
+
+
+def _probe(rec: _Recorded, start: int | None, stop: int | None) -> _Segment:
     """Trace the model as stage [start, stop) with every hidden input as an argument."""
+    events = rec.events
     calls_before = [i for i in range(start or 0) if events[i].kind == "call"]
-    act_aval = x_aval if start is None else events[start].act
+    act_aval = rec.x_aval if start is None else events[start].act
 
     def segment(params, x, skips, act):
         if start is None:
-            return model.run(params, act, Run(stop=stop, expected=events))
-        run = Run(start, stop, act, dict(zip(calls_before, skips, strict=True)), events)
-        return model.run(params, x, run)
+            return rec.model.run(params, act, Run(stop=stop, expected=events, levels=rec.levels))
+        skipped = dict(zip(calls_before, skips, strict=True))
+        run = Run(start, stop, act, skipped, events, rec.levels)
+        return rec.model.run(params, x, run)
 
     skip_avals = [events[i].out for i in calls_before]
-    closed = jax.make_jaxpr(segment)(param_avals, x_aval, skip_avals, act_aval)
+    closed = jax.make_jaxpr(segment)(rec.param_avals, rec.x_aval, skip_avals, act_aval)
     live = liveness(closed.jaxpr)
     used = iter(live.used)
     keys = set()
-    for path, _ in jax.tree_util.tree_flatten_with_path(param_avals)[0]:
+    for path, _ in jax.tree_util.tree_flatten_with_path(rec.param_avals)[0]:
         if next(used):
-            keys.add("/".join(map(str, _unit_of(tuple(map(_key, path)), model.children))))
-    hidden = [next(used) for _ in jax.tree.leaves((x_aval, skip_avals))]
-    clean = not (start is not None and any(hidden))
-    return _Segment(start, stop, frozenset(keys), live.flops, clean)
+            keys.add("/".join(map(str, _unit_of(tuple(map(_key, path)), rec.children))))
+    # Who each hidden input is: the model input's leaves, then each skipped call's.
+    owners = [MODEL_INPUT] * len(jax.tree.leaves(rec.x_aval))
+    for i, out in zip(calls_before, skip_avals, strict=True):
+        owners += [events[i].name] * len(jax.tree.leaves(out))
+    hidden = [next(used) for _ in owners]
+    if start is None or not any(hidden):
+        return _Segment(start, stop, frozenset(keys), live.flops, True)
+    reads = tuple(dict.fromkeys(o for o, h in zip(owners, hidden, strict=True) if h))
+    first = len(jax.tree.leaves(rec.param_avals))
+    stale = _stale_outputs(closed.jaxpr, first, owners, rec.out_aval) if stop is None else ()
+    clean = bool(stale) and len(stale) < len(jax.tree.leaves(rec.out_aval))
+    return _Segment(start, stop, frozenset(keys), live.flops, clean, reads, stale)
+
+
+def _stale_outputs(
+    jaxpr, first: int, owners: Sequence[str], out_aval: Any
+) -> tuple[StaleOutput, ...]:
+    """The model outputs of a last stage that read a hidden input (jaxpr inputs
+    first, first+1, ..., one per entry of `owners`), each with the calls (or the
+    model input) it reads from before the stage."""
+    flat = jax.tree_util.tree_flatten_with_path(out_aval)[0]
+    stale = []
+    for (path, _), reads in zip(flat, reads_of_each_output(jaxpr), strict=True):
+        hidden = reads[first : first + len(owners)]
+        producers = tuple(dict.fromkeys(o for o, h in zip(owners, hidden, strict=True) if h))
+        if producers:
+            stale.append(StaleOutput(jax.tree_util.keystr(path), producers))
+    return tuple(stale)
 
 
 def _candidates(events: Sequence[Event]) -> list[int]:
     """Event indices where a stage may begin: markers if the model has any, else every
-    top-level call after the first; and the iterations of nn.scan stacks. The event
-    must receive at least one array."""
+    call after the first; and the iterations of nn.scan stacks. The event must
+    receive at least one array."""
     markers = any(e.kind == "boundary" for e in events)
     return [
         i
@@ -133,62 +200,97 @@ def _candidates(events: Sequence[Event]) -> list[int]:
     ]
 
 
-def _clean_segments(model: Model, events, x_aval, param_avals) -> list[_Segment]:
-    """Segments between candidate cuts, dropping cuts that are not clean."""
-    bounds: list[int | None] = [None, *_candidates(events)]
+def _clean_segments(rec: _Recorded) -> tuple[list[_Segment], dict[str, tuple[str, ...]]]:
+    """Segments between candidate cuts, dropping cuts that are not clean; and each
+    dropped cut's event name -> what the code after it read from before it."""
+    bounds: list[int | None] = [None, *_candidates(rec.events)]
     segments: list[_Segment] = []
+    dropped: dict[str, tuple[str, ...]] = {}
     for j, start in enumerate(bounds):
         stop = bounds[j + 1] if j + 1 < len(bounds) else None
-        seg = _probe(model, events, x_aval, param_avals, start, stop)
+        seg = _probe(rec, start, stop)
         while not seg.clean:  # merge with the previous segment and try again
+            dropped[rec.events[seg.start].name] = seg.reads
             prev = segments.pop()
-            seg = _probe(model, events, x_aval, param_avals, prev.start, stop)
+            seg = _probe(rec, prev.start, stop)
         segments.append(seg)
-    return segments
+    return segments, dropped
 
 
 @dataclass(frozen=True)
 class _Traced:
     """A model recorded for inputs like x: its events and clean segments."""
 
-    model: Model
-    events: tuple[Event, ...]
+    rec: _Recorded
     segments: list[_Segment]
-    x_aval: Any
-    param_avals: dict
     units: dict[str, Path]
+    dropped: dict[str, tuple[str, ...]]
+
+    def cut(self, starts: Sequence[int], **fields: Any) -> StageCut:
+        """The cut whose stages begin at these segments (`fields`: StageCut's keys,
+        units and rows, where they differ from one segment's)."""
+        rec, segments = self.rec, self.segments
+        ends = [*starts[1:], len(segments)]
+        groups = [segments[a:b] for a, b in zip(starts, ends, strict=True)]
+        last = groups[-1][0]
+        if segments[-1].stale and last is not segments[-1]:  # fewer outputs are stale
+            last = _probe(rec, last.start, None)
+        keys = tuple(tuple(sorted(set().union(*(s.keys for s in g)))) for g in groups)
+        return StageCut(
+            model=rec.model,
+            events=rec.events,
+            bounds=tuple(g[0].start for g in groups),
+            keys=fields.pop("keys", keys),
+            flops=tuple(sum(s.flops for s in g) for g in groups),
+            x_aval=rec.x_aval,
+            param_avals=rec.param_avals,
+            units=fields.pop("units", self.units),
+            levels=rec.levels,
+            out_aval=rec.out_aval,
+            stale_outputs=last.stale if last.start is not None else (),
+            **fields,
+        )
 
     def one_each(self) -> StageCut:
         """The cut with one stage per clean segment (the planner's layers)."""
-        return StageCut(
-            model=self.model,
-            events=self.events,
-            bounds=tuple(s.start for s in self.segments),
-            keys=tuple(tuple(sorted(s.keys)) for s in self.segments),
-            flops=tuple(s.flops for s in self.segments),
-            x_aval=self.x_aval,
-            param_avals=self.param_avals,
-            units=self.units,
-        )
+        return self.cut(range(len(self.segments)))
+
+    def names(self) -> list[str]:
+        """The clean cut points' event names, in order."""
+        return [self.rec.events[s.start].name for s in self.segments[1:]]
 
 
-def _trace(module: Any, variables: Any, x: Any) -> _Traced:
+def _trace(module: Any, variables: Any, x: Any, split_points: Sequence[str] = ()) -> _Traced:
     model = as_model(module)
     param_avals = _avals(model.params(variables))
-    units = _units(param_avals, model.children)
     x_aval = _avals(x)
-    recorder = Run()
-    jax.eval_shape(lambda p, xs: model.run(p, xs, recorder), param_avals, x_aval)
-    events = with_iterations(tuple(recorder.events))
+
+    def record(levels: frozenset[Path]) -> tuple[Run, Any]:
+        recorder = Run(levels=levels)
+        out = jax.eval_shape(lambda p, xs: model.run(p, xs, recorder), param_avals, x_aval)
+        return recorder, out
+
+    recorder, out_aval = record(frozenset({()}))
     if recorder.wrapped_root is not None:
+        lifted = recorder.wrapped_root != model.name  # nn.jit(Model) rather than a decorator
         raise CutError(
-            f"pipeline: {model.name}.__call__ runs inside a Flax transform (nn.jit, "
-            "nn.remat, ... applied to the root module), which hides its layer calls from "
-            "the stage cutter; remove it from the root (the pipeline compiles the whole "
-            "step anyway) and put transforms on the layers instead"
+            f"pipeline: {model.name}.__call__ runs inside a Flax transform "
+            f"{f'({recorder.wrapped_root}) ' if lifted else ''}that the stage cutter cannot "
+            "see through (it sees through nn.jit and nn.remat only as the outermost "
+            "decorator of the root's __call__); take it "
+            f"off the root in one line, `class Plain{model.name}({model.name}): __call__ = "
+            f"{model.name}.__call__.__wrapped__` for a decorated __call__ (or pipeline "
+            f"{model.name}(...) rather than nn.jit({model.name})(...)), and put transforms "
+            "on the layers instead (the pipeline compiles the whole step anyway)"
         )
-    segments = _clean_segments(model, events, x_aval, param_avals)
-    return _Traced(model, events, segments, x_aval, param_avals, units)
+    levels = choose_levels(recorder.calls) | containers_above(recorder.calls, split_points)
+    if levels != frozenset({()}):
+        recorder, out_aval = record(levels)
+    events = with_iterations(tuple(recorder.events))
+    children = _event_paths(model, events)
+    rec = _Recorded(model, events, x_aval, param_avals, levels, children, out_aval)
+    segments, dropped = _clean_segments(rec)
+    return _Traced(rec, segments, _units(param_avals, children), dropped)
 
 
 def layer_cut(module: Any, variables: Any, x: Any) -> StageCut:
@@ -218,6 +320,84 @@ def _check_layers(layers: Sequence[tuple[int, int]], count: int, stages: int) ->
     return [first for first, _ in ranges]
 
 
+def _refusal(traced: _Traced, stages: int) -> CutError:
+    """Too few clean cut points for `stages`: say which there are and, for each cut
+    that was dropped, what the code after it read from before it."""
+    rec = traced.rec
+    names = traced.names()
+    scans = [
+        f"{e.name} (nn.scan)"
+        for e in rec.events
+        if e.transform == "Scan" and e.kind == "call" and not e.iterations
+    ]
+    hints = []
+    if traced.dropped:
+        why = [
+            f"{name} (the code after it reads {', '.join(_what(r) for r in reads)})"
+            for name, reads in list(traced.dropped.items())[:6]
+        ]
+        hints.append(
+            "cuts dropped because a later stage would read what an earlier one computed: "
+            + "; ".join(why)
+        )
+    if scans:
+        hints.append(
+            f"{', '.join(scans)} runs its layers inside one scan that is not cut "
+            "between iterations, because its per-iteration outputs (ys) are used or it "
+            "runs in reverse: return None as the scan's per-iteration output and run it "
+            "forwards, or use a Python loop over the layers (each may be nn.remat'd)"
+        )
+    calls = [e.name for e in rec.events if e.kind == "call"]
+    if len(calls) < 2:
+        hints.append(
+            f"its forward pass makes {len(calls)} call(s) the cutter can cut between "
+            f"({', '.join(calls) or 'none'}), and no repeated blocks were found below "
+            "them: name the cut points with split_points=['path.to.block', ...]"
+        )
+    return CutError(
+        f"stages: the model {rec.model.name} has {len(names)} clean cut "
+        f"points ({', '.join(names) or 'none'}), too few for {stages} stages; use a "
+        "model with more layers, add pjit_pipe.boundary() markers, or use fewer "
+        "stages/chunks" + "".join(f"; {h}" for h in hints)
+    )
+
+
+def _what(read: str) -> str:
+    return read if read == MODEL_INPUT else f"the output of {read}"
+
+
+def _split_starts(traced: _Traced, split_points: Sequence[str], stages: int) -> list[int]:
+    """The segment where each stage begins, from the event names of the cut points."""
+    names = traced.names()
+    points = list(split_points)
+    if len(points) != stages - 1:
+        raise CutError(
+            f"split_points: {len(points)} cut points for {stages} stages; give "
+            f"{stages - 1} (each stage but the first begins at one), from {names}"
+        )
+    starts = [0]
+    for point in points:
+        if point in traced.dropped:
+            reads = ", ".join(_what(r) for r in traced.dropped[point])
+            raise CutError(
+                f"split_points: {point!r} is not a clean cut: the code after it reads "
+                f"{reads}; choose among {names}"
+            )
+        if point not in names:
+            raise CutError(
+                f"split_points: unknown cut point {point!r} in {traced.rec.model.name}; "
+                f"the candidate paths are {names}"
+            )
+        k = names.index(point) + 1
+        if k <= starts[-1]:
+            raise CutError(
+                f"split_points: {point!r} comes before or at the previous cut point; "
+                f"give them in the model's order, {names}"
+            )
+        starts.append(k)
+    return starts
+
+
 def cut_module(
     module: Any,
     variables: Any,
@@ -225,66 +405,52 @@ def cut_module(
     stages: int,
     balance: str = "flops",
     layers: Sequence[tuple[int, int]] | None = None,
+    split_points: Sequence[str] | None = None,
 ) -> StageCut:
     """Cut `module` (linen or NNX, or its `Model` view) into `stages` stages for
     inputs shaped like `x` (one microbatch); `variables` are its parameters.
     `layers`: the stages as inclusive (first, last) ranges of the model's layers
-    (its clean segments; a planner's `Plan.stages`) instead of balancing."""
+    (its clean segments; a planner's `Plan.stages`) instead of balancing.
+    `split_points`: the event names where stages 1, 2, ... begin ("model.layers.8";
+    `StageCut.describe` and the refusals list them) instead of balancing."""
     if balance not in BALANCE:
         raise OptionError(f"balance: expected one of {', '.join(BALANCE)}, got {balance!r}")
-    traced = _trace(module, variables, x)
-    model, events, segments = traced.model, traced.events, traced.segments
-    x_aval, param_avals, units = traced.x_aval, traced.param_avals, traced.units
-    if len(segments) < stages:
-        names = [events[s.start].name for s in segments[1:]]
-        scans = [
-            f"{e.name} (nn.scan)"
-            for e in events
-            if e.transform == "Scan" and e.kind == "call" and not e.iterations
-        ]
-        hint = (
-            f"; {', '.join(scans)} runs its layers inside one scan that is not cut "
-            "between iterations, because its per-iteration outputs (ys) are used or it "
-            "runs in reverse: return None as the scan's per-iteration output and run it "
-            "forwards, or use a Python loop over the layers (each may be nn.remat'd)"
-            if scans
-            else ""
-        )
-        raise CutError(
-            f"stages: the model {model.name} has {len(segments) - 1} clean cut "
-            f"points ({', '.join(names) or 'none'}), too few for {stages} stages; use a "
-            "model with more top-level layers, add pjit_pipe.boundary() markers, or "
-            f"use fewer stages/chunks{hint}"
-        )
+    traced = _trace(module, variables, x, split_points or ())
+    rec, segments, units = traced.rec, traced.segments, traced.units
+    model, events, param_avals = rec.model, rec.events, rec.param_avals
+    if split_points is not None:
+        starts = _split_starts(traced, split_points, stages)
+    elif len(segments) < stages:
+        raise _refusal(traced, stages)
     sizes = {
         k: sum(math.prod(a.shape) for a in jax.tree.leaves(get_path(param_avals, path)))
         for k, path in units.items()
     }
     scan_share = scan_share_of(events, segments)  # a scan iteration weighs 1/L of its stack
-    if balance == "flops" or layers is not None:
+    if balance == "flops" or layers is not None or split_points is not None:
         costs = [s.flops for s in segments]
     elif balance == "time":  # measured forward + backward of each segment
         from pjit_pipe.frontend.planning.measure import segment_times  # compiles: load on use
 
         one_each = traced.one_each()
         stage_params = one_each.split(model.variables(param_avals), _is_aval)
-        costs = segment_times(one_each.stage_fns(), stage_params, x_aval)
+        costs = segment_times(one_each.stage_fns(), stage_params, rec.x_aval)
     else:
         costs = [
             float(sum(sizes[k] * scan_share[j].get(k, 1.0) for k in s.keys))
             for j, s in enumerate(segments)
         ]
-    if layers is None:
-        starts = balance_costs(costs, stages)
-    else:
+    if layers is not None:
         starts = _check_layers(layers, len(segments), stages)
+    elif split_points is None:
+        starts = balance_costs(costs, stages)
     ends = [*starts[1:], len(segments)]
     groups = [segments[a:b] for a, b in zip(starts, ends, strict=True)]
     keys = [sorted(set().union(*(s.keys for s in g))) for g in groups]
     unused = sorted(set(units) - set().union(*map(set, keys)))
     keys[0] = sorted(keys[0] + unused)  # never read: they get zero gradients anywhere
     stage_costs = [sum(costs[a:b]) for a, b in zip(starts, ends, strict=True)]
-    if layers is None and imbalance(stage_costs) > IMBALANCE_WARNING:
+    if layers is None and split_points is None and imbalance(stage_costs) > IMBALANCE_WARNING:
         warnings.warn(
             f"pipeline: the best cut of {model.name} into {stages} stages is imbalanced: "
             f"stage costs ({balance}) {[f'{c:.3g}' for c in stage_costs]}, the largest "
@@ -295,14 +461,4 @@ def cut_module(
         )
     bounds = tuple(g[0].start for g in groups)
     keys, units, rows = split_stacks(events, bounds, keys, units)
-    return StageCut(
-        model=model,
-        events=events,
-        bounds=bounds,
-        keys=tuple(tuple(k) for k in keys),
-        flops=tuple(sum(s.flops for s in g) for g in groups),
-        x_aval=x_aval,
-        param_avals=param_avals,
-        units=units,
-        rows=rows,
-    )
+    return traced.cut(starts, keys=tuple(tuple(k) for k in keys), units=units, rows=rows)

@@ -6,6 +6,12 @@ child's call; flax calls `get_module_scopes` first, with the child and its
 arguments, so a hook there tells the run what enters the transform. flax's
 nn.scan runs `jax.lax.scan` through `flax.core.axes_scan.lax`, so a stand-in
 there lets the run cut the scan to its stage's iterations.
+
+A root whose own `__call__` is decorated with nn.jit or nn.remat (gemma's
+Transformer) would trace the whole forward pass inside that transform, where
+a stage cannot end; neither changes what the call computes (the pipeline
+compiles the whole step, and remats per stage by its own option), so the
+cutter calls the method under the decorator instead (`seen_through_call`).
 """
 
 from __future__ import annotations
@@ -23,6 +29,26 @@ import jax
 
 if TYPE_CHECKING:
     from pjit_pipe.frontend.cutter.trace import Run
+
+
+# Lifted transforms that change how a call is compiled or stored, not what it computes.
+SEEN_THROUGH = ("jit", "checkpoint", "remat")
+
+
+def seen_through_call(module: nn.Module) -> tuple[Callable[..., Any] | None, str | None]:
+    """(the method under an nn.jit/nn.remat decorator on `module.__call__`, for
+    `module.apply(..., method=)`; or None when there is none to see through, the
+    transform's name); a decorator under another one is not seen through (the
+    cutter then refuses the root by name)."""
+    fn = type(module).__call__
+    code = getattr(fn, "__code__", None)
+    lifted = code is not None and code.co_filename == linen_transforms.__file__
+    if not lifted or code.co_name != "wrapped_fn" or not hasattr(fn, "__wrapped__"):
+        return None, None
+    cells = dict(zip(code.co_freevars, fn.__closure__ or (), strict=False))
+    transform = getattr(cells.get("transform"), "cell_contents", None)
+    name = getattr(transform, "__name__", None)
+    return (fn.__wrapped__ if name in SEEN_THROUGH else None), name
 
 
 def _transform_name(module: nn.Module) -> str:
@@ -51,15 +77,10 @@ def _reported_module_scopes(module, args=None, kwargs=None):
         scope = getattr(module, "scope", None)
         if scope is not None and not scope.path and run.wrapped_root is None:
             run.wrapped_root = _transform_name(module)
-        if (
-            not run._depth
-            and run._pending is None
-            and scope is not None
-            and len(scope.path) == 1
-            and args is not None
-        ):
+        path = tuple(map(str, scope.path)) if scope is not None else ()
+        if not run._depth and run._pending is None and run.is_event(path) and args is not None:
             args, kwargs = run.enter_transformed(
-                module.name, _transform_name(module), tuple(args), dict(kwargs or {})
+                path, _transform_name(module), tuple(args), dict(kwargs or {})
             )
     return _flax_get_module_scopes(module, args, kwargs)
 

@@ -59,7 +59,11 @@ def _is_aval(x: Any) -> bool:
 
 def _scan_spans(events: Sequence[Event]) -> list[tuple[str, int, int]]:
     """(unit name, event index, length) of every nn.scan that can be cut inside."""
-    return [(e.name, i, e.iterations) for i, e in enumerate(events) if e.iterations]
+    return [
+        ("/".join(e.path) if e.path else e.name, i, e.iterations)
+        for i, e in enumerate(events)
+        if e.iterations
+    ]
 
 
 def scan_share(events: Sequence[Event], segments: Sequence[Any]) -> list[dict[str, float]]:

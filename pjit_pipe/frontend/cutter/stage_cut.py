@@ -3,7 +3,9 @@
 What `cut.py` finds (where the stages begin, which units each holds, what
 crosses each cut), kept as one frozen value: it splits a module-layout
 parameter tree into per-stage dicts and merges them back exactly, builds each
-stage's function, and describes itself. See cut.py for how the cut is chosen.
+stage's function, describes itself, and checks that a loss reads none of the
+model outputs its last stage leaves to earlier ones. See cut.py for how the
+cut is chosen.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import jax.numpy as jnp
 
 from pjit_pipe.errors import CutError
 from pjit_pipe.frontend.cutter.adapters import Model, Path
+from pjit_pipe.frontend.cutter.analysis import liveness
 from pjit_pipe.frontend.cutter.stacks import Rows, rows_of, stack
 from pjit_pipe.frontend.cutter.trace import Event, Run
 
@@ -43,6 +46,20 @@ def _assemble(parts: Mapping[Path, Any]) -> dict:
             node = node.setdefault(k, {})
         node[path[-1]] = sub
     return out
+
+
+@dataclass(frozen=True)
+class StaleOutput:
+    """A model output that the last stage cannot compute: it reads what an earlier
+    stage computed (a per-block cache a model returns beside its logits).
+
+    Attributes:
+        name: Where it sits in the model's output ("[1]['blocks.0'].rg_lru_state").
+        producers: The calls before the last stage (or "the model input") it reads.
+    """
+
+    name: str
+    producers: tuple[str, ...]
 
 
 @dataclass(frozen=True)
@@ -70,6 +87,11 @@ class StageCut:
         rows: rows[k], for a unit that holds some iterations of an nn.scan
             stack: the rows [first, stop) of its stacked parameters (its path
             is the whole stack's).
+        levels: The module paths of the containers whose calls run as glue,
+            the events being the calls inside them (() is the root).
+        out_aval: Shapes of the model's output (None when not recorded).
+        stale_outputs: The model outputs the last stage cannot compute; a loss
+            must not read them (`check_loss`).
     """
 
     model: Model
@@ -81,6 +103,9 @@ class StageCut:
     param_avals: dict
     units: dict[str, Path]
     rows: Mapping[str, Rows] = dataclasses.field(default_factory=dict)
+    levels: frozenset[tuple[str, ...]] = frozenset({()})
+    out_aval: Any = None
+    stale_outputs: tuple[StaleOutput, ...] = ()
 
     def _unit(self, tree: Any, k: str, is_leaf: Callable[[Any], bool] | None = None) -> Any:
         """Unit k's subtree of a whole-model tree (its rows, for part of a scan stack)."""
@@ -135,9 +160,10 @@ class StageCut:
             own = {self.units[k]: v for k, v in params_s.items()}
             params = _assemble({**_zeros(others), **own})
             if start is None:
-                return self.model.run(params, act, Run(stop=stop, expected=self.events))
+                run = Run(stop=stop, expected=self.events, levels=self.levels)
+                return self.model.run(params, act, run)
             skips = {i: _zeros(self.events[i].out) for i in calls_before}
-            run = Run(start, stop, act, skips, expected=self.events)
+            run = Run(start, stop, act, skips, self.events, self.levels)
             return self.model.run(params, _zeros(self.x_aval), run)
 
         stage.__name__ = f"stage_{s}"
@@ -183,14 +209,54 @@ class StageCut:
         for s in range(self.stages):
             start = self.bounds[s]
             given = "model input" if start is None else _shapes(self.events[start].act)
+            at = "" if start is None else f" (cut before {self.events[start].name})"
             lines.append(
-                f"  stage {s}: {', '.join(self.stage_names(s)) or '(glue only)'}\n"
+                f"  stage {s}{at}: {', '.join(self.stage_names(s)) or '(glue only)'}\n"
                 f"    params {self.param_bytes(s):,} B, {self.flops[s]:.3g} FLOPs, in: {given}"
             )
         for k, holders in self.shared.items():
             lines.append(f"  shared {k}: held by stages {', '.join(map(str, holders))}")
+        for out in self.stale_outputs:
+            lines.append(
+                f"  output {out.name}: left to earlier stages (reads "
+                f"{', '.join(out.producers)}); the loss must not read it"
+            )
         lines.append(f"  imbalance (largest / mean cost): {imbalance(self.flops):.2f}x")
         return "\n".join(lines)
+
+    def check_loss(self, loss_fn: Callable[..., Any], y: Any) -> None:
+        """Refuse a loss that reads a model output the last stage cannot compute.
+
+        Args:
+            loss_fn: `loss_fn(outputs, y)`, as the pipeline calls it per microbatch.
+            y: The targets of a global batch (or of one microbatch).
+
+        Raises:
+            CutError: The loss (or its aux) reads one of `stale_outputs`, named with
+                the calls it comes from.
+        """
+        if not self.stale_outputs:
+            return
+        rows = jax.tree.leaves(self.x_aval)[0].shape[0]
+        y_aval = jax.tree.map(lambda a: jax.ShapeDtypeStruct((rows, *a.shape[1:]), a.dtype), y)
+        closed = jax.make_jaxpr(loss_fn)(self.out_aval, y_aval)
+        used = liveness(closed.jaxpr).used
+        names = [
+            jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(self.out_aval)[0]
+        ]
+        read = {n for n, u in zip(names, used, strict=False) if u}
+        bad = [out for out in self.stale_outputs if out.name in read]
+        if bad:
+            outs = "; ".join(f"{o.name} (from {', '.join(o.producers)})" for o in bad)
+            first = self.events[self.bounds[-1]].name
+            raise CutError(
+                f"loss_fn: it reads outputs of {self.model.name} that come from before the "
+                f"last stage's cut at {first}, which no stage hands on: {outs}; read only "
+                "the outputs the last stage computes (the logits), have the model not "
+                "return the others, or cut so that their blocks run in the last stage "
+                "(split_points)"
+            )
 
     def stage_fns(self) -> list[Callable[[Any, Any], Any]]:
         """Every stage's function, the same objects on every call (programs of one

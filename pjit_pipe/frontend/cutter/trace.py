@@ -1,9 +1,14 @@
 """Run a Flax module's __call__ as one pipeline stage by intercepting its top-level calls.
 
-The model's forward pass is a chain of *events*: calls of the root module's
-direct children (`self.blocks[i](x, mask)`, the layers of `nn.Sequential`,
-`self.embed.attend(h)`) and explicit `boundary(tree)` markers, with
-arbitrary glue code between them. A stage is the code between two events. To
+The model's forward pass is a chain of *events*: calls of the modules one
+level below the *containers* (`self.blocks[i](x, mask)`, the layers of
+`nn.Sequential`, `self.embed.attend(h)`) and explicit `boundary(tree)`
+markers, with arbitrary glue code between them. The root is a container; a
+linen model whose repeated blocks sit deeper (`model.layers.N` in Hugging
+Face's Llama, `transformer.h.N` in its GPT-2) has the modules on the way
+down as containers too (`levels`, chosen by `nesting.py` from the call tree
+a recording run keeps): a container's call runs as glue, and the events are
+the calls inside it. A stage is the code between two events. To
 run stage [start, stop) we run the whole `__call__` again, but calls before
 `start` are skipped (they return stand-in values), the arrays an event
 receives at `start` (every array in its arguments: its *activation*, a
@@ -45,6 +50,7 @@ import jax
 
 from pjit_pipe.errors import CutError
 from pjit_pipe.frontend.cutter.linen_hooks import transforms_seen_from_outside
+from pjit_pipe.frontend.cutter.nesting import CallTree, module_name
 
 
 @dataclass(frozen=True)
@@ -59,7 +65,7 @@ class Event:
     """
 
     kind: str  # "call", "boundary" or "iteration" (a cut inside an nn.scan)
-    name: str
+    name: str  # the module's path, dotted ("transformer.h.0"), and ".method" if not __call__
     act: tuple[jax.ShapeDtypeStruct, ...] | None
     out: Any
     transform: str | None = None  # the linen transform around the child ("Scan", "Checkpoint")
@@ -67,6 +73,7 @@ class Event:
     # "iteration" event: the iteration k at which it begins a stage.
     iterations: int | None = None
     iteration: int = 0
+    path: tuple[str, ...] | None = None  # the called module's path (its parameters' path)
 
 
 def with_iterations(events: tuple[Event, ...]) -> tuple[Event, ...]:
@@ -75,7 +82,7 @@ def with_iterations(events: tuple[Event, ...]) -> tuple[Event, ...]:
     for e in events:
         out.append(e)
         out += [
-            Event("iteration", f"{e.name}[{k}]", e.act, None, "Scan", iteration=k)
+            Event("iteration", f"{e.name}[{k}]", e.act, None, "Scan", iteration=k, path=e.path)
             for k in range(1, e.iterations or 1)
         ]
     return tuple(out)
@@ -120,8 +127,10 @@ class Run:
         act: Any = None,
         skips: Mapping[int, Any] | None = None,
         expected: tuple[Event, ...] | None = None,
+        levels: frozenset[tuple[str, ...]] = frozenset({()}),
     ):
         self.start, self.stop, self.act = start, stop, act
+        self.levels = levels  # the containers' module paths (the root's is ())
         self.skips = skips or {}
         self.expected = expected
         # The event where the stage's input is swapped in: `start`, or the nn.scan
@@ -137,32 +146,65 @@ class Run:
         # The transform (or class) name when the root's own __call__ is transformed.
         self.wrapped_root: str | None = None
         # A transformed child entered outside its transform:
-        # (index, name, act avals, transform name). An nn.scan keeps it until its
+        # (index, name, act avals, transform name, path). An nn.scan keeps it until its
         # lax.scan returns (flax traces the scan body twice).
-        self._pending: tuple[int, str, Any, str] | None = None
+        self._pending: tuple[int, str, Any, str, tuple[str, ...]] | None = None
         self._body_seen = False  # the pending scan's body was traced once already
         self._scan_args: tuple[tuple, dict] = ((), {})  # the pending scan call's arguments
         self._scanning = False  # inside the pending scan's lax.scan (nested ones run as is)
+        # While recording: the module calls as a tree (see `CallTree`).
+        self.calls = CallTree()
+        self._open: list[tuple[str, ...]] = [()]  # the paths of the calls being run
+
+    def is_event(self, path: tuple[str, ...]) -> bool:
+        """Whether a call of the module at `path` is an event: its parent is a
+        container and it is not one itself."""
+        return bool(path) and path[:-1] in self.levels and path not in self.levels
 
     def intercept(self, next_fun: Callable, args: tuple, kwargs: dict, context: Any) -> Any:
-        """A linen method interceptor: top-level submodule calls become events."""
+        """A linen method interceptor: the calls of modules below a container become
+        events; while recording, every module call is noted in `calls`."""
         scope = context.module.scope
-        top = context.method_name != "setup" and scope is not None and len(scope.path) == 1
-        if not top:
+        if context.method_name == "setup" or scope is None or not scope.path:
             return next_fun(*args, **kwargs)
+        path = tuple(map(str, scope.path))
+        if self.expected is None:
+            next_fun = self._noted(path, context.module, next_fun)
+        if not self.is_event(path):
+            return next_fun(*args, **kwargs)
+        name = module_name(path)
         if self._pending is not None and not self._depth:
-            return self._inner(context.module.name, next_fun, args, kwargs)
-        name = context.module.name
+            return self._inner(name, next_fun, args, kwargs)
         if context.method_name != "__call__":
             name = f"{name}.{context.method_name}"
-        return self.call(name, next_fun, args, kwargs)
+        return self.call(name, next_fun, args, kwargs, path)
 
-    def call(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        """A call of one of the root module's children, `fn(*args, **kwargs)`."""
+    def _noted(self, path: tuple[str, ...], module: nn.Module, fn: Callable) -> Callable:
+        """`fn`, noting its call in the call tree under the call that makes it."""
+
+        def noted(*args: Any, **kwargs: Any) -> Any:
+            self.calls.note(self._open[-1], path, module)
+            self._open.append(path)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._open.pop()
+
+        return noted
+
+    def call(
+        self,
+        name: str,
+        fn: Callable,
+        args: tuple,
+        kwargs: dict,
+        path: tuple[str, ...] | None = None,
+    ) -> Any:
+        """A call of an event's module, `fn(*args, **kwargs)`."""
         if self._depth:
             return fn(*args, **kwargs)
         i, act, args, kwargs = self._enter("call", name, args, kwargs)
-        return self._finish(i, "call", name, act, lambda: fn(*args, **kwargs))
+        return self._finish(i, "call", name, act, lambda: fn(*args, **kwargs), path=path)
 
     def boundary(self, x: Any) -> Any:
         if self._depth:
@@ -175,17 +217,18 @@ class Run:
         return self._finish(i, "boundary", name, act, lambda: x)
 
     def enter_transformed(
-        self, name: str, transform: str, args: tuple, kwargs: dict
+        self, path: tuple[str, ...], transform: str, args: tuple, kwargs: dict
     ) -> tuple[tuple, dict]:
-        """A top-level child wrapped in a linen transform, seen outside the transform:
+        """An event's module wrapped in a linen transform, seen outside the transform:
         take its activation here; `intercept` finishes the event inside."""
+        name = module_name(path)
         i, act, args, kwargs = self._enter("call", name, args, kwargs)
-        self._pending = (i, name, act, transform)
+        self._pending = (i, name, act, transform, path)
         self._body_seen, self._scan_args = False, (args, kwargs)
         return args, kwargs
 
     def _inner(self, name: str, fn: Callable, args: tuple, kwargs: dict) -> Any:
-        i, expected_name, act, transform = self._pending
+        i, expected_name, act, transform, path = self._pending
         if transform != "Scan":
             self._pending = None
         if name != expected_name:
@@ -196,7 +239,7 @@ class Run:
         run = lambda: fn(*args, **kwargs)  # noqa: E731
         record = not self._body_seen
         self._body_seen = True
-        return self._finish(i, "call", expected_name, act, run, transform, record)
+        return self._finish(i, "call", expected_name, act, run, transform, record, path)
 
     def scan(self, lax_scan: Callable, body: Callable, init: Any, xs: Any, **kwargs: Any) -> Any:
         """flax's `lax.scan` of the pending nn.scan call: records its length, or runs
@@ -270,6 +313,7 @@ class Run:
         run: Callable[[], Any],
         transform: str | None = None,
         record: bool = True,
+        path: tuple[str, ...] | None = None,
     ) -> Any:
         """Skip a call before `start` (stand-ins), or run it; record it when recording."""
         skipped = self.expected is not None and self._first is not None and i < self._first
@@ -281,7 +325,8 @@ class Run:
         finally:
             self._depth -= 1
         if self.expected is None and record:
-            self.events.append(Event(kind, name, act, jax.tree.map(_aval, out), transform))
+            out_avals = jax.tree.map(_aval, out)
+            self.events.append(Event(kind, name, act, out_avals, transform, path=path))
         return out
 
 
@@ -341,9 +386,15 @@ def drive(run: Run, forward: Callable[[], Any]) -> Any:
     return out
 
 
-def run_module(module: nn.Module, variables: Any, x: Any, run: Run) -> Any:
-    """`module.apply(variables, x)` driven by `run`; returns the stage's output."""
+def run_module(
+    module: nn.Module, variables: Any, x: Any, run: Run, method: Callable | None = None
+) -> Any:
+    """`module.apply(variables, x)` driven by `run`; returns the stage's output.
+    `method`: the root's call to run instead of `__call__` (one under a transform
+    that is seen through, `linen_hooks.seen_through_call`)."""
     args, kwargs = call_args(x)
+    if method is not None:
+        kwargs = {**kwargs, "method": method}
 
     def forward() -> Any:
         with nn.intercept_methods(run.intercept), transforms_seen_from_outside(run):
