@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from pjit_pipe.ir.schedule import Schedule
     from pjit_pipe.runtime.checkpoint import Checkpoints
     from pjit_pipe.runtime.detector import InjectedFailures, LiveDevices
+    from pjit_pipe.runtime.distributed import initialize_distributed
     from pjit_pipe.runtime.trainer import ResilientTrainer
     from pjit_pipe.schedules import make_schedule
 
@@ -61,6 +62,7 @@ _LAZY: dict[str, str] = {
     "TrainState": "pjit_pipe.frontend.state",
     "TrainStep": "pjit_pipe.frontend.train_step",
     "boundary": "pjit_pipe.frontend.cutter.trace",
+    "initialize_distributed": "pjit_pipe.runtime.distributed",
     "make_mesh": "pjit_pipe.frontend.mesh",
     "make_schedule": "pjit_pipe.schedules",
     "pipeline": "pjit_pipe.frontend.pipeline",
@@ -95,6 +97,7 @@ __all__ = [
     "TrainState",
     "TrainStep",
     "boundary",
+    "initialize_distributed",
     "make_mesh",
     "make_schedule",
     "pipeline",

@@ -21,6 +21,7 @@ from pjit_pipe.cli.device_choice import ensure_host_devices, run_devices
 from pjit_pipe.cli.train_args import (
     add_checkpoint_args,
     add_failure_args,
+    add_process_args,
     add_training_args,
     check_failure_plan,
     check_slow_plan,
@@ -39,6 +40,7 @@ def register(subparsers: Any) -> None:
     add_failure_args(parser)
     add_checkpoint_args(parser)
     add_cache_args(parser)
+    add_process_args(parser)
     parser.add_argument("--json", action="store_true", help="one JSON object per step")
     parser.add_argument(
         "--show-costs",
@@ -113,7 +115,12 @@ class StepRecord:
 
 
 def train(
-    args: argparse.Namespace, on_step: Any, on_compiled: Any = None, on_event: Any = None
+    args: argparse.Namespace,
+    on_step: Any,
+    on_compiled: Any = None,
+    on_event: Any = None,
+    devices: Any = None,
+    on_trainer_event: Any = None,
 ) -> tuple[Any, Any, Task]:
     """Build the pipeline and run args.steps steps through the injected failures;
     on_step(StepRecord) after each (tokens: input positions in the global batch).
@@ -123,7 +130,11 @@ def train(
     the plan needs first), calling on_compiled(variant) after each; a step
     that needs one not ready yet waits for it. on_event(line) is called with
     each runtime event as it happens (failure, wait, switch, skipped step);
-    the StepRecord lists them too. With
+    the StepRecord lists them too, and on_trainer_event(TrainerEvent) gets
+    the event itself. `devices`: the mesh's devices (a process of a
+    multi-process run passes the job's training devices), else this
+    machine's (`run_devices`). On a job of several processes failures are
+    real, not injected: the trainer's default detector, LiveDevices. With
     args.checkpoint_dir, resume from its latest checkpoint (if any) and save
     every args.checkpoint_every steps and at the end. async-1f1b without failures
     carries its microbatches from step to step (`train_carrying`)."""
@@ -150,7 +161,10 @@ def train(
         schedule=args.schedule,
         chunks=args.chunks,
         mesh=pp.make_mesh(
-            data=data, stage=stages, tensor=tensor, devices=run_devices(data * stages * tensor)
+            data=data,
+            stage=stages,
+            tensor=tensor,
+            devices=devices if devices is not None else run_devices(data * stages * tensor),
         ),
         optimizer=optax.adam(args.lr),
         async_weights=getattr(args, "async_weights", None),
@@ -193,11 +207,13 @@ def train(
         events.append(event.describe())
         if on_event is not None:
             on_event(event.describe())
+        if on_trainer_event is not None:
+            on_trainer_event(event)
 
     trainer = ResilientTrainer(
         pm,
         task.loss_fn,
-        InjectedFailures(fail, rejoin, down),
+        InjectedFailures(fail, rejoin, down) if jax.process_count() == 1 else None,
         max_failures=precompile,
         on_event=record_event,
         speeds=InjectedSlowdowns(slow) if slow else None,
@@ -222,7 +238,7 @@ def train(
             down = sorted(trainer.down)
             record = StepRecord(
                 step,
-                float(loss),
+                host_scalar(loss),
                 time.perf_counter() - start,
                 batch * task.tokens_per_example,
                 [f"{w.replica}:{w.stage}" for w in down],
@@ -240,6 +256,16 @@ def train(
         if checkpoints is not None:
             checkpoints.close()  # waits for the last save
     return pm, state, task
+
+
+def host_scalar(value: Any) -> float:
+    """A scalar array as a float, read from this process's own copy (on a job of
+    several processes the array also lives on devices of other processes)."""
+    import numpy as np
+
+    if getattr(value, "is_fully_addressable", True):
+        return float(value)
+    return float(np.asarray(value.addressable_data(0)))
 
 
 def resume_point(saved: dict) -> tuple[dict, list[tuple[int, int]]]:
@@ -336,25 +362,16 @@ def show_costs(pm: Any, as_json: bool) -> None:
     )
 
 
-def run(args: argparse.Namespace) -> int:
+def step_printer(args: argparse.Namespace) -> tuple[Any, Any]:
+    """(on_step, close): print each StepRecord as `train` does, one JSON object per
+    step with --json, else a progress bar (made at the first step, so errors come
+    first) with the step's events above it; close() ends the bar."""
     from tqdm import tqdm
 
-    if args.async_weights is not None and args.schedule != "async-1f1b":
-        from pjit_pipe.cli import UsageError
-
-        raise UsageError(
-            f"--async-weights {args.async_weights} applies to --schedule async-1f1b only, "
-            f"not {args.schedule}; drop it or use --schedule async-1f1b"
-        )
-    directory = args.checkpoint_dir
-    if not (directory and os.path.isdir(directory) and os.listdir(directory)):
-        # Nothing to resume: refuse a bad plan before JAX loads (train() checks a
-        # resumed run's plan against the workers its checkpoint has down).
-        check_failure_plan(args.fail, args.rejoin, *args.mesh[:2], args.steps)
-    bars: list[Any] = []  # the progress bar, made at the first step (errors come first)
+    bars: list[Any] = []
 
     def on_step(rec: StepRecord) -> None:
-        tokens_per_s = rec.tokens / rec.seconds
+        tokens_per_s = rec.tokens / rec.seconds if rec.seconds > 0 else 0.0
         if args.json:
             record = {
                 "step": rec.step,
@@ -377,13 +394,37 @@ def run(args: argparse.Namespace) -> int:
         bar.set_postfix(loss=f"{rec.loss:.4f}", tok_s=f"{tokens_per_s:,.0f}")
         bar.update()
 
+    def close() -> None:
+        for bar in bars:
+            bar.close()
+
+    return on_step, close
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.async_weights is not None and args.schedule != "async-1f1b":
+        from pjit_pipe.cli import UsageError
+
+        raise UsageError(
+            f"--async-weights {args.async_weights} applies to --schedule async-1f1b only, "
+            f"not {args.schedule}; drop it or use --schedule async-1f1b"
+        )
+    if args.processes is not None:
+        from pjit_pipe.cli.train_processes import launch
+
+        return launch(args)
+    directory = args.checkpoint_dir
+    if not (directory and os.path.isdir(directory) and os.listdir(directory)):
+        # Nothing to resume: refuse a bad plan before JAX loads (train() checks a
+        # resumed run's plan against the workers its checkpoint has down).
+        check_failure_plan(args.fail, args.rejoin, *args.mesh[:2], args.steps)
+    on_step, close = step_printer(args)
     try:
         with warnings.catch_warnings():
             warnings.showwarning = one_line_warning
             train(args, on_step)
     finally:
-        for bar in bars:
-            bar.close()
+        close()
     return 0
 
 

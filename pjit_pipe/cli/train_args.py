@@ -225,3 +225,68 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
         metavar="N",
         help="save every N steps and at the end (default 100)",
     )
+
+
+def add_process_args(parser: argparse.ArgumentParser) -> None:
+    """A run of several local processes over `jax.distributed` (cli/train_processes.py)."""
+    from pjit_pipe.cli.schedule_command import positive_int
+
+    parser.add_argument(
+        "--processes",
+        type=positive_int,
+        default=None,
+        metavar="N",
+        help="train on N local processes over jax.distributed (gloo on CPU), plus one that "
+        "only hosts the coordination service; the mesh spans their devices, and a process "
+        "that dies is trained around (docs/multiprocess.md)",
+    )
+    parser.add_argument(
+        "--devices-per-process",
+        type=positive_int,
+        default=None,
+        metavar="K",
+        help="with --processes: CPU devices of each process (default: the mesh's devices / N)",
+    )
+    parser.add_argument(
+        "--events",
+        default=None,
+        metavar="FILE",
+        help="with --processes: append one JSON line per event (process start, committed "
+        "step, failure, switch) to FILE, each with 't' in unix seconds",
+    )
+
+
+def check_process_args(args: argparse.Namespace) -> int:
+    """The devices per process of a --processes run, after refusing what it cannot run
+    (as a UsageError naming the flag).
+
+    Returns:
+        K: the mesh's devices are N processes x K devices.
+    """
+    from pjit_pipe.cli import UsageError
+
+    data, stages, tensor = args.mesh
+    need, n = data * stages * tensor, args.processes
+    k = args.devices_per_process
+    if k is None:
+        if need % n:
+            raise UsageError(
+                f"--processes {n}: the mesh's {need} devices do not split evenly over {n} "
+                f"processes; use a divisor of {need}, or give --devices-per-process"
+            )
+        k = need // n
+    if n * k != need:
+        raise UsageError(
+            f"--processes {n} x --devices-per-process {k} = {n * k} devices, but --mesh "
+            f"{data}x{stages}x{tensor} needs {need}; make N x K equal D x P x T"
+        )
+    for flag, value in (("--fail", args.fail), ("--rejoin", args.rejoin), ("--slow", args.slow)):
+        if value:
+            raise UsageError(
+                f"{flag} injects events into one process; with --processes the failures are "
+                "real (kill a process): drop it"
+            )
+    if args.schedule == "async-1f1b" or args.show_costs:
+        what = "--schedule async-1f1b" if args.schedule == "async-1f1b" else "--show-costs"
+        raise UsageError(f"{what} runs in one process only; drop --processes")
+    return k

@@ -2,7 +2,14 @@
 through failures and slowdowns."""
 
 from pjit_pipe.runtime.checkpoint import Checkpoints
-from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, LiveDevices, WorkerFailure
+from pjit_pipe.runtime.detector import (
+    CollectiveTimeout,
+    FailureDetector,
+    InjectedFailures,
+    LiveDevices,
+    WorkerFailure,
+)
+from pjit_pipe.runtime.distributed import initialize_distributed, recovery_settings
 from pjit_pipe.runtime.emulate_processes import emulate_processes
 from pjit_pipe.runtime.emulation import emulate_in_process
 from pjit_pipe.runtime.speed import (
@@ -19,6 +26,7 @@ from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir, use_d
 __all__ = [
     "FACTORS",
     "Checkpoints",
+    "CollectiveTimeout",
     "FailureDetector",
     "InjectedFailures",
     "InjectedSlowdowns",
@@ -34,6 +42,8 @@ __all__ = [
     "device_probe",
     "emulate_in_process",
     "emulate_processes",
+    "initialize_distributed",
     "quantize",
+    "recovery_settings",
     "use_disk_cache",
 ]

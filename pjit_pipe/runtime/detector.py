@@ -8,8 +8,10 @@ then be thrown away and the step retried on the new variant.
 
 Two sources share this interface: `InjectedFailures` (tests, the demo, the
 CLI) and `LiveDevices`, which asks the distributed runtime
-(`jax.experimental.multihost_utils.live_devices`, multi-controller GPU jobs
-with `jax_enable_recoverability`).
+(`jax.experimental.multihost_utils.live_devices`) on a multi-process job
+started with `initialize_distributed` (runtime/distributed.py): a process
+that dies takes its devices' workers down, and the survivors' collective with
+it fails after the collective timeout instead of hanging.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import contextlib
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Protocol
 
+import jax
 from jax.sharding import Mesh
 
 from pjit_pipe.frontend import worker_devices
@@ -149,15 +152,37 @@ class InjectedFailures:
             raise WorkerFailure(step, dying)
 
 
+class CollectiveTimeout(WorkerFailure):
+    """A collective of the step failed while every process stayed live: a peer
+    reached it later than the collective timeout (a process stopped, or one that
+    compiled the step's program that much later). Nothing is down, so the same
+    program would run again over the same broken connections; the trainer stops."""
+
+    def __init__(self, step: int, cause: BaseException):
+        self.step = step
+        self.workers = frozenset()
+        first = next((line for line in str(cause).splitlines() if line.strip()), "")
+        RuntimeError.__init__(
+            self,
+            f"step {step}: a collective failed with every process live ({first[:200]}); a "
+            "peer was later than the collective timeout: raise collective_timeout_s of "
+            "initialize_distributed above the longest stall, or restart from the last "
+            "checkpoint",
+        )
+
+
 class LiveDevices:
-    """Liveness from the distributed runtime (multi-controller jobs).
+    """Liveness from the distributed runtime (multi-process jobs).
 
     Each attempt runs inside `multihost_utils.live_devices`, whose exit is
     atomic across processes: either every live process finished the block or
-    every one raises. A restarted process is live again, so its worker
-    rejoins at the next attempt. Needs `jax.distributed.initialize` and, on
-    GPU, `jax_enable_recoverability`; on CPU a dead process hangs the others
-    (docs/design.md section 5), so tests use InjectedFailures.
+    every one raises. The job must have been started with
+    `initialize_distributed` (recoverability, a short heartbeat timeout and,
+    on CPU, a collective timeout): then a survivor's collective with a dead
+    peer fails after the collective timeout and the attempt raises
+    `WorkerFailure` naming the dead process's workers. A process that holds
+    no device of the mesh (the coordinator of `pjit-pipe train --processes`)
+    takes no part.
 
     Args:
         mesh: The pipeline's ("data", "stage") mesh; its device at [r, s] is
@@ -176,6 +201,44 @@ class LiveDevices:
             for d in grid[r, s]
         }
 
+    def process_workers(self) -> dict[int, frozenset[Worker]]:
+        """The workers each process runs: what goes down when it dies.
+
+        Returns:
+            {process index: its workers}, for the processes holding mesh devices.
+        """
+        out: dict[int, set[Worker]] = {}
+        for device, worker in self.worker_of.items():
+            out.setdefault(device.process_index, set()).add(worker)
+        return {p: frozenset(ws) for p, ws in sorted(out.items())}
+
+    def planned(self, process: int) -> list[frozenset[Worker]]:
+        """The failure sets `process` may have to run next: each other process's
+        workers down, for those whose death leaves every stage a replica.
+
+        Args:
+            process: The process asking (its own death needs no program of its).
+
+        Returns:
+            Those sets, in process order.
+        """
+        everyone = set(self.worker_of.values())
+        stages = {w.stage for w in everyone}
+        return [
+            workers
+            for p, workers in self.process_workers().items()
+            if p != process and {w.stage for w in everyone - workers} == stages
+        ]
+
+    def sync(self) -> None:
+        """Wait until every live process of the mesh is here (a barrier that skips
+        dead processes): survivors that compiled a program at different speeds
+        start it together, well within the collective timeout."""
+        from jax._src import distributed
+
+        processes = sorted({d.process_index for d in self.worker_of})
+        distributed.global_state.client.get_live_nodes(processes)
+
     @contextlib.contextmanager
     def attempt(self, step: int) -> Iterator[frozenset[Worker]]:
         """Context for one attempt at `step`, inside `multihost_utils.live_devices`.
@@ -189,6 +252,8 @@ class LiveDevices:
         Raises:
             WorkerFailure: On exit, when a process died during the attempt
                 (naming the workers of its devices).
+            CollectiveTimeout: A collective of the attempt failed while every
+                process stayed live.
         """
         from jax.experimental import multihost_utils
 
@@ -197,3 +262,5 @@ class LiveDevices:
                 yield frozenset(w for d, w in self.worker_of.items() if d not in set(alive))
         except multihost_utils.ProcessFailureError as e:
             raise WorkerFailure(step, (self.worker_of[d] for d in e.failed_devices)) from e
+        except jax.errors.JaxRuntimeError as e:  # the step failed, yet nobody died
+            raise CollectiveTimeout(step, e) from e

@@ -33,7 +33,13 @@ from pjit_pipe.errors import StateError
 from pjit_pipe.frontend import Pipelined, TrainState, worker_devices
 from pjit_pipe.ir.ops import Worker
 from pjit_pipe.ir.slow import check_factor
-from pjit_pipe.runtime.detector import FailureDetector, InjectedFailures, WorkerFailure
+from pjit_pipe.runtime.detector import (
+    CollectiveTimeout,
+    FailureDetector,
+    InjectedFailures,
+    LiveDevices,
+    WorkerFailure,
+)
 from pjit_pipe.runtime.speed import InjectedSlowdowns, SpeedMonitor, Speeds
 from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir
 
@@ -86,7 +92,8 @@ class ResilientTrainer:
     Args:
         pipelined: The fault-free pipeline; it needs an optimizer.
         loss_fn: The loss function, as `Pipelined.train_step` takes it.
-        detector: Where failures come from (default: `InjectedFailures()`, none).
+        detector: Where failures come from (default: `LiveDevices` on a job of
+            several processes, else `InjectedFailures()`, none).
         max_failures: Failure patterns of up to this many workers are compiled
             ahead, in the background.
         cache_dir: A directory for the on-disk cache of executables, or None.
@@ -126,7 +133,10 @@ class ResilientTrainer:
         )
         if cache_dir is not None:
             check_cache_dir(cache_dir)
-        self.detector = detector or InjectedFailures()
+        if detector is None:
+            several = jax.process_count() > 1
+            detector = LiveDevices(pipelined.mesh) if several else InjectedFailures()
+        self.detector = detector
         if isinstance(self.detector, InjectedFailures):
             self.detector.check(pipelined.replicas, pipelined.stages)
         self.pipelined = pipelined
@@ -155,7 +165,9 @@ class ResilientTrainer:
         patterns an `InjectedFailures` plan goes through compile first. With a
         speed monitor, the slow workers an `InjectedSlowdowns` plan goes
         through follow them, and every single slow worker at `slow_factors`
-        comes last.
+        comes last. With `LiveDevices` (a job of several processes), the
+        programs for each other process's death compile before this returns,
+        whatever `precompile` says, and the processes leave together.
 
         Args:
             params: Module-layout parameters, or a TrainState (e.g. a restored
@@ -184,6 +196,16 @@ class ResilientTrainer:
             state = step.init(params, batch)
         self.variants = Variants(self.pipelined, self.loss_fn, state, batch, self.cache_dir)
         self.variants.get(())
+        if isinstance(self.detector, LiveDevices):
+            # Every process compiles the programs of the other processes' deaths
+            # before the first step, then they start together: a survivor that
+            # compiled its switch later than the collective timeout would break
+            # the step for all.
+            process = jax.process_index()
+            needed = self.detector.planned(process)
+            turn = process % max(1, len(needed))  # processes start on different ones
+            self.variants.precompile(0, background=False, first=needed[turn:] + needed[:turn])
+            self.detector.sync()
         if precompile:
             planned = self.detector.planned() if isinstance(self.detector, InjectedFailures) else []
             slow_planned = (
@@ -225,6 +247,8 @@ class ResilientTrainer:
                     variant, state = self._switch(state, down, batch, slow)
                     new_state, loss = variant(state, batch)
                     jax.block_until_ready(loss)
+            except CollectiveTimeout:
+                raise  # nothing is down: the same program would fail again
             except WorkerFailure as failure:
                 self._record(TrainerEvent(failure.step, "failure", failure.workers))
                 continue
@@ -246,6 +270,8 @@ class ResilientTrainer:
         unavailable = {d for w in down for d in worker_devices(mesh)[w.replica, w.stage]}
         state, moved = variant.step.adopt(state, batch, unavailable)
         if down != self._current or slow != self._slow:
+            if isinstance(self.detector, LiveDevices):
+                self.detector.sync()  # survivors start the new program together
             self._current, self._slow = down, slow
             seconds = time.perf_counter() - start
             factors = tuple(sorted(slow.items()))

@@ -1,0 +1,277 @@
+"""`pjit-pipe train --processes N`: one training run over N local processes, as on a cluster.
+
+The launcher (this module's `launch`, inside the `pjit-pipe train` process)
+starts N + 1 Python processes over `jax.distributed` on localhost:
+
+- process 0, the coordinator, joins with one CPU device that no mesh uses and
+  only hosts JAX's coordination service. The service dies with the process
+  that hosts it, and every other process with it (DESIGN notes, the probe of
+  2026-12-07); a coordinator that trains nothing has no step to fail in, so
+  the death of any training process leaves the job alive.
+- processes 1..N each own K CPU devices (gloo collectives) and run the same
+  `train` as one process does, with the mesh over all their devices: process
+  i holds mesh devices (i-1)K .. iK-1 in the mesh's row-major order. Each
+  joins with `initialize_distributed`, so a process that dies is detected
+  (`LiveDevices`) and its workers' microbatches move to their peers.
+
+Each training process reports to the launcher in JSON lines on its stdout
+(its own prints go to stderr); the launcher prints each committed step once,
+as one process would, and appends the events to `--events FILE`. A training
+process's death is not an error: the run succeeds when every step up to
+`--steps` was committed.
+
+Run as `python -m pjit_pipe.cli.train_processes DIR RANK`, a process reads its
+arguments from DIR/args.pkl (written by `launch`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pickle
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+ROOT = Path(__file__).resolve().parents[2]
+COORDINATOR = 0  # the process that hosts the coordination service and trains nothing
+DEVICE_FLAG = "--xla_force_host_platform_device_count"
+EXIT_WAIT_S = 30  # how long the launcher waits for a process that finished to exit
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def _env(devices: int) -> dict[str, str]:
+    """This environment with `devices` CPU devices per process and the package importable."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_FLAG)]
+    return {
+        **os.environ,
+        "XLA_FLAGS": " ".join([*flags, f"{DEVICE_FLAG}={devices}"]),
+        "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+
+
+def worker_of_index(index: int, mesh: tuple[int, int, int]) -> tuple[int, int]:
+    """The (replica, stage) worker of the mesh's device number `index` (row-major
+    over (data, stage, tensor), as `make_mesh` lays devices out)."""
+    _, stages, tensor = mesh
+    return index // (stages * tensor), (index // tensor) % stages
+
+
+def process_workers(rank: int, k: int, mesh: tuple[int, int, int]) -> list[list[int]]:
+    """The workers training process `rank` (1..N) runs, each once, sorted."""
+    found = {worker_of_index(i, mesh) for i in range((rank - 1) * k, rank * k)}
+    return [list(w) for w in sorted(found)]
+
+
+class Events:
+    """The launcher's record of the run: each step, failure and switch once,
+    whichever process reports it first; `process` events from each process."""
+
+    def __init__(self, path: str | None):
+        self.file: TextIO | None = open(path, "a") if path else None  # noqa: SIM115
+        self.seen: set[tuple] = set()
+
+    def add(self, event: dict) -> bool:
+        """Record `event` unless another process reported it already; True if new."""
+        kind = event["event"]
+        if kind == "step":
+            key: tuple = (kind, event["step"])
+        elif kind in ("failure", "switch", "rejoin"):
+            key = (kind, event["step"], json.dumps(event.get("failed", event.get("workers"))))
+        else:
+            key = (kind, event.get("process"), event.get("pid"))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        if self.file is not None:
+            fields = {k: event[k] for k in _EVENT_FIELDS[kind] if k in event}
+            self.file.write(json.dumps({"event": kind, "t": event["t"], **fields}) + "\n")
+            self.file.flush()
+        return True
+
+    def close(self) -> None:
+        if self.file is not None:
+            self.file.close()
+
+
+_EVENT_FIELDS = {
+    "process": ("process", "pid", "workers"),
+    "step": ("step", "loss"),
+    "failure": ("step", "failed"),
+    "switch": ("step", "failed"),
+    "rejoin": ("step", "workers"),
+}
+
+
+def launch(args: argparse.Namespace) -> int:
+    """Run `args` (a parsed `pjit-pipe train --processes N` command line) over N
+    local training processes and a coordinator; print as one process would.
+
+    Returns:
+        0 when every step up to --steps was committed, else 1 (with a line on stderr).
+
+    Raises:
+        UsageError: --processes and --devices-per-process do not fit the mesh, or
+            an option that needs one process.
+    """
+    from pjit_pipe.cli.train import StepRecord, step_printer
+    from pjit_pipe.cli.train_args import check_process_args
+
+    k = check_process_args(args)
+    n = args.processes
+    on_step, close = step_printer(args)
+    events = Events(args.events)
+    port = _free_port()
+    with tempfile.TemporaryDirectory(prefix="pjit_pipe-processes-") as tmp:
+        (Path(tmp) / "args.pkl").write_bytes(pickle.dumps(args))
+        command = [sys.executable, "-m", __name__, tmp]
+        coordinator = subprocess.Popen(
+            [*command, str(COORDINATOR), str(n + 1), str(port)],
+            env=_env(1),
+            cwd=ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
+        workers = [
+            subprocess.Popen(
+                [*command, str(rank), str(n + 1), str(port), str(k)],
+                env=_env(k),
+                cwd=ROOT,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(1, n + 1)
+        ]
+        lines: queue.Queue = queue.Queue()
+
+        def read(rank: int, stream: TextIO) -> None:
+            for line in stream:
+                lines.put((rank, line))
+            lines.put((rank, None))
+
+        for rank, proc in enumerate(workers, start=1):
+            threading.Thread(target=read, args=(rank, proc.stdout), daemon=True).start()
+        committed: set[int] = set()
+        open_streams = n
+        try:
+            while open_streams:
+                rank, line = lines.get()
+                if line is None:
+                    open_streams -= 1
+                    continue
+                try:
+                    event = json.loads(line)
+                except ValueError:
+                    print(line, end="", file=sys.stderr)  # not a report: pass it on
+                    continue
+                if not events.add(event) or event["event"] != "step":
+                    continue
+                committed.add(event["step"])
+                on_step(StepRecord(**event["record"]))
+            codes = [p.wait(timeout=EXIT_WAIT_S) for p in workers]
+        finally:
+            close()
+            events.close()
+            for proc in workers:
+                if proc.poll() is None:
+                    proc.kill()
+            coordinator.stdin.close()  # its signal to leave
+            try:
+                coordinator.wait(timeout=EXIT_WAIT_S)
+            except subprocess.TimeoutExpired:
+                coordinator.kill()
+    for rank, code in enumerate(codes, start=1):
+        if code < 0:
+            name = signal.Signals(-code).name
+            print(
+                f"note: process {rank} (pid {workers[rank - 1].pid}) ended by {name}; "
+                "training went on without it",
+                file=sys.stderr,
+            )
+    missing = sorted(set(range(args.steps)) - committed)
+    first = min(committed, default=0)
+    missing = [s for s in missing if s >= first]  # a resumed run starts later
+    if missing:
+        print(
+            f"error: pjit-pipe train: the processes ended (exit codes {codes}) before step "
+            f"{missing[0]} was committed",
+            file=sys.stderr,
+        )
+        return 1
+    return 0
+
+
+def _report(out: TextIO, event: str, **fields: Any) -> None:
+    out.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+    out.flush()
+
+
+def _train(directory: str, rank: int, count: int, port: str, k: int) -> None:
+    """A training process: join the job, report itself, train, report each step."""
+    import dataclasses
+
+    out = os.fdopen(os.dup(1), "w")  # the reports go to the launcher...
+    os.dup2(2, 1)  # ...and anything else printed to stderr
+    from pjit_pipe.runtime.distributed import initialize_distributed
+
+    initialize_distributed(f"localhost:{port}", count, rank)
+    import jax
+
+    from pjit_pipe.cli.train import train
+
+    args = pickle.loads((Path(directory) / "args.pkl").read_bytes())
+    devices = sorted(
+        (d for d in jax.devices() if d.process_index != COORDINATOR),
+        key=lambda d: (d.process_index, d.id),
+    )
+    _report(
+        out, "process", process=rank, pid=os.getpid(), workers=process_workers(rank, k, args.mesh)
+    )
+
+    def on_step(record: Any) -> None:
+        _report(out, "step", step=record.step, loss=record.loss, record=dataclasses.asdict(record))
+
+    def on_event(event: Any) -> None:
+        if event.kind in ("failure", "switch"):
+            failed = [list(w) for w in sorted(event.failed)]
+            _report(out, event.kind, step=event.step, failed=failed)
+
+    train(args, on_step, devices=devices, on_trainer_event=on_event)
+    out.close()
+    # Leave without jax.distributed.shutdown: its barrier would wait for the dead
+    # processes and for the coordinator, which leaves only when every process has.
+    os._exit(0)
+
+
+def _coordinate(count: int, port: str) -> None:
+    """Process 0: host the coordination service until the launcher closes stdin."""
+    from pjit_pipe.runtime.distributed import initialize_distributed
+
+    initialize_distributed(f"localhost:{port}", count, COORDINATOR)
+    import jax
+
+    jax.devices()  # every process's backend publishes its devices before any starts
+    sys.stdin.read()
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    _dir, _rank, _count, _port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    if _rank == COORDINATOR:
+        _coordinate(_count, _port)
+    else:
+        _train(_dir, _rank, _count, _port, int(sys.argv[5]))
