@@ -300,6 +300,32 @@ def test_jit_on_the_root_is_seen_through_and_a_hidden_one_refused_by_name():
     assert "__wrapped__" in str(refusal.value)
 
 
+class SkipOver(nn.Module):
+    """a's output is added after c: the cuts before b and c are not clean."""
+
+    @nn.compact
+    def __call__(self, x):
+        a = nn.Dense(4, name="a")(x)
+        h = nn.Dense(4, name="c")(nn.Dense(4, name="b")(a)) + a
+        return nn.Dense(4, name="d")(h)
+
+
+def test_refusal_names_each_dropped_cut_and_what_it_reads():
+    x = jnp.ones((2, 4))
+    params = jax.eval_shape(SkipOver().init, jax.random.key(0), x)
+    with pytest.raises(
+        ValueError,
+        match=r"1 clean cut points \(d\).*cuts dropped .*: c \(the code after it reads the output of a\)",
+    ):
+        cut_module(SkipOver(), params, x, 3)
+    with pytest.raises(ValueError, match=r"split_points: 'c' is not a clean cut: .*output of a"):
+        cut_module(SkipOver(), params, x, 2, split_points=["c"])
+    assert cut_module(SkipOver(), params, x, 2, split_points=["d"]).keys == (
+        ("a", "b", "c"),
+        ("d",),
+    )
+
+
 def test_imbalanced_cut_warns_and_describe_reports_it():
     x = jnp.ones((2, 256))
     lopsided = nn.Sequential([nn.Dense(256), nn.Dense(4), nn.Dense(4)])

@@ -1,0 +1,292 @@
+"""Models nobody on this project wrote, pipelined as their libraries ship them.
+
+Hugging Face transformers 4.x's Flax classes (GPT-2 with its head applying the
+tied `wte` kernel, Llama, BERT's masked LM with token types and padding) keep
+their blocks two or three modules down (`transformer.h.N`, `model.layers.N`,
+`bert.encoder.layer.N`); recurrentgemma's Griffin returns per-block caches
+beside its logits and decodes with its tied embedder. Each is built from a
+tiny config with random initialization, and compared with plain JAX:
+`jax.value_and_grad` of the unpipelined model on the same batch, optax's adamw
+on the whole tree, the same keys per microbatch for dropout. Each promise is
+checked once per model rather than in a full product (each case compiles a
+pipeline): the schedule kinds (1f1b, zb-h1, interleaved-1f1b) and both stage
+counts are spread over the models, and the failure variant, training and
+dropout run on one model each. The libraries come with `pip install -e
+'.[models]'`; a test skips where its library is missing.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+import pjit_pipe as pp
+from pjit_pipe.errors import CutError
+from tests.numerics import rel_err
+
+pytestmark = pytest.mark.slow
+
+VOCAB, LENGTH, BATCH = 64, 8, 8
+
+
+def _hf(module: str):
+    """A transformers 4.x Flax modeling module (5.x has none)."""
+    pytest.importorskip("transformers")
+    return pytest.importorskip(
+        f"transformers.models.{module}",
+        reason="transformers 5 has no Flax models: pip install -e '.[models]' for 4.x",
+    )
+
+
+def _tokens(seed: int = 1, batch: int = BATCH) -> jax.Array:
+    return jax.random.randint(jax.random.key(seed), (batch, LENGTH + 1), 0, VOCAB)
+
+
+def _padding(batch: int = BATCH) -> jax.Array:
+    """Row r keeps its first LENGTH - r % 3 tokens (padding on the right)."""
+    keep = LENGTH - jnp.arange(batch) % 3
+    return (jnp.arange(LENGTH)[None, :] < keep[:, None]).astype(jnp.int32)
+
+
+def _positions(batch: int = BATCH) -> jax.Array:
+    return jnp.broadcast_to(jnp.arange(LENGTH), (batch, LENGTH))
+
+
+def causal_lm_loss(out, y):
+    """Mean next-token cross-entropy over the positions whose target is >= 0."""
+    logits = out.logits if hasattr(out, "logits") else out[0]
+    keep = y >= 0
+    xent = optax.softmax_cross_entropy_with_integer_labels(logits, jnp.where(keep, y, 0))
+    return jnp.sum(xent * keep), jnp.sum(keep).astype(jnp.float32)
+
+
+def _reference_loss(model, loss_fn, x, y, rngs=None, count=1):
+    """The unpipelined model's loss as the pipeline defines it: sum(loss_sum) /
+    sum(weight) over the batch; with rngs, microbatch i of `count` applied with
+    key fold_in(key, i), as each pipelined microbatch is."""
+    rows = BATCH // count
+
+    def loss(params):
+        total, weight = 0.0, 0.0
+        for i in range(count if rngs is not None else 1):
+            part = slice(i * rows, (i + 1) * rows) if rngs is not None else slice(None)
+            xi = {k: v[part] for k, v in x.items()}
+            extra = {} if rngs is None else {"rngs": {"dropout": jax.random.fold_in(rngs, i)}}
+            s, w = loss_fn(model.apply(params, **xi, **extra), y[part])
+            total, weight = total + s, weight + w
+        return total / weight
+
+    return loss
+
+
+def _matches_jax(model, x, y, *, stages, kind, data=1, chunks=None, rngs=None, failed=()):
+    """The pipelined loss and gradients equal jax.value_and_grad's; returns the
+    pipeline and parameters for more checks."""
+    mesh = pp.make_mesh(data=data, stage=stages)
+    pm = pp.pipeline(model, stages=stages, microbatches=2, schedule=kind, mesh=mesh, chunks=chunks)
+    params = jax.jit(lambda k: model.init(k, **x))(jax.random.key(0))
+    run = pm.with_failures(list(failed)) if failed else pm
+    loss, grads = run.value_and_grad(causal_lm_loss)(params, x, y, rngs=rngs)
+    reference = _reference_loss(model, causal_lm_loss, x, y, rngs, count=2 * data)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
+    assert jax.tree.structure(grads) == jax.tree.structure(params)
+    assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(grads, ref_grads) < 1e-5
+    return pm, params
+
+
+def _lm_batch(padding: bool = True):
+    tokens = _tokens()
+    mask = _padding() if padding else jnp.ones((BATCH, LENGTH), jnp.int32)
+    x = dict(input_ids=tokens[:, :-1], attention_mask=mask, position_ids=_positions())
+    y = jnp.where(mask > 0, tokens[:, 1:], -1)
+    return x, y
+
+
+# ---- Hugging Face GPT-2: the head applies the tied wte kernel ----
+
+
+def _gpt2():
+    transformers = pytest.importorskip("transformers")
+    hf = _hf("gpt2.modeling_flax_gpt2")
+    config = transformers.GPT2Config(
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=4, n_head=2
+    )
+    return hf.FlaxGPT2LMHeadModule(config)
+
+
+def test_hf_gpt2_is_cut_between_its_nested_blocks_with_its_head_tied():
+    model = _gpt2()
+    x, y = _lm_batch()
+    pm, params = _matches_jax(model, x, y, stages=4, kind="zb-h1", data=2)
+    cut = pm.cut(params, x)
+    assert [cut.events[b].name for b in cut.bounds[1:]] == [
+        "transformer.h.1",
+        "transformer.h.2",
+        "transformer.h.3",
+    ]
+    assert cut.shared == {"transformer/wte": (0, 3)}
+    assert "stage 2 (cut before transformer.h.2): transformer.h.2" in cut.describe()
+
+
+def test_hf_gpt2_through_a_failure_matches_jax():
+    _matches_jax(_gpt2(), *_lm_batch(), stages=2, kind="1f1b", data=2, failed=[(0, 1)])
+
+
+# ---- Hugging Face Llama: model.layers.N, untied head ----
+
+
+def _llama():
+    transformers = pytest.importorskip("transformers")
+    hf = _hf("llama.modeling_flax_llama")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=16,
+    )
+    return hf.FlaxLlamaForCausalLMModule(config)
+
+
+def test_hf_llama_interleaved_matches_jax():
+    """Two stages of two chunks: four virtual stages, cut at model.layers.N."""
+    _matches_jax(_llama(), *_lm_batch(), stages=2, kind="interleaved-1f1b", chunks=2)
+
+
+def test_hf_llama_adamw_steps_match_optax_at_named_split_points():
+    model = _llama()
+    x, y = _lm_batch()
+    opt = optax.adamw(1e-2)
+    pm = pp.pipeline(
+        model,
+        stages=2,
+        microbatches=2,
+        schedule="1f1b",
+        mesh=pp.make_mesh(data=1, stage=2),
+        optimizer=opt,
+        split_points=["model.layers.3"],
+    )
+    params = jax.jit(lambda k: model.init(k, **x))(jax.random.key(0))
+    assert pm.cut(params, x).stage_names(1) == ["model.layers.3", "model.norm", "lm_head"]
+    step = pm.train_step(causal_lm_loss)
+    state = step.init(params, (x, y))
+    reference = jax.value_and_grad(_reference_loss(model, causal_lm_loss, x, y))
+
+    @jax.jit
+    def ref_step(p, s):
+        loss, grads = reference(p)
+        updates, s = opt.update(grads, s, p)
+        return optax.apply_updates(p, updates), s, loss
+
+    ref_params, ref_state = params, opt.init(params)
+    for _ in range(2):
+        state, loss = step(state, (x, y))
+        ref_params, ref_state, ref_loss = ref_step(ref_params, ref_state)
+        assert rel_err(loss, ref_loss) < 1e-5
+    assert rel_err(state.params, ref_params) < 1e-5
+
+
+def test_split_points_are_checked_by_name():
+    model = _llama()
+    x, _ = _lm_batch()
+    params = jax.eval_shape(lambda k: model.init(k, **x), jax.random.key(0))
+    pm = pp.pipeline(model, stages=2, microbatches=2, split_points=["model.layer.2"])
+    with pytest.raises(CutError, match=r"unknown cut point 'model.layer.2'.*'model.layers.2'"):
+        pm.cut(params, x)
+
+
+# ---- Hugging Face BERT: masked LM, token types, padding, dropout ----
+
+
+def _bert(dropout: bool):
+    transformers = pytest.importorskip("transformers")
+    hf = _hf("bert.modeling_flax_bert")
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+    )
+
+    class TrainingBert(hf.FlaxBertForMaskedLMModule):
+        """The shipped module with its dropout on (`deterministic` is a Python
+        flag, so it is fixed here rather than passed in the batch)."""
+
+        def __call__(self, input_ids, attention_mask, token_type_ids, position_ids):
+            return super().__call__(
+                input_ids, attention_mask, token_type_ids, position_ids, None, deterministic=False
+            )
+
+    return TrainingBert(config) if dropout else hf.FlaxBertForMaskedLMModule(config)
+
+
+def _mlm_batch():
+    tokens = _tokens()[:, :-1]
+    mask = _padding()
+    masked = (jax.random.uniform(jax.random.key(3), tokens.shape) < 0.3) & (mask > 0)
+    x = dict(
+        input_ids=jnp.where(masked, 0, tokens),
+        attention_mask=mask,
+        token_type_ids=(jnp.arange(LENGTH) >= LENGTH // 2).astype(jnp.int32)[None].repeat(BATCH, 0),
+        position_ids=_positions(),
+    )
+    return x, jnp.where(masked, tokens, -1)
+
+
+def test_hf_bert_masked_lm_with_dropout_matches_jax():
+    model = _bert(dropout=True)
+    x, y = _mlm_batch()
+    pm, params = _matches_jax(model, x, y, stages=4, kind="1f1b", rngs=jax.random.key(7))
+    assert pm.cut(params, x).shared == {"bert/embeddings": (0, 3)}
+
+
+# ---- recurrentgemma's Griffin: per-block caches beside the logits ----
+
+
+def _griffin():
+    common = pytest.importorskip("recurrentgemma.common")
+    griffin = pytest.importorskip("recurrentgemma.jax")
+    T = common.TemporalBlockType
+    config = common.GriffinConfig(
+        vocab_size=VOCAB,
+        width=32,
+        mlp_expanded_width=64,
+        num_heads=2,
+        block_types=(T.RECURRENT, T.RECURRENT, T.ATTENTION, T.RECURRENT),
+        embeddings_scale_by_sqrt_dim=True,
+        attention_window_size=8,
+        logits_soft_cap=30.0,
+        lru_width=32,
+        scan_type=common.ScanType.LINEAR_NATIVE,
+    )
+    return griffin.Griffin(config)
+
+
+def _griffin_batch():
+    tokens = _tokens()
+    x = dict(tokens=tokens[:, :-1], segment_pos=_positions())
+    return x, tokens[:, 1:]
+
+
+def test_griffin_with_its_caches_matches_jax_and_a_loss_that_reads_them_is_refused():
+    model = _griffin()
+    x, y = _griffin_batch()
+    pm, params = _matches_jax(model, x, y, stages=4, kind="zb-h1")
+    cut = pm.cut(params, x)
+    assert cut.shared == {"embedder": (0, 3)}
+    assert {o.producers for o in cut.stale_outputs} == {("blocks.0",), ("blocks.1",), ("blocks.2",)}
+    reads_cache = lambda out, y: causal_lm_loss(out, y)[0] + out[1]["blocks.0"].rg_lru_state.sum()  # noqa: E731
+    with pytest.raises(CutError, match=r"reads outputs of Griffin .*\['blocks.0'\]\.rg_lru_state"):
+        pm.value_and_grad(reads_cache)(params, x, y)
+
+
+@pytest.mark.parametrize("kind", ["interleaved-1f1b"])
+def test_griffin_interleaved_matches_jax(kind):
+    _matches_jax(_griffin(), *_griffin_batch(), stages=2, kind=kind, chunks=2, data=2)
