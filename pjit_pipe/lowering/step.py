@@ -356,12 +356,22 @@ class PipelineStep(StepIO):
             return 0
         return low.weights.extra_bytes(low.param_spec, (low.step_plan or low.plan).res_slots)
 
-    def device_memory_analysis(self, donate: bool = True) -> Any:
+    def device_memory_analysis(
+        self, donate: bool = True, skip_nonfinite: bool | None = None
+    ) -> Any:
         """XLA's memory analysis of the compiled device_train_step (compiled by
-        `compile_device_train_step` first)."""
-        if donate not in self._compiled_device:
-            raise ValueError("device_memory_analysis: call compile_device_train_step first")
-        return self._compiled_device[donate].memory_analysis()
+        `compile_device_train_step` first) with this `donate`; `skip_nonfinite`
+        None: whichever non-finite check it was compiled with (with the check
+        when both were)."""
+        checks = (True, False) if skip_nonfinite is None else (skip_nonfinite,)
+        for skip in checks:
+            if (donate, skip) in self._compiled_device:
+                return self._compiled_device[donate, skip].memory_analysis()
+        raise ValueError(
+            f"device_memory_analysis: no device_train_step compiled with donate={donate}"
+            + ("" if skip_nonfinite is None else f", skip_nonfinite={skip_nonfinite}")
+            + "; call compile_device_train_step (TrainStep.compile) with them first"
+        )
 
     def memory_analysis(self) -> Any:
         """XLA's memory analysis of the compiled value_and_grad program."""

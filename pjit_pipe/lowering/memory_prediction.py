@@ -1,0 +1,352 @@
+"""What one compiled program holds on each device, predicted from shapes alone.
+
+The prediction builds the same layouts the lowering would (the parameters'
+size classes or flat rows, the optax rows or ZeRO's slices, the residual
+pools and the message store sized by the tick plan), but no mesh and no
+array: a 70B model's `jax.eval_shape` avals and a D x P x T deployment larger
+than the machine are enough. Per pipeline position it counts, in bytes of one
+device:
+
+- `params`, `optimizer`: the state between steps (what `TrainState.device_bytes`
+  gives): each position's rows, padded to the largest stage as one SPMD
+  program needs, split over 'tensor' where annotated, and with ZeRO the
+  optax state in slices (a device's own and a copy of the next replica's);
+- `grads`: the gradient the step accumulates over the microbatches (one
+  buffer like the parameter rows), plus with ZeRO the slice the
+  reduce-scatter leaves;
+- `update`: the optax update's working copy (the new state is written while
+  the old one is read: as large as `optimizer`);
+- `gathered`: parameters all-gathered over 'data' for the step (ZeRO-1: the
+  updated rows, once per step; ZeRO-3: the stage's rows in the compute dtype
+  before the tick loop);
+- `activations`: the residual pools, as many rows as the tick plan keeps in
+  flight on the busiest device times the widest stage's row (one program
+  sizes every device's pools alike);
+- `workspace`: the ops' live intermediates, `WORKSPACE_MICROBATCHES` times one
+  microbatch's vjp residuals of the busiest position's stages (an estimate:
+  XLA decides what is live at once);
+- `messages`: the message store's rows (boundary activations and their
+  cotangents; with remat the stored stage inputs);
+- `inputs`: the global batch each device receives (x and y, replicated).
+
+ZeRO-3 (`zero=3`) is priced as its design: the master parameters held in
+slices like ZeRO-1's optax state (own and the next replica's copy), gathered
+once per step in the compute dtype, gradients accumulated whole and
+reduce-scattered once.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from pjit_pipe.errors import OptionError
+from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.lowering.comms.messages import MessageSpec
+from pjit_pipe.lowering.compute.stages import StageVjp
+from pjit_pipe.lowering.layout.flat_buffers import FlatSpec, dtype_of, is_shaped
+from pjit_pipe.lowering.layout.param_layout import device_param_spec
+from pjit_pipe.lowering.layout.row_optimizer import RowOptimizer
+from pjit_pipe.lowering.layout.tensor_layout import LeafSplits, opt_state_splits
+from pjit_pipe.lowering.layout.zero import ZeroLayout
+from pjit_pipe.lowering.tick_plan import build_plan
+
+ZERO_LEVELS = (0, 1, 3)
+# The ops' live intermediates, in one microbatch's vjp residuals of a position's
+# stages: the residuals a forward makes before they are stored, and the cotangents
+# a backward makes of them (a remat backward recomputes the same).
+WORKSPACE_MICROBATCHES = 2
+PARTS = (
+    "params",
+    "grads",
+    "optimizer",
+    "update",
+    "gathered",
+    "activations",
+    "workspace",
+    "messages",
+    "inputs",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceMemory:
+    """Predicted bytes on one device of pipeline position `stage` (module docstring).
+
+    `own_state`: the parameters and optax state of the stages it runs, unpadded
+    (sliced as its ZeRO level slices them): what `state` would be without the
+    padding to the largest stage."""
+
+    stage: int
+    params: int
+    grads: int
+    optimizer: int
+    update: int
+    gathered: int
+    activations: int
+    workspace: int
+    messages: int
+    inputs: int
+    own_state: int
+    gathered_in_loop: bool = False
+
+    @property
+    def state(self) -> int:
+        """Bytes held between steps: parameters and optax state."""
+        return self.params + self.optimizer
+
+    @property
+    def total(self) -> int:
+        """Bytes the device needs at the step's peak: the state, the batch and the
+        gradient throughout, and the larger of the tick loop's parts (residual pools,
+        workspace, messages) and the update's (its working copy, the gathered rows
+        of ZeRO-1); ZeRO-3's gathered rows live through the loop."""
+        loop = self.activations + self.workspace + self.messages
+        after = self.update
+        if self.gathered_in_loop:
+            loop += self.gathered
+        else:
+            after += self.gathered
+        return self.state + self.inputs + self.grads + max(loop, after)
+
+    def as_dict(self) -> dict[str, int]:
+        """The parts, the state and the total, by name."""
+        return {
+            "stage": self.stage,
+            **{part: getattr(self, part) for part in PARTS},
+            "state": self.state,
+            "own_state": self.own_state,
+            "total": self.total,
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """The prediction for one deployment: D x P x T devices at one ZeRO level.
+
+    `devices[p]` is what each device of pipeline position p holds. `compiled`:
+    XLA's memory analysis of the compiled step where it was compiled (bytes of
+    one device's program: its arguments, temporaries, and its peak, the
+    arguments and temporaries with the outputs that do not reuse an argument).
+    """
+
+    data: int
+    stages: int
+    tensor: int
+    zero: int
+    devices: tuple[DeviceMemory, ...]
+    compiled: dict[str, int] | None = None
+
+    def largest(self) -> DeviceMemory:
+        """The device with the largest total."""
+        return max(self.devices, key=lambda d: d.total)
+
+    def fits(self, device_memory: int) -> bool:
+        """Whether every device's total is at most `device_memory` bytes."""
+        return self.largest().total <= device_memory
+
+    def with_compiled(self, analysis: Any) -> MemoryReport:
+        """This report with XLA's figures from a compiled step's `memory_analysis()`."""
+        arguments = int(analysis.argument_size_in_bytes)
+        temporaries = int(analysis.temp_size_in_bytes)
+        fresh = int(analysis.output_size_in_bytes) - int(analysis.alias_size_in_bytes)
+        compiled = {
+            "compiled_arguments": arguments,
+            "compiled_temporaries": temporaries,
+            "compiled_peak": arguments + temporaries + fresh,
+        }
+        return dataclasses.replace(self, compiled=compiled)
+
+    def as_dict(self, device_memory: int | None = None) -> dict[str, Any]:
+        """The report as JSON-ready values; `fits` when `device_memory` is given."""
+        largest = self.largest()
+        out: dict[str, Any] = {
+            "mesh": [self.data, self.stages, self.tensor],
+            "zero": self.zero,
+            "devices": [d.as_dict() for d in self.devices],
+            **{part: getattr(largest, part) for part in PARTS},
+            "state": largest.state,
+            "total": largest.total,
+            "mean_own_state": round(sum(d.own_state for d in self.devices) / len(self.devices)),
+        }
+        if device_memory is not None:
+            out["device_memory"] = device_memory
+            out["fits"] = self.fits(device_memory)
+        if self.compiled is not None:
+            out.update(self.compiled)
+        return out
+
+
+def _device_bytes(spec: FlatSpec, key: str, tensor: int) -> int:
+    """Bytes one device holds of one chunk's buffer `key`: a shaped buffer split
+    over 'tensor' is cut T ways, a flat row is whole on every tensor device."""
+    whole = int(np.prod(spec.shapes[key], dtype=np.int64)) * np.dtype(dtype_of(key)).itemsize
+    if is_shaped(key) and "tensor" in spec.split_of(key):
+        return whole // tensor
+    return whole
+
+
+def _row_bytes(spec: FlatSpec, tensor: int, dtype: Any = None) -> int:
+    """Bytes one device holds of one chunk's row of every buffer of `spec`
+    (`dtype`: as if every buffer were cast to it)."""
+    total = 0
+    for key in spec.sizes:
+        b = _device_bytes(spec, key, tensor)
+        if dtype is not None:
+            b = b // np.dtype(dtype_of(key)).itemsize * np.dtype(dtype).itemsize
+        total += b
+    return total
+
+
+def optimizer_spec(
+    param_spec: FlatSpec,
+    param_avals: Sequence[Any],
+    splits: Sequence[LeafSplits] | None,
+    optimizer: optax.GradientTransformation,
+    zero: ZeroLayout | None,
+) -> FlatSpec:
+    """The optax rows' layout the lowering keeps (PipelineStep): ZeRO's slices,
+    the row optimizer's rows for a leafwise update, else each stage's own state."""
+    if zero is not None:
+        return zero.opt_spec
+    rows = RowOptimizer.fit(optimizer, param_spec)
+    if rows is not None:
+        return rows.spec
+    return FlatSpec(
+        [jax.eval_shape(optimizer.init, a) for a in param_avals],
+        splits=None
+        if splits is None
+        else [opt_state_splits(optimizer, a, h) for a, h in zip(param_avals, splits, strict=True)],
+    )
+
+
+def predict_memory(
+    table: PackedTicks,
+    stages: StageVjp,
+    optimizer: optax.GradientTransformation,
+    *,
+    zero: int = 0,
+    tensor: int = 1,
+    splits: Sequence[LeafSplits] | None = None,
+    remat: bool = False,
+    compute_dtype: Any = None,
+    input_bytes: int = 0,
+) -> MemoryReport:
+    """Per pipeline position, the bytes one of its devices holds (module docstring).
+
+    Args:
+        table: the tick table the program would run (its schedule gives D, P, v).
+        stages: the traced stages (`traced_stages`): parameter avals, residual pools
+            and boundaries.
+        optimizer: the optax transformation of the train step.
+        zero: 0 (optax state whole on every replica), 1 (optax state in slices over
+            'data') or 3 (parameters and optax state in slices).
+        tensor: T, the devices each worker's weights split over where annotated.
+        splits: per virtual stage, per parameter leaf, its split over 'tensor'.
+        remat: the backward recomputes each stage's forward (no residual pools).
+        compute_dtype: the dtype ZeRO-3 gathers parameters in (None: their own).
+        input_bytes: bytes of the global batch (x and y), which every device receives.
+
+    Returns:
+        The MemoryReport: one DeviceMemory per pipeline position (its replicas
+        hold the same).
+
+    Raises:
+        OptionError: `zero` is not 0, 1 or 3.
+    """
+    if zero not in ZERO_LEVELS:
+        raise OptionError(f"zero: expected one of 0, 1, 3, got {zero!r}")
+    schedule = table.schedule
+    D = schedule.replicas
+    sliced = zero and D > 1  # one replica has nothing to shard over
+    held = [schedule.held_stages(p) for p in range(schedule.stages)]
+    v = len(held[0])
+    param_spec = device_param_spec(stages.param_avals, splits, D if sliced else 1)
+    zero_layout = (
+        ZeroLayout(param_spec, D, optimizer, schedule.num_virtual_stages, held, None)
+        if sliced
+        else None
+    )
+    opt_spec = optimizer_spec(param_spec, stages.param_avals, splits, optimizer, zero_layout)
+    rows = v * _row_bytes(param_spec, tensor)
+    opt = v * _row_bytes(opt_spec, tensor)
+    params, gathered, scattered = rows, 0, 0
+    if sliced:
+        scattered = rows // D
+        gathered = rows  # ZeRO-1: the updated rows, all-gathered after the update
+        if zero == 3:
+            params = 2 * scattered  # its own slice and a copy of the next replica's
+            gathered = v * _row_bytes(param_spec, tensor, compute_dtype)
+    plan = build_plan(
+        table,
+        remat,
+        schedule.alive_workers,
+        split=stages.split,
+        fuse_loss=not schedule.asynchronous,
+    )
+    w_row, b_row = _row_bytes(stages.w_spec, 1), _row_bytes(stages.b_spec, 1)
+    pools = 0 if remat else plan.res_slots * w_row + plan.bres_slots * b_row
+    # One program: every device's workspace is sized by the busiest position's.
+    workspace = WORKSPACE_MICROBATCHES * max(
+        sum(stages.residual_bytes(s)["b"] for s in chunk) for chunk in held
+    )
+    messages = plan.store_rows * _message_row_bytes(stages)
+    own = [
+        _own_bytes(a, None if splits is None else splits[s], optimizer, tensor)
+        for s, a in enumerate(stages.param_avals)
+    ]
+    share = {0: (1, 1), 1: (1, 2 / D), 3: (2 / D, 2 / D)}[zero if sliced else 0]
+    devices = [
+        DeviceMemory(
+            stage=p,
+            params=params,
+            grads=rows + scattered,
+            optimizer=opt,
+            update=opt,
+            gathered=gathered,
+            activations=pools,
+            workspace=workspace,
+            messages=messages,
+            inputs=input_bytes,
+            gathered_in_loop=zero == 3,
+            own_state=round(sum(share[0] * own[s][0] + share[1] * own[s][1] for s in held[p])),
+        )
+        for p in range(schedule.stages)
+    ]
+    return MemoryReport(D, schedule.stages, tensor, zero, tuple(devices))
+
+
+def _message_row_bytes(stages: StageVjp) -> int:
+    """Bytes of one message-store row: the widest boundary activation or
+    cotangent between two stages, per dtype (comms/messages.py's flat rows)."""
+    spec = MessageSpec(stages.act_avals[1:]).spec
+    return sum(spec.nbytes(k) for k in spec.sizes)
+
+
+def _own_bytes(
+    avals: Any,
+    split: LeafSplits | None,
+    optimizer: optax.GradientTransformation,
+    tensor: int,
+) -> tuple[int, int]:
+    """(parameter, optax-state) bytes of one stage on one device, unpadded: a leaf
+    split over 'tensor' counts its slice."""
+    leaves = jax.tree.leaves(avals)
+    cut = split if split is not None else [None] * len(leaves)
+    params = 0
+    for a, how in zip(leaves, cut, strict=True):
+        b = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+        params += b // tensor if how is not None and "tensor" in how else b
+    whole = sum(a.size * np.dtype(a.dtype).itemsize for a in leaves)
+    state = jax.eval_shape(optimizer.init, avals)
+    opt = sum(
+        int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
+        for a in jax.tree.leaves(state)
+    )
+    # The optax state splits over 'tensor' as its parameters do.
+    return params, opt * params // max(whole, 1)
