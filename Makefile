@@ -4,11 +4,12 @@
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
-# What is installed: the package and its dependencies (RUNTIME), and the test and
-# lint tools on top (TESTING), so `make demo` on a fresh clone waits only for the
-# first.
+# What is installed: the package and its dependencies (RUNTIME), the test and lint
+# tools on top (TESTING), and the third-party models for the whole suite (MODELS), so
+# `make demo` on a fresh clone waits only for the first.
 RUNTIME := $(VENV)/.installed
 TESTING := $(VENV)/.installed-test
+MODELS := $(VENV)/.installed-models
 
 .PHONY: demo test test-quick durations versions bench lint format clean
 
@@ -22,6 +23,16 @@ $(TESTING): $(RUNTIME)
 	$(BIN)/python -m pip install -q -e '.[test]'
 	touch $(TESTING)
 
+# The third-party models the whole suite pipelines (pyproject's `models` extra; their
+# tests are slow, so test-quick does without). recurrentgemma 1.0.1 pins numpy<2.4 and
+# absl-py<2, which its JAX modules do not need: it goes in without its dependencies
+# (the extra holds the ones it imports), so the suite runs on the numpy the JAX stack
+# pairs with.
+$(MODELS): $(TESTING)
+	$(BIN)/python -m pip install -q -e '.[models]'
+	$(BIN)/python -m pip install -q --no-deps 'recurrentgemma>=1.0.1,<2'
+	touch $(MODELS)
+
 demo: $(RUNTIME)
 	$(BIN)/python -m pjit_pipe demo
 
@@ -29,7 +40,7 @@ demo: $(RUNTIME)
 versions: $(TESTING)
 	@$(BIN)/python -c "import sys, jax, jaxlib, flax, optax, orbax.checkpoint as ocp; print(f'python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, flax {flax.__version__}, optax {optax.__version__}, orbax-checkpoint {ocp.__version__}')"
 
-test: versions
+test: $(MODELS) versions
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal
 
 # The inner loop: everything but the slow tests (marked, or recorded over
@@ -38,7 +49,7 @@ test-quick: versions
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal -m "not slow"
 
 # Record every test's time (setup and teardown included) in tests/durations.json.
-durations: versions
+durations: $(MODELS) versions
 	$(BIN)/python -m pytest -q -n 2 --dist worksteal --record-durations
 
 bench: $(RUNTIME)

@@ -285,19 +285,119 @@ class LoggedJitRoot(nn.Module):
         return nn.Dense(2, name="b")(jnp.tanh(nn.Dense(4, name="a")(x)))
 
 
+class RematRoot(nn.Module):
+    @nn.remat
+    @nn.compact
+    def __call__(self, x):
+        return nn.Dense(2, name="b")(jnp.tanh(nn.Dense(4, name="a")(x)))
+
+
 def test_jit_on_the_root_is_seen_through_and_a_hidden_one_refused_by_name():
     x = jax.random.normal(jax.random.key(1), (2, 3))
-    params = jax.jit(JitRoot().init)(jax.random.key(0), x)
-    cut = cut_module(JitRoot(), params, x, 2)
-    assert cut.keys == (("a",), ("b",))
-    out = jax.jit(lambda p, x: compose(cut, p, x))(params, x)
-    assert rel_err(out, JitRoot().apply(params, x)) < 1e-6
+    for root in (JitRoot(), RematRoot()):
+        params = jax.jit(root.init)(jax.random.key(0), x)
+        cut = cut_module(root, params, x, 2)
+        assert cut.keys == (("a",), ("b",))
+        out = jax.jit(lambda p, x, cut=cut: compose(cut, p, x))(params, x)
+        assert rel_err(out, root.apply(params, x)) < 1e-6
     params = jax.eval_shape(LoggedJitRoot().init, jax.random.key(0), x)
     with pytest.raises(
         ValueError, match=r"LoggedJitRoot.__call__ runs inside a Flax transform that"
     ) as refusal:
         cut_module(LoggedJitRoot(), params, x, 2)
     assert "__wrapped__" in str(refusal.value)
+
+
+class BlockList(nn.Module):
+    """Hugging Face's layout: a collection module that calls numbered blocks."""
+
+    layers: int
+
+    def setup(self):
+        self.blocks = [Block(name=str(i)) for i in range(self.layers)]
+
+    def __call__(self, h):
+        for block in self.blocks:
+            h = block(h)
+        return h
+
+
+class Decoder(nn.Module):
+    def setup(self):
+        self.embed = nn.Dense(8)
+        self.layers = BlockList(3)
+        self.norm = nn.LayerNorm()
+
+    def __call__(self, x):
+        return self.norm(self.layers(self.embed(x)))
+
+
+class Wrapped(nn.Module):
+    """Blocks two levels down (model.layers.N), a head beside the decoder."""
+
+    def setup(self):
+        self.model = Decoder()
+        self.head = nn.Dense(2)
+
+    def __call__(self, x):
+        return self.head(self.model(x))
+
+
+def test_blocks_deep_in_the_model_are_cut_and_split_points_name_any_depth():
+    x = jax.random.normal(jax.random.key(1), (2, 3))
+    model = Wrapped()
+    params = jax.jit(model.init)(jax.random.key(0), x)
+    want = model.apply(params, x)
+    cut = cut_module(model, params, x, 3)
+    assert [cut.events[b].name for b in cut.bounds[1:]] == ["model.layers.1", "model.layers.2"]
+    assert cut.keys[1] == ("model/layers/1",)
+    assert "stage 1 (cut before model.layers.1): model.layers.1\n" in cut.describe()
+    out = jax.jit(lambda p, x: compose(cut, p, x))(params, x)
+    assert rel_err(out, want) < 1e-6
+    # A point inside a block is found (the block becomes a container), and refused
+    # by what the code after it reads: the block's residual input.
+    with pytest.raises(
+        ValueError,
+        match=r"'model.layers.1.Dense_0' is not a clean cut: .* the output of model.layers.0",
+    ):
+        cut_module(model, params, x, 2, split_points=["model.layers.1.Dense_0"])
+    with pytest.raises(ValueError, match=r"unknown cut point 'model.layer.1'.*'model.layers.1'"):
+        cut_module(model, params, x, 2, split_points=["model.layer.1"])
+
+
+class TiedHeads(nn.Module):
+    """An embedding whose table the head applies without calling the embedding:
+    through another module's `apply` with the transposed table (Hugging Face's
+    GPT-2), a plain `h @ table.T`, or `Embed.attend`."""
+
+    head: str
+
+    def setup(self):
+        self.wte = nn.Embed(16, 8)
+        self.blocks = [Block(name=f"block{i}") for i in range(2)]
+        self.lm_head = nn.Dense(16, use_bias=False)
+
+    def __call__(self, ids):
+        h = self.wte(ids)
+        for block in self.blocks:
+            h = block(h)
+        table = self.variables["params"]["wte"]["embedding"]
+        if self.head == "apply":
+            return self.lm_head.apply({"params": {"kernel": table.T}}, h)
+        if self.head == "matmul":
+            return h @ table.T
+        return self.wte.attend(h)
+
+
+@pytest.mark.parametrize("head", ["apply", "matmul", "attend"])
+def test_heads_that_apply_a_tied_table_share_it(head):
+    ids = jax.random.randint(jax.random.key(1), (2, 5), 0, 16)
+    model = TiedHeads(head)
+    params = jax.jit(model.init)(jax.random.key(0), ids)
+    cut = cut_module(model, params, ids, 2)
+    assert cut.shared == {"wte": (0, 1)}
+    out = jax.jit(lambda p, x: compose(cut, p, x))(params, ids)
+    assert rel_err(out, model.apply(params, ids)) < 1e-6
 
 
 class SkipOver(nn.Module):
@@ -599,7 +699,7 @@ def _hf_blocks_lm():
     transformers = pytest.importorskip("transformers")
     hf_gpt2 = pytest.importorskip(
         "transformers.models.gpt2.modeling_flax_gpt2",
-        reason="transformers 5 has no Flax modules: pip install -e '.[hf]' for transformers 4",
+        reason="transformers 5 has no Flax modules: pip install -e '.[models]' for transformers 4",
     )
     FlaxGPT2Block = hf_gpt2.FlaxGPT2Block
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 import pytest
 
@@ -72,7 +73,7 @@ def _reference_loss(model, loss_fn, x, y, rngs=None, count=1):
         total, weight = 0.0, 0.0
         for i in range(count if rngs is not None else 1):
             part = slice(i * rows, (i + 1) * rows) if rngs is not None else slice(None)
-            xi = {k: v[part] for k, v in x.items()}
+            xi = jax.tree.map(lambda v, part=part: v[part], x)
             extra = {} if rngs is None else {"rngs": {"dropout": jax.random.fold_in(rngs, i)}}
             s, w = loss_fn(model.apply(params, **xi, **extra), y[part])
             total, weight = total + s, weight + w
@@ -93,8 +94,28 @@ def _matches_jax(model, x, y, *, stages, kind, data=1, chunks=None, rngs=None, f
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     assert rel_err(loss, ref_loss) < 1e-5
-    assert rel_err(grads, ref_grads) < 1e-5
+    assert _grads_err(grads, ref_grads) < 1e-5
     return pm, params
+
+
+# An attention key's bias shifts every score of a query alike, which softmax
+# ignores: its gradient is zero in exact arithmetic, and rounding noise in both
+# runs. It is compared against the largest gradient instead of its own size.
+ZERO_IN_EXACT_ARITHMETIC = "['key']['bias']"
+
+
+def _grads_err(grads, ref_grads) -> float:
+    """rel_err over the leaves, the zero-in-exact-arithmetic ones taken relative to
+    the largest gradient of the model."""
+    scale = max(float(np.max(np.abs(np.asarray(g)))) for g in jax.tree.leaves(ref_grads))
+    worst = 0.0
+    flat = jax.tree_util.tree_flatten_with_path(grads)[0]
+    for (path, got), want in zip(flat, jax.tree.leaves(ref_grads), strict=True):
+        if ZERO_IN_EXACT_ARITHMETIC in jax.tree_util.keystr(path):
+            worst = max(worst, float(np.max(np.abs(np.asarray(got) - np.asarray(want)))) / scale)
+        else:
+            worst = max(worst, rel_err(got, want))
+    return worst
 
 
 def _lm_batch(padding: bool = True):
@@ -161,7 +182,9 @@ def test_hf_llama_interleaved_matches_jax():
 def test_hf_llama_adamw_steps_match_optax_at_named_split_points():
     model = _llama()
     x, y = _lm_batch()
-    opt = optax.adamw(1e-2)
+    # adam would turn the rounding noise of a zero-gradient leaf into full-size steps in
+    # either run; a larger eps keeps such steps small.
+    opt = optax.adamw(1e-2, eps=1e-3)
     pm = pp.pipeline(
         model,
         stages=2,

@@ -216,10 +216,13 @@ class StageCut:
             )
         for k, holders in self.shared.items():
             lines.append(f"  shared {k}: held by stages {', '.join(map(str, holders))}")
-        for out in self.stale_outputs:
+        if self.stale_outputs:
+            names = [out.name for out in self.stale_outputs]
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            producers = dict.fromkeys(p for out in self.stale_outputs for p in out.producers)
             lines.append(
-                f"  output {out.name}: left to earlier stages (reads "
-                f"{', '.join(out.producers)}); the loss must not read it"
+                f"  outputs the last stage cannot compute (from {', '.join(producers)}; the "
+                f"loss must not read them): {shown}"
             )
         lines.append(f"  imbalance (largest / mean cost): {imbalance(self.flops):.2f}x")
         return "\n".join(lines)
