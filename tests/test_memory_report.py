@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import optax
@@ -108,3 +110,39 @@ def test_report_refuses_bad_zero_and_compiled_elsewhere():
         pm.memory_report(shapes, (x, y), mse_loss, zero=2)
     with pytest.raises(OptionError, match="compiled=True"):
         pm.memory_report(shapes, (x, y), mse_loss, data=4, compiled=True)
+
+
+def test_cli_prices_llama3_8b_from_shapes(capsys):
+    from pjit_pipe.cli import main
+
+    argv = ["memory", "--model", "llama", "--config", "8b", "--mesh", "4x4", "--seq", "1024"]
+    reports = {}
+    for zero in (0, 1, 3):
+        assert main([*argv, "--zero", str(zero), "--device-memory", "80GB", "--json"]) == 0
+        reports[zero] = json.loads(capsys.readouterr().out)
+    whole = reports[0]
+    assert whole["mesh"] == [4, 4, 1] and whole["device_memory"] == 80 * 10**9
+    # Llama-3-8B's parameters, counted from its published shapes
+    d, f, kv, vocab, layers = 4096, 14336, 8 * 128, 128256, 32
+    per_layer = 2 * d * d + 2 * d * kv + 3 * d * f + 2 * d
+    n = layers * per_layer + 2 * vocab * d + d
+    # adam keeps two moments per parameter: each stage's own share sums to 3x the model
+    own = sum(device["own_state"] for device in whole["devices"])
+    assert abs(own / (3 * 4 * n) - 1) < 1e-6
+    for device in whole["devices"]:  # every device pays for the largest stage
+        assert 3 * device["params"] >= device["own_state"] - 16  # (adam's step counts)
+        assert device["total"] == whole["total"]
+    # ZeRO-1 keeps 2/D of the optax state, ZeRO-3 2/D of the parameters too
+    assert reports[1]["optimizer"] == pytest.approx(whole["optimizer"] / 2, rel=1e-3)
+    assert reports[1]["params"] == whole["params"]
+    assert reports[3]["params"] == pytest.approx(whole["params"] / 2, rel=1e-3)
+    assert reports[3]["gathered"] == pytest.approx(whole["params"] / 2, rel=1e-3)  # bf16
+    assert reports[0]["total"] > reports[1]["total"] > reports[3]["total"]
+    assert all(r["fits"] is (r["total"] <= 80 * 10**9) for r in reports.values())
+
+
+def test_cli_refuses_config_of_another_model(capsys):
+    from pjit_pipe.cli import main
+
+    assert main(["memory", "--model", "mlp", "--config", "70b"]) == 2
+    assert "only --model llama" in capsys.readouterr().err

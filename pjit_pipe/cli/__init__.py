@@ -21,6 +21,7 @@ SUBCOMMANDS = {
     "plan": "plan",
     "probe": "probe",
     "emulate": "emulate",
+    "memory": "memory",
 }
 
 

@@ -322,12 +322,15 @@ class CompiledPrograms:
         mesh_data, mesh_tensor = self.replicas, tensor_size(self.mesh)
         want_data = mesh_data if data is None else data
         want_tensor = mesh_tensor if tensor is None else tensor
-        level = int(bool(self.options.zero)) if zero is None else zero
-        if compiled and (level == 3 or (want_data, want_tensor) != (mesh_data, mesh_tensor)):
+        own_level = int(bool(self.options.zero))
+        level = own_level if zero is None else zero
+        if compiled and (
+            level != own_level or (want_data, want_tensor) != (mesh_data, mesh_tensor)
+        ):
             raise OptionError(
                 f"memory_report(compiled=True): compiles on this pipeline's mesh with "
                 f"its zero, so give no data/tensor other than ({mesh_data}, {mesh_tensor}) "
-                "and zero 0 or 1 (zero=3 is predicted only)"
+                f"and no zero other than {own_level} (zero=3 is predicted only)"
             )
         plain, boxed = unbox(params)
         plain = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), plain)

@@ -22,9 +22,9 @@ device:
 - `activations`: the residual pools, as many rows as the tick plan keeps in
   flight on the busiest device times the widest stage's row (one program
   sizes every device's pools alike);
-- `workspace`: the ops' live intermediates, `WORKSPACE_MICROBATCHES` times one
-  microbatch's vjp residuals of the busiest position's stages (an estimate:
-  XLA decides what is live at once);
+- `workspace`: the ops' live intermediates, in one microbatch's vjp residuals
+  of the busiest position (`WORKSPACE_MICROBATCHES`, `WORKSPACE_REMAT_CHUNKS`:
+  an estimate, as XLA decides what is live at once);
 - `messages`: the message store's rows (boundary activations and their
   cotangents; with remat the stored stage inputs);
 - `inputs`: the global batch each device receives (x and y, replicated).
@@ -57,10 +57,14 @@ from pjit_pipe.lowering.layout.zero import ZeroLayout
 from pjit_pipe.lowering.tick_plan import build_plan
 
 ZERO_LEVELS = (0, 1, 3)
-# The ops' live intermediates, in one microbatch's vjp residuals of a position's
-# stages: the residuals a forward makes before they are stored, and the cotangents
-# a backward makes of them (a remat backward recomputes the same).
+# The ops' live intermediates, in one microbatch's vjp residuals: a position's
+# stages' (the residuals a tick's forward makes before they are stored, and the
+# cotangents its backward makes of them), or with remat one chunk's (a backward
+# that recomputes holds the residuals and their cotangents beside the tick's
+# forward). Fitted on CPU: totals within 0.92-1.05x of XLA's peak on the tiny GPT and
+# MLP, 0.88-1.11x with remat (benchmarks/bench_memory.py).
 WORKSPACE_MICROBATCHES = 2
+WORKSPACE_REMAT_CHUNKS = 3
 PARTS = (
     "params",
     "grads",
@@ -292,9 +296,11 @@ def predict_memory(
     w_row, b_row = _row_bytes(stages.w_spec, 1), _row_bytes(stages.b_spec, 1)
     pools = 0 if remat else plan.res_slots * w_row + plan.bres_slots * b_row
     # One program: every device's workspace is sized by the busiest position's.
-    workspace = WORKSPACE_MICROBATCHES * max(
-        sum(stages.residual_bytes(s)["b"] for s in chunk) for chunk in held
-    )
+    residuals = [stages.residual_bytes(s)["b"] for s in range(schedule.num_virtual_stages)]
+    if remat:
+        workspace = WORKSPACE_REMAT_CHUNKS * max(residuals)
+    else:
+        workspace = WORKSPACE_MICROBATCHES * max(sum(residuals[s] for s in h) for h in held)
     messages = plan.store_rows * _message_row_bytes(stages)
     own = [
         _own_bytes(a, None if splits is None else splits[s], optimizer, tensor)

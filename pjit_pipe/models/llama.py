@@ -41,7 +41,9 @@ Init = Callable[..., Any]
 @dataclass(frozen=True)
 class LlamaConfig:
     """Sizes of the decoder. `tiny` is the test size, `gpu` a few hundred million
-    parameters (about 340M, untied) for one accelerator."""
+    parameters (about 340M, untied) for one accelerator, `llama3_8b` and
+    `llama3_70b` the published Llama-3 shapes (for memory reports from
+    `jax.eval_shape`: the weights need not exist)."""
 
     vocab: int = 96
     seq_len: int = 32
@@ -67,6 +69,38 @@ class LlamaConfig:
             vocab=32_000, seq_len=1024, d_model=1024, n_heads=16, n_kv_heads=4, n_layers=24
         )
         return cls(**{**sizes, "d_ff": 2816, **changes})
+
+    @classmethod
+    def llama3_8b(cls, **changes: Any) -> LlamaConfig:
+        """Llama-3-8B's shapes (8.0B parameters untied), computing in bfloat16."""
+        sizes = dict(
+            vocab=128_256,
+            seq_len=8192,
+            d_model=4096,
+            n_heads=32,
+            n_kv_heads=8,
+            n_layers=32,
+            d_ff=14_336,
+            rope_theta=500_000.0,
+            dtype=jnp.bfloat16,
+        )
+        return cls(**{**sizes, **changes})
+
+    @classmethod
+    def llama3_70b(cls, **changes: Any) -> LlamaConfig:
+        """Llama-3-70B's shapes (70.6B parameters untied), computing in bfloat16."""
+        sizes = dict(
+            vocab=128_256,
+            seq_len=8192,
+            d_model=8192,
+            n_heads=64,
+            n_kv_heads=8,
+            n_layers=80,
+            d_ff=28_672,
+            rope_theta=500_000.0,
+            dtype=jnp.bfloat16,
+        )
+        return cls(**{**sizes, **changes})
 
     @property
     def head_dim(self) -> int:
