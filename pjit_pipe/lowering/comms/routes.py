@@ -101,11 +101,16 @@ def _swap_along_path(
 
 def without_cycles(routes: Sequence[Route]) -> list[Route]:
     """`routes` with no ppermute whose pairs close a cycle: from each cycle (a ring
-    shift) the wrap edge, the pair that leaves its highest device, moves to one
-    more ppermute of its own (the wrap edges of disjoint cycles are a partial
-    permutation). A ring then travels as a forward shift and a separate wrap
-    edge, as JAX's GPU performance notes advise: a cyclic collective-permute
-    can deadlock or serialize in GPU runtimes' send/recv."""
+    shift) the wrap edge, the pair that leaves its highest device, moves to
+    ppermutes of their own. A ring then travels as a forward shift and a separate
+    wrap edge, as JAX's GPU performance notes advise: a cyclic collective-permute
+    can deadlock or serialize in GPU runtimes' send/recv.
+
+    The wrap edges of one route's cycles are a partial permutation, but those of
+    different routes may share a device (the top of a cycle in two routes: a
+    re-routed interleaved plan), so they are split into the fewest partial
+    permutations again. Each wrap edge leaves its cycle's highest device for a
+    lower one, so no set of them closes a cycle."""
     kept, wraps = [], []
     for route in routes:
         nxt = dict(route)
@@ -122,7 +127,7 @@ def without_cycles(routes: Sequence[Route]) -> list[Route]:
                 wrap.add((top, nxt[top]))
         kept.append(tuple(p for p in route if p not in wrap))
         wraps.extend(wrap)
-    return [*kept, tuple(sorted(wraps))] if wraps else list(routes)
+    return [*kept, *fewest_routes(wraps)]
 
 
 def channel_routes(grouping: Sequence[set[Pair]], pairwise: bool = False) -> list[Route]:
