@@ -15,7 +15,18 @@ flat layout pads each device's rows to the largest stage, so a device of a
 small stage pays for the embedding or LM head of the largest one: the
 configurations show how much.
 
-Run: python -m benchmarks.bench_memory [--steps N]
+Then, per ZeRO level (`--part zero`), the tiny GPT with adam at D = 2 and 4 on
+P = 2 and D = 8 on P = 1: the largest device's state, the memory report's
+prediction of it and of the step's peak, XLA's compiled peak, and the step
+time against ZeRO-1's (zero=3 is predicted only: it is not built yet).
+
+And the memory report's rows (`--part report`): Llama-3-70B's and -8B's shapes
+on P = 8 x D = 8, one sequence of 4096 per microbatch, remat on, at ZeRO 0, 1
+and 3, against an 80 GB device; and the padding of the bundled Llama with a 32k
+vocabulary (LlamaConfig.gpu) at P = 4: the largest device's state over the mean
+of the devices' own stages'.
+
+Run: python -m benchmarks.bench_memory [--steps N] [--part layout|zero|report ...]
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 import pjit_pipe as pp
 from pjit_pipe.frontend.opt_state import merge_opt_state, split_opt_state
 from pjit_pipe.lowering.layout.device_state import device_bytes
+from pjit_pipe.lowering.memory_prediction import PARTS
 from pjit_pipe.models import GPT, GPTConfig, lm_loss
 
 CONFIGS = {
@@ -122,12 +134,116 @@ def measure(name: str, config: GPTConfig, D: int, P: int, M: int, steps: int) ->
     )
 
 
+def zero_table(steps: int) -> None:
+    """Per ZeRO level: measured and predicted state, predicted and compiled peak, step time."""
+    config = GPTConfig.tiny(vocab=65)
+    print(
+        f"{'mesh':>5} {'zero':>4} {'state B':>10} {'predicted':>10} {'peak B':>10} "
+        f"{'predicted':>10} {'ratio':>6} {'step ms':>8} {'vs zero1':>8}"
+    )
+    for D, P in ((2, 2), (4, 2), (8, 1)):
+        M = 4
+        rng = np.random.default_rng(0)
+        x = rng.integers(0, config.vocab, size=(2 * D * M, config.seq_len)).astype(np.int32)
+        batch = (x, np.roll(x, -1, axis=1))
+        times = {}
+        for zero in (1, 0, 3):  # ZeRO-1 first: the others' times are against it
+            pm = pp.pipeline(
+                GPT(config),
+                stages=P,
+                microbatches=M,
+                mesh=pp.make_mesh(data=D, stage=P),
+                optimizer=optax.adam(1e-3),
+                zero=zero == 1,
+            )
+            shapes = jax.eval_shape(pm.init, jax.random.key(0), x)
+            if zero == 3:  # predicted only: zero=3 is not built yet
+                report = pm.memory_report(shapes, batch, lm_loss, zero=3).largest()
+                print(
+                    f"{D}x{P:<3} {zero:>4} {'-':>10} {report.state:>10} {'-':>10} "
+                    f"{report.total:>10} {'-':>6} {'-':>8} {'-':>8}"
+                )
+                continue
+            report = pm.memory_report(shapes, batch, lm_loss, compiled=True)
+            train = pm.train_step(lm_loss)
+            box = {"state": train.init(pm.init(jax.random.key(0), x), batch)}
+
+            def step(train=train, box=box, batch=batch):
+                box["state"], loss = train(box["state"], batch)
+                return loss
+
+            timed(step, 2)
+            times[zero] = timed(step, steps)
+            held = max(box["state"].device_bytes().values())
+            largest, peak = report.largest(), report.compiled["compiled_peak"]
+            print(
+                f"{D}x{P:<3} {zero:>4} {held:>10} {largest.state:>10} {peak:>10} "
+                f"{largest.total:>10} {largest.total / peak:6.3f} {times[zero] * 1e3:8.1f} "
+                + f"{times[zero] / times[1]:8.3f}"
+            )
+
+
+def report_table() -> None:
+    """The memory report's rows for Llama-3 shapes, and the 32k Llama's padding."""
+    from pjit_pipe.models.llama import Llama, LlamaConfig
+
+    print(
+        f"{'model':<10} {'zero':>4} "
+        + " ".join(f"{p:>11}" for p in (*PARTS, "total"))
+        + f" {'fits 80GB':>9}  (GB per device)"
+    )
+    for name, config in (
+        ("70B 8x8", LlamaConfig.llama3_70b(seq_len=4096)),
+        ("8B 8x8", LlamaConfig.llama3_8b(seq_len=4096)),
+    ):
+        D, P, M = 8, 8, 16
+        tokens = jax.ShapeDtypeStruct((D * M, config.seq_len), np.int32)
+        pm = pp.pipeline(
+            Llama(config), stages=P, microbatches=M, optimizer=optax.adam(1e-3), remat=True
+        )
+        shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
+        for zero in (0, 1, 3):
+            report = pm.memory_report(
+                shapes, (tokens, tokens), lm_loss, data=D, zero=zero, compute_dtype=config.dtype
+            )
+            d = report.as_dict(80 * 10**9)
+            print(
+                f"{name:<10} {zero:>4} "
+                + " ".join(f"{d[p] / 1e9:11.2f}" for p in (*PARTS, "total"))
+                + f" {d['fits']!s:>9}"
+            )
+    config = LlamaConfig.gpu()
+    tokens = jax.ShapeDtypeStruct((8, config.seq_len), np.int32)
+    pm = pp.pipeline(Llama(config), stages=4, microbatches=8, optimizer=optax.adam(1e-3))
+    shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
+    report = pm.memory_report(shapes, (tokens, tokens), lm_loss)
+    own = [d.own_state for d in report.devices]
+    largest = report.largest().state
+    print(
+        f"Llama vocab {config.vocab} at P=4: each device holds {largest:,} B; own stages "
+        + ", ".join(f"{b:,}" for b in own)
+        + f"; largest / mean own {largest / (sum(own) / len(own)):.3f}"
+    )
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument(
+        "--part",
+        action="append",
+        choices=("layout", "zero", "report"),
+        help="which tables (default all)",
+    )
     args = parser.parse_args(argv)
-    for name, (config, D, P, M) in CONFIGS.items():
-        measure(name, config, D, P, M, args.steps)
+    parts = args.part or ["layout", "zero", "report"]
+    if "layout" in parts:
+        for name, (config, D, P, M) in CONFIGS.items():
+            measure(name, config, D, P, M, args.steps)
+    if "zero" in parts:
+        zero_table(args.steps)
+    if "report" in parts:
+        report_table()
 
 
 if __name__ == "__main__":

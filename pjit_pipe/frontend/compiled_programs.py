@@ -300,8 +300,10 @@ class CompiledPrograms:
             batch: (x, y) of one global batch, arrays or ShapeDtypeStructs.
             loss_fn: as in `train_step`; None prices the last stage without a loss's
                 own residuals (an LM's softmax keeps its logits: pass the loss).
-            data, tensor: D and T to predict for (None: this pipeline's mesh), so a
-                deployment larger than this machine can be priced.
+            data: D, the replicas to predict for (None: this pipeline's mesh's), so
+                a deployment larger than this machine can be priced.
+            tensor: T, the devices each stage's annotated weights split over (None:
+                this pipeline's mesh's).
             zero: 0, 1 or 3 (None: this pipeline's `zero`, 1 for True).
             compute_dtype: the dtype ZeRO-3 gathers parameters in (None: their own).
             compiled: also compile the train step on this pipeline's mesh and add
