@@ -201,10 +201,8 @@ class ResilientTrainer:
             # before the first step, then they start together: a survivor that
             # compiled its switch later than the collective timeout would break
             # the step for all.
-            process = jax.process_index()
-            needed = self.detector.planned(process)
-            turn = process % max(1, len(needed))  # processes start on different ones
-            self.variants.precompile(0, background=False, first=needed[turn:] + needed[:turn])
+            needed = self.detector.planned(jax.process_index())
+            self.variants.precompile(0, background=False, first=needed)
             self.detector.sync()
         if precompile:
             planned = self.detector.planned() if isinstance(self.detector, InjectedFailures) else []

@@ -1,0 +1,189 @@
+"""A real process death on a multi-process run: `pjit-pipe train --processes N`, one
+training process killed with SIGKILL mid-run (by its pid from the events file).
+
+Prints, per scenario: the time from the kill to the failure's detection (the
+survivors' `failure` event), to the first step committed after it, and the
+steps lost (committed steps missing from 0 .. --steps - 1; 0 when training
+went on). Run `python -m benchmarks.bench_process_failure`; the first run
+compiles (about two minutes on 2 cores), later ones load from the cache
+folder it names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@dataclass
+class KillRun:
+    """What one run with a kill gave."""
+
+    returncode: int
+    records: list[dict]  # the CLI's --json lines
+    events: list[dict]  # the --events file
+    killed_pid: int | None
+    killed_at: float | None  # unix seconds
+    stderr: str = ""
+    workers: dict[int, list] = field(default_factory=dict)  # process -> its workers
+
+    def first_after_kill(self, kind: str) -> dict | None:
+        """The first event of `kind` recorded after the kill."""
+        if self.killed_at is None:
+            return None
+        later = [e for e in self.events if e["event"] == kind and e["t"] >= self.killed_at]
+        return min(later, key=lambda e: e["t"], default=None)
+
+
+def read_events(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    lines = path.read_text().splitlines()
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def run_with_kill(
+    folder: Path,
+    train_args: list[str],
+    victim: int | None,
+    after_step: int,
+    timeout_s: float,
+    cache_dir: Path,
+) -> KillRun:
+    """Run `pjit-pipe train <train_args> --json --events ...` and SIGKILL training
+    process `victim` (None: nobody) once step `after_step` is committed. The whole
+    process group is killed at the end, whatever happens; past `timeout_s` the run
+    is stopped and TimeoutError raised with the output so far."""
+    events_file = folder / "events.jsonl"
+    err_file = folder / "stderr.txt"
+    command = [sys.executable, "-m", "pjit_pipe", "train", *train_args, "--json"]
+    command += ["--events", str(events_file), "--cache-dir", str(cache_dir)]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    with open(err_file, "w") as err:
+        proc = subprocess.Popen(
+            command,
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            text=True,
+            start_new_session=True,
+        )
+    killed_pid = killed_at = None
+    start = time.monotonic()
+    try:
+        while victim is not None and killed_pid is None and proc.poll() is None:
+            if time.monotonic() - start > timeout_s:
+                raise TimeoutError(f"no step {after_step} within {timeout_s} s")
+            events = read_events(events_file)
+            pids = {e["process"]: e["pid"] for e in events if e["event"] == "process"}
+            if any(e["event"] == "step" and e["step"] >= after_step for e in events):
+                killed_pid = pids[victim]
+                os.kill(killed_pid, signal.SIGKILL)
+                killed_at = time.time()
+            time.sleep(0.01)
+        try:
+            out, _ = proc.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
+        except subprocess.TimeoutExpired:
+            raise TimeoutError(f"the run went past {timeout_s} s") from None
+    except TimeoutError as e:
+        raise TimeoutError(f"{e}; stderr tail: {err_file.read_text()[-3000:]}") from None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    events = read_events(events_file)
+    return KillRun(
+        proc.returncode,
+        [json.loads(line) for line in out.splitlines() if line.startswith("{")],
+        events,
+        killed_pid,
+        killed_at,
+        err_file.read_text(),
+        {e["process"]: e["workers"] for e in events if e["event"] == "process"},
+    )
+
+
+SCENARIOS = {  # name -> (train args, victim process, kill after this step is committed)
+    "2x2 mlp 1f1b, 4 processes, process 2 killed": (
+        [
+            "--model",
+            "mlp",
+            "--mesh",
+            "2x2",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "2",
+            "--steps",
+            "40",
+            "--processes",
+            "4",
+        ],
+        2,
+        3,
+    ),
+    "2x2 mlp 1f1b, 4 processes, process 1 (the first training process) killed": (
+        [
+            "--model",
+            "mlp",
+            "--mesh",
+            "2x2",
+            "--schedule",
+            "1f1b",
+            "--microbatches",
+            "2",
+            "--steps",
+            "40",
+            "--processes",
+            "4",
+        ],
+        1,
+        3,
+    ),
+}
+
+
+def main() -> None:
+    import tempfile
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "bench_pf"))
+    parser.add_argument("--timeout", type=float, default=600.0)
+    args = parser.parse_args()
+    import jax
+
+    print(f"jax {jax.__version__}, cache {args.cache_dir}")
+    for name, (train_args, victim, after) in SCENARIOS.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            run = run_with_kill(
+                Path(tmp), train_args, victim, after, args.timeout, Path(args.cache_dir)
+            )
+        steps = int(train_args[train_args.index("--steps") + 1])
+        committed = {r["step"] for r in run.records}
+        lost = len(set(range(steps)) - committed)
+        failure = run.first_after_kill("failure")
+        step = run.first_after_kill("step")
+        detect = f"{failure['t'] - run.killed_at:.2f} s" if failure else "none"
+        next_step = f"{step['t'] - run.killed_at:.2f} s" if step else "none"
+        print(
+            f"{name}: exit {run.returncode}; kill -> failure detected {detect}, -> next "
+            f"committed step {next_step}; steps lost {lost}"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""A real process death: `pjit-pipe train --processes 4` on a 2x2 mesh (one device per
+process, gloo), one training process killed with SIGKILL mid-run by its pid from the
+events file. Training must go on, commit every step once and give the losses of
+plain optax on the same batches, computed here with jax.value_and_grad.
+"""
+
+import jax
+import numpy as np
+import optax
+import pytest
+
+from benchmarks.bench_process_failure import run_with_kill
+from pjit_pipe.cli import main
+from pjit_pipe.cli.train import make_task
+from pjit_pipe.cli.train_processes import process_workers
+from pjit_pipe.errors import OptionError
+from pjit_pipe.runtime import recovery_settings
+
+TIMEOUT_S = 420  # the CLI's whole run, compiles included (2 cores, 5 processes)
+STEPS, MESH, MICROBATCHES, LR = 24, (2, 2), 2, 3e-3
+
+
+def optax_losses(steps: int) -> list[float]:
+    """The CLI's mlp run as plain optax: the same seed, batches and Adam."""
+    data, _ = MESH
+    task = make_task("mlp", 2 * data * MICROBATCHES, seed=0)
+    x, y = task.next_batch()
+    params = task.model.init(jax.random.key(0), x)
+    opt = optax.adam(LR)
+    state = opt.init(params)
+    grad = jax.jit(jax.value_and_grad(lambda p, x, y: task.loss_fn(task.model.apply(p, x), y)))
+    losses = []
+    for _ in range(steps):
+        loss, g = grad(params, x, y)
+        updates, state = opt.update(g, state, params)
+        params = optax.apply_updates(params, updates)
+        losses.append(float(loss))
+        x, y = task.next_batch()
+    return losses
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [2])
+def test_training_goes_on_after_a_process_is_killed(tmp_path, victim):
+    args = ["--model", "mlp", "--mesh", "x".join(map(str, MESH)), "--schedule", "1f1b"]
+    args += ["--microbatches", str(MICROBATCHES), "--steps", str(STEPS), "--processes", "4"]
+    run = run_with_kill(tmp_path, args, victim, 3, TIMEOUT_S, tmp_path / "cache")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.killed_at is not None
+    steps = [r["step"] for r in run.records]
+    assert steps == list(range(STEPS)), steps  # each step once, in order, none skipped
+    np.testing.assert_allclose([r["loss"] for r in run.records], optax_losses(STEPS), rtol=1e-5)
+    victim_workers = sorted(map(tuple, run.workers[victim]))
+    assert victim_workers == [(0, 1)]
+    failure = run.first_after_kill("failure")
+    switch = run.first_after_kill("switch")
+    assert failure is not None and switch is not None, run.events
+    assert sorted(map(tuple, failure["failed"])) == victim_workers
+    assert sorted(map(tuple, switch["failed"])) == victim_workers
+    after = [r for r in run.records if r["step"] >= failure["step"]]
+    assert all(r["failed"] == ["0:1"] for r in after)  # the re-routed program ran them
+    first = run.first_after_kill("step")
+    assert first["t"] - run.killed_at < 30  # detection plus the retried step
+    logged = [e["step"] for e in run.events if e["event"] == "step"]
+    assert logged == list(range(STEPS))
+
+
+def test_process_workers_follow_the_mesh_layout():
+    # 2x2 over 4 processes of one device: row-major, process i holds device i-1.
+    assert [process_workers(i, 1, (2, 2, 1)) for i in range(1, 5)] == [
+        [[0, 0]],
+        [[0, 1]],
+        [[1, 0]],
+        [[1, 1]],
+    ]
+    # 2x2x2 over 2 processes of 4 devices: each process holds one replica.
+    assert process_workers(1, 4, (2, 2, 2)) == [[0, 0], [0, 1]]
+    assert process_workers(2, 4, (2, 2, 2)) == [[1, 0], [1, 1]]
+
+
+def test_recovery_settings():
+    cpu = recovery_settings("cpu", 4, 6)
+    assert cpu["config"] == {
+        "jax_enable_recoverability": True,
+        "jax_cpu_collectives_implementation": "gloo",
+    }
+    assert cpu["xla_flags"] == ["--xla_cpu_collective_timeout_seconds=6"]
+    assert cpu["initialize"] == {"heartbeat_timeout_seconds": 4}
+    gpu = recovery_settings("gpu")
+    assert "--xla_gpu_nccl_terminate_on_error=false" in gpu["xla_flags"]
+    assert gpu["env"]["XLA_PYTHON_CLIENT_ABORT_COLLECTIVES_ON_FAILURE"] == "1"
+    with pytest.raises(OptionError, match="platform"):
+        recovery_settings("tpu")
+    with pytest.raises(OptionError, match="collective_timeout_s"):
+        recovery_settings("cpu", collective_timeout_s=0)
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--processes", "3"], "do not split evenly"),
+        (["--processes", "2", "--devices-per-process", "1"], "needs 4"),
+        (["--processes", "4", "--fail", "2:0:1"], "--fail injects"),
+    ],
+)
+def test_bad_process_options_are_refused(capsys, extra, message):
+    code = main(["train", "--model", "mlp", "--mesh", "2x2", "--steps", "2", *extra])
+    assert code == 2
+    err = capsys.readouterr().err
+    assert message in err and len(err.strip().splitlines()) == 1
