@@ -129,11 +129,11 @@ def _lm_batch(padding: bool = True):
 # ---- Hugging Face GPT-2: the head applies the tied wte kernel ----
 
 
-def _gpt2():
+def _gpt2(layers: int = 4):
     transformers = pytest.importorskip("transformers")
     hf = _hf("gpt2.modeling_flax_gpt2")
     config = transformers.GPT2Config(
-        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=4, n_head=2
+        vocab_size=VOCAB, n_positions=16, n_embd=32, n_layer=layers, n_head=2
     )
     return hf.FlaxGPT2LMHeadModule(config)
 
@@ -159,14 +159,14 @@ def test_hf_gpt2_through_a_failure_matches_jax():
 # ---- Hugging Face Llama: model.layers.N, untied head ----
 
 
-def _llama():
+def _llama(layers: int = 4):
     transformers = pytest.importorskip("transformers")
     hf = _hf("llama.modeling_flax_llama")
     config = transformers.LlamaConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         max_position_embeddings=16,
@@ -226,14 +226,14 @@ def test_split_points_are_checked_by_name():
 # ---- Hugging Face BERT: masked LM, token types, padding, dropout ----
 
 
-def _bert(dropout: bool):
+def _bert(dropout: bool, layers: int = 4):
     transformers = pytest.importorskip("transformers")
     hf = _hf("bert.modeling_flax_bert")
     config = transformers.BertConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
-        num_hidden_layers=4,
+        num_hidden_layers=layers,
         num_attention_heads=2,
         max_position_embeddings=16,
     )
@@ -250,7 +250,9 @@ def _bert(dropout: bool):
     return TrainingBert(config) if dropout else hf.FlaxBertForMaskedLMModule(config)
 
 
-def _mlm_batch():
+def _mlm_batch(shipped_call: bool = False):
+    """Masked tokens, token types, padding; `shipped_call`: with the head_mask
+    argument the shipped module's __call__ requires (None)."""
     tokens = _tokens()[:, :-1]
     mask = _padding()
     masked = (jax.random.uniform(jax.random.key(3), tokens.shape) < 0.3) & (mask > 0)
@@ -260,6 +262,8 @@ def _mlm_batch():
         token_type_ids=(jnp.arange(LENGTH) >= LENGTH // 2).astype(jnp.int32)[None].repeat(BATCH, 0),
         position_ids=_positions(),
     )
+    if shipped_call:
+        x["head_mask"] = None
     return x, jnp.where(masked, tokens, -1)
 
 
@@ -273,7 +277,7 @@ def test_hf_bert_masked_lm_with_dropout_matches_jax():
 # ---- recurrentgemma's Griffin: per-block caches beside the logits ----
 
 
-def _griffin():
+def _griffin(layers: int = 4):
     common = pytest.importorskip("recurrentgemma.common")
     griffin = pytest.importorskip("recurrentgemma.jax")
     T = common.TemporalBlockType
@@ -282,7 +286,7 @@ def _griffin():
         width=32,
         mlp_expanded_width=64,
         num_heads=2,
-        block_types=(T.RECURRENT, T.RECURRENT, T.ATTENTION, T.RECURRENT),
+        block_types=((T.RECURRENT, T.RECURRENT, T.ATTENTION, T.RECURRENT) * layers)[:layers],
         embeddings_scale_by_sqrt_dim=True,
         attention_window_size=8,
         logits_soft_cap=30.0,
@@ -305,6 +309,12 @@ def test_griffin_with_its_caches_matches_jax_and_a_loss_that_reads_them_is_refus
     cut = pm.cut(params, x)
     assert cut.shared == {"embedder": (0, 3)}
     assert {o.producers for o in cut.stale_outputs} == {("blocks.0",), ("blocks.1",), ("blocks.2",)}
+    # The forward pass gives the last stage's own block's cache, and the others as NaN.
+    logits, cache = pm.forward(params, x)
+    ref_logits, ref_cache = model.apply(params, **x)
+    assert rel_err(logits, ref_logits) < 1e-5
+    assert rel_err(cache["blocks.3"], ref_cache["blocks.3"]) < 1e-5
+    assert all(bool(jnp.all(jnp.isnan(cache[f"blocks.{i}"].rg_lru_state))) for i in (0, 1))
     reads_cache = lambda out, y: causal_lm_loss(out, y)[0] + out[1]["blocks.0"].rg_lru_state.sum()  # noqa: E731
     with pytest.raises(CutError, match=r"reads outputs of Griffin .*\['blocks.0'\]\.rg_lru_state"):
         pm.value_and_grad(reads_cache)(params, x, y)
@@ -313,3 +323,24 @@ def test_griffin_with_its_caches_matches_jax_and_a_loss_that_reads_them_is_refus
 @pytest.mark.parametrize("kind", ["interleaved-1f1b"])
 def test_griffin_interleaved_matches_jax(kind):
     _matches_jax(_griffin(), *_griffin_batch(), stages=2, kind=kind, chunks=2, data=2)
+
+
+# ---- the whole product, on request (pytest -m exhaustive) ----
+
+MODELS = {
+    "gpt2": lambda layers: (_gpt2(layers), _lm_batch()),
+    "llama": lambda layers: (_llama(layers), _lm_batch()),
+    "bert": lambda layers: (_bert(False, layers), _mlm_batch(shipped_call=True)),
+    "griffin": lambda layers: (_griffin(layers), _griffin_batch()),
+}
+
+
+@pytest.mark.exhaustive
+@pytest.mark.parametrize("stages", [2, 4])
+@pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "interleaved-1f1b"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_every_model_kind_and_stage_count_matches_jax(name, kind, stages):
+    """Eight blocks, so that interleaved-1f1b at P=4 has its eight virtual stages."""
+    model, (x, y) = MODELS[name](8)
+    chunks = 2 if kind == "interleaved-1f1b" else None
+    _matches_jax(model, x, y, stages=stages, kind=kind, chunks=chunks, data=2)

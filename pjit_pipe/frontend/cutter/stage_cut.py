@@ -91,7 +91,8 @@ class StageCut:
             the events being the calls inside them (() is the root).
         out_aval: Shapes of the model's output (None when not recorded).
         stale_outputs: The model outputs the last stage cannot compute; a loss
-            must not read them (`check_loss`).
+            must not read them (`check_loss`), and the last stage gives them as
+            NaN (an integer type's least value, False).
     """
 
     model: Model
@@ -164,7 +165,8 @@ class StageCut:
                 return self.model.run(params, act, run)
             skips = {i: _zeros(self.events[i].out) for i in calls_before}
             run = Run(start, stop, act, skips, self.events, self.levels)
-            return self.model.run(params, _zeros(self.x_aval), run)
+            out = self.model.run(params, _zeros(self.x_aval), run)
+            return _blanked(out, self.stale_outputs) if stop is None else out
 
         stage.__name__ = f"stage_{s}"
         return stage
@@ -326,6 +328,29 @@ class StageCut:
         for path, row_blocks in blocks.items():
             parts[path] = stack([v for _, v in sorted(row_blocks, key=lambda b: b[0])])
         return self.model.variables(_assemble(parts))
+
+
+def _blanked(out: Any, stale: Sequence[StaleOutput]) -> Any:
+    """The model output with the leaves the last stage cannot compute (made from
+    stand-ins) replaced by NaN, or the least value of an integer or boolean type:
+    a forward pass shows them as missing rather than as numbers."""
+    if not stale:
+        return out
+    names = {o.name for o in stale}
+
+    def blank(path: Any, leaf: Any) -> Any:
+        if jax.tree_util.keystr(path) not in names:
+            return leaf
+        dtype = jnp.result_type(leaf)
+        if dtype == jnp.bool_:
+            fill = False
+        elif jnp.issubdtype(dtype, jnp.inexact):
+            fill = jnp.nan
+        else:
+            fill = jnp.iinfo(dtype).min
+        return jnp.full(jnp.shape(leaf), fill, dtype)
+
+    return jax.tree_util.tree_map_with_path(blank, out)
 
 
 def _shapes(avals: Any) -> str:
