@@ -101,6 +101,7 @@ def test_recovery_settings():
         (["--processes", "3"], "do not split evenly"),
         (["--processes", "2", "--devices-per-process", "1"], "needs 4"),
         (["--processes", "4", "--fail", "2:0:1"], "--fail injects"),
+        (["--processes", "4", "--checkpoint-dir", "ckpt"], "--checkpoint-dir is not supported"),
     ],
 )
 def test_bad_process_options_are_refused(capsys, extra, message):

@@ -286,6 +286,11 @@ def check_process_args(args: argparse.Namespace) -> int:
                 f"{flag} injects events into one process; with --processes the failures are "
                 "real (kill a process): drop it"
             )
+    if args.checkpoint_dir:
+        raise UsageError(
+            "--checkpoint-dir is not supported with --processes yet (orbax cannot save a "
+            "stage that a process holds no copy of); drop one of them"
+        )
     if args.schedule == "async-1f1b" or args.show_costs:
         what = "--schedule async-1f1b" if args.schedule == "async-1f1b" else "--show-costs"
         raise UsageError(f"{what} runs in one process only; drop --processes")

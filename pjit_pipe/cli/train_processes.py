@@ -18,7 +18,8 @@ Each training process reports to the launcher in JSON lines on its stdout
 (its own prints go to stderr); the launcher prints each committed step once,
 as one process would, and appends the events to `--events FILE`. A training
 process's death is not an error: the run succeeds when every step up to
-`--steps` was committed.
+`--steps` was committed, every process that finished committed each of them,
+and all reported the same loss for each.
 
 Run as `python -m pjit_pipe.cli.train_processes DIR RANK`, a process reads its
 arguments from DIR/args.pkl (written by `launch`).
@@ -90,8 +91,8 @@ class Events:
         kind = event["event"]
         if kind == "step":
             key: tuple = (kind, event["step"])
-        elif kind in ("failure", "switch", "rejoin"):
-            key = (kind, event["step"], json.dumps(event.get("failed", event.get("workers"))))
+        elif kind in ("failure", "switch"):
+            key = (kind, event["step"], json.dumps(event["failed"]))
         else:
             key = (kind, event.get("process"), event.get("pid"))
         if key in self.seen:
@@ -113,7 +114,6 @@ _EVENT_FIELDS = {
     "step": ("step", "loss"),
     "failure": ("step", "failed"),
     "switch": ("step", "failed"),
-    "rejoin": ("step", "workers"),
 }
 
 
@@ -165,7 +165,9 @@ def launch(args: argparse.Namespace) -> int:
 
         for rank, proc in enumerate(workers, start=1):
             threading.Thread(target=read, args=(rank, proc.stdout), daemon=True).start()
-        committed: set[int] = set()
+        losses: dict[int, float] = {}  # committed step -> its loss, as first reported
+        reported: dict[int, set[int]] = {rank: set() for rank in range(1, n + 1)}
+        disagree: list[str] = []
         open_streams = n
         try:
             while open_streams:
@@ -178,11 +180,15 @@ def launch(args: argparse.Namespace) -> int:
                 except ValueError:
                     print(line, end="", file=sys.stderr)  # not a report: pass it on
                     continue
-                if not events.add(event) or event["event"] != "step":
-                    continue
-                committed.add(event["step"])
-                on_step(StepRecord(**event["record"]))
-            codes = [p.wait(timeout=EXIT_WAIT_S) for p in workers]
+                if event["event"] == "step":  # every survivor commits the same
+                    step, loss = event["step"], event["loss"]
+                    reported[rank].add(step)
+                    if step in losses and abs(loss - losses[step]) > 1e-6 * abs(losses[step]):
+                        disagree.append(f"step {step}: process {rank} {loss}, else {losses[step]}")
+                    losses.setdefault(step, loss)
+                if events.add(event) and event["event"] == "step":
+                    on_step(StepRecord(**event["record"]))
+            codes = [_exit_code(p) for p in workers]
         finally:
             close()
             events.close()
@@ -202,17 +208,30 @@ def launch(args: argparse.Namespace) -> int:
                 "training went on without it",
                 file=sys.stderr,
             )
-    missing = sorted(set(range(args.steps)) - committed)
-    first = min(committed, default=0)
-    missing = [s for s in missing if s >= first]  # a resumed run starts later
+    missing = sorted(set(range(args.steps)) - set(losses))
+    finished = [r for r, code in enumerate(codes, start=1) if code == 0]
+    short = [r for r in finished if reported[r] != set(losses)]
+    problem = None
     if missing:
-        print(
-            f"error: pjit-pipe train: the processes ended (exit codes {codes}) before step "
-            f"{missing[0]} was committed",
-            file=sys.stderr,
-        )
+        problem = f"the processes ended (exit codes {codes}) before step {missing[0]} was committed"
+    elif disagree:
+        problem = f"processes disagree on a committed loss: {disagree[0]}"
+    elif short:
+        problem = f"process {short[0]} finished without committing every step"
+    if problem:
+        print(f"error: pjit-pipe train: {problem}", file=sys.stderr)
         return 1
     return 0
+
+
+def _exit_code(proc: subprocess.Popen) -> int:
+    """A training process's exit code, once its reports have ended (killed if it
+    does not exit within EXIT_WAIT_S of that)."""
+    try:
+        return proc.wait(timeout=EXIT_WAIT_S)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()
 
 
 def _report(out: TextIO, event: str, **fields: Any) -> None:
