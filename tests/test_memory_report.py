@@ -146,3 +146,14 @@ def test_cli_refuses_config_of_another_model(capsys):
 
     assert main(["memory", "--model", "mlp", "--config", "70b"]) == 2
     assert "only --model llama" in capsys.readouterr().err
+
+
+def test_zero_levels_by_name():
+    mesh = pp.make_mesh(data=2, stage=2)
+    named = pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero=1)
+    assert named.zero is True  # zero=1 names ZeRO-1, zero=True
+    assert pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero=0).zero is False
+    with pytest.raises(OptionError, match=r"zero=3 .* not built yet"):
+        pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero=3)
+    with pytest.raises(OptionError, match="zero: expected 0, 1"):
+        pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero="yes")

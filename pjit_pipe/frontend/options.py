@@ -98,8 +98,9 @@ class PipelineOptions:
         async_weights: schedule="async-1f1b" only: the weights its stale forwards
             read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
             weight stashing) or "latest"; None: "predict" for async-1f1b.
-        zero: ZeRO over 'data': each stage's optax state sharded over its D
-            replicas, gradients reduce-scattered and the updated parameters
+        zero: ZeRO-1 over 'data' (True, or 1; False or 0: off; 3, the
+            parameters sharded too, is refused: not built yet): each stage's optax
+            state sharded over its D replicas, gradients reduce-scattered and the updated parameters
             all-gathered once per step (lowering/layout/zero.py); an elementwise
             optimizer and an unstaggered schedule. Failure variants run without it,
             each lost slice read from the copy its neighbour keeps. With one
@@ -139,7 +140,7 @@ class PipelineOptions:
     pack_polish: float = 0.0
     skip_nonfinite: bool | None = None
     tick_sync: str | None = None
-    zero: bool = False
+    zero: bool | int = False
 
     def resolved_tick_sync(self) -> str:
         """How the runtime synchronizes ticks.
@@ -207,8 +208,14 @@ class PipelineOptions:
             )
         self._check_skip_nonfinite()
         self._check_async_weights()
-        if not isinstance(self.zero, bool):
-            raise OptionError(f"zero: expected True or False, got {self.zero!r}")
+        if self.zero == 3 and not isinstance(self.zero, bool):
+            raise OptionError(
+                "zero=3 (parameters sharded over data too) is not built yet; use zero=1 "
+                "(the optax state sharded) or pm.memory_report(..., zero=3) to price it"
+            )
+        if self.zero not in (0, 1) or not isinstance(self.zero, bool | int):
+            raise OptionError(f"zero: expected 0, 1 (True) or False, got {self.zero!r}")
+        object.__setattr__(self, "zero", bool(self.zero))  # zero=1 names zero=True
         if self.zero and self.schedule in IN_LOOP_OPTIMIZER:
             raise OptionError(
                 f"zero=True with schedule={self.schedule!r}: its optimizer is staggered into "

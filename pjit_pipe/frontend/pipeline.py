@@ -64,7 +64,7 @@ def pipeline(
     async_weights: AsyncWeightsMode | None = None,
     pack_polish: float = 0.0,
     skip_nonfinite: bool | None = None,
-    zero: bool = False,
+    zero: bool | int = False,
     split_points: Sequence[str] | None = None,
 ) -> Pipelined | AutoPlanned | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
@@ -111,7 +111,7 @@ def pipeline(
         skip_nonfinite: Whether a step whose loss or gradient norm is not
             finite leaves the state as it was; None: yes, except on async-1f1b.
         zero: Shard each stage's optimizer state over its data-parallel
-            replicas (ZeRO; docs/tensor_parallel.md).
+            replicas (ZeRO-1: True or 1; docs/memory.md).
         split_points: The cut points by module path, where stages 1, 2, ...
             begin (["model.layers.8", ...]); None: the cutter balances.
 
