@@ -12,7 +12,9 @@ checked once per model rather than in a full product (each case compiles a
 pipeline): the schedule kinds (1f1b, zb-h1, interleaved-1f1b) and both stage
 counts are spread over the models, and the failure variant, training and
 dropout run on one model each. The libraries come with `pip install -e
-'.[models]'`; a test skips where its library is missing.
+'.[models]'` (and recurrentgemma, see the Makefile); a test skips where its
+library is missing. gemma is not installed by `make test` (it brings
+TensorFlow); its test runs where it is installed.
 """
 
 from __future__ import annotations
@@ -82,15 +84,19 @@ def _reference_loss(model, loss_fn, x, y, rngs=None, count=1):
     return loss
 
 
-def _matches_jax(model, x, y, *, stages, kind, data=1, chunks=None, rngs=None, failed=()):
+def _matches_jax(
+    model, x, y, *, stages, kind, data=1, chunks=None, rngs=None, failed=(), microbatches=2
+):
     """The pipelined loss and gradients equal jax.value_and_grad's; returns the
     pipeline and parameters for more checks."""
     mesh = pp.make_mesh(data=data, stage=stages)
-    pm = pp.pipeline(model, stages=stages, microbatches=2, schedule=kind, mesh=mesh, chunks=chunks)
+    pm = pp.pipeline(
+        model, stages=stages, microbatches=microbatches, schedule=kind, mesh=mesh, chunks=chunks
+    )
     params = jax.jit(lambda k: model.init(k, **x))(jax.random.key(0))
     run = pm.with_failures(list(failed)) if failed else pm
     loss, grads = run.value_and_grad(causal_lm_loss)(params, x, y, rngs=rngs)
-    reference = _reference_loss(model, causal_lm_loss, x, y, rngs, count=2 * data)
+    reference = _reference_loss(model, causal_lm_loss, x, y, rngs, count=microbatches * data)
     ref_loss, ref_grads = jax.jit(jax.value_and_grad(reference))(params)
     assert jax.tree.structure(grads) == jax.tree.structure(params)
     assert rel_err(loss, ref_loss) < 1e-5
@@ -325,6 +331,41 @@ def test_griffin_interleaved_matches_jax(kind):
     _matches_jax(_griffin(), *_griffin_batch(), stages=2, kind=kind, chunks=2, data=2)
 
 
+# ---- gemma: the root's __call__ under nn.jit (not installed by make test) ----
+
+
+def test_gemma_under_its_root_jit_matches_jax():
+    """gemma's Transformer as shipped: nn.jit on its __call__ (seen through),
+    positions and a (B, L, L) mask as inputs, an Output dataclass as output."""
+    gm = pytest.importorskip("gemma.gm", reason="gemma: pip install gemma (TensorFlow, kauldron)")
+    from gemma.gm.nn import _config, _modules
+
+    A = _modules.AttentionType
+    config = _config.TransformerConfig(
+        num_embed=VOCAB,
+        embed_dim=32,
+        hidden_dim=64,
+        num_heads=2,
+        head_dim=16,
+        num_kv_heads=1,
+        final_logit_softcap=None,
+        use_post_attn_norm=True,
+        use_post_ffw_norm=True,
+        attention_types=(A.GLOBAL, A.LOCAL_SLIDING) * 2,
+        sliding_window_size=4,
+    )
+    model = gm.nn.Transformer(config=config, dtype=jnp.float32, tokens="batch.tokens")
+    tokens = _tokens()
+    causal = jnp.tril(jnp.ones((LENGTH, LENGTH), bool))
+    x = dict(
+        tokens=tokens[:, :-1],
+        positions=_positions(),
+        attention_mask=jnp.broadcast_to(causal, (BATCH, LENGTH, LENGTH)),
+    )
+    pm, params = _matches_jax(model, x, tokens[:, 1:], stages=4, kind="zb-h1", data=2)
+    assert pm.cut(params, x).shared == {"embedder": (0, 3)}
+
+
 # ---- the whole product, on request (pytest -m exhaustive) ----
 
 MODELS = {
@@ -340,7 +381,17 @@ MODELS = {
 @pytest.mark.parametrize("kind", ["1f1b", "zb-h1", "interleaved-1f1b"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_every_model_kind_and_stage_count_matches_jax(name, kind, stages):
-    """Eight blocks, so that interleaved-1f1b at P=4 has its eight virtual stages."""
+    """Eight blocks, so that interleaved-1f1b at P=4 has its eight virtual stages
+    (and as many microbatches as stages, which it needs)."""
     model, (x, y) = MODELS[name](8)
-    chunks = 2 if kind == "interleaved-1f1b" else None
-    _matches_jax(model, x, y, stages=stages, kind=kind, chunks=chunks, data=2)
+    interleaved = kind == "interleaved-1f1b"
+    _matches_jax(
+        model,
+        x,
+        y,
+        stages=stages,
+        kind=kind,
+        chunks=2 if interleaved else None,
+        data=2,
+        microbatches=stages if interleaved else 2,
+    )
