@@ -280,6 +280,32 @@ def test_hf_bert_masked_lm_with_dropout_matches_jax():
     assert pm.cut(params, x).shared == {"bert/embeddings": (0, 3)}
 
 
+def test_hf_bert_with_gradient_checkpointing_is_cut_between_its_remat_layers():
+    """gradient_checkpointing=True wraps each layer in remat, three modules down:
+    the cut enters each layer outside its transform (the stages composed here)."""
+    from tests.test_frontend import compose
+
+    transformers = pytest.importorskip("transformers")
+    hf = _hf("bert.modeling_flax_bert")
+    config = transformers.BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=4,
+        num_attention_heads=2,
+        max_position_embeddings=16,
+    )
+    model = hf.FlaxBertForMaskedLMModule(config, gradient_checkpointing=True)
+    x, _ = _mlm_batch(shipped_call=True)
+    params = jax.jit(lambda k: model.init(k, **x))(jax.random.key(0))
+    cut = pp.frontend.cut_module(model, params, x, 4)
+    starts = [cut.events[b] for b in cut.bounds[1:]]
+    assert [e.name for e in starts] == [f"bert.encoder.layer.{i}" for i in (1, 2, 3)]
+    assert all(e.transform is not None for e in starts)
+    out = jax.jit(lambda p, x: compose(cut, p, x))(params, x)
+    assert rel_err(out, model.apply(params, **x)) < 1e-5
+
+
 # ---- recurrentgemma's Griffin: per-block caches beside the logits ----
 
 
