@@ -31,6 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pjit_pipe as pp
+from pjit_pipe.schedules import DEFAULT_CHUNKS as KINDS  # every kind, its chunks per device
 from tests.numerics import rel_err
 
 # Segments of random sizes cut where the markers stand, however uneven.
@@ -42,16 +43,6 @@ ROWS, LENGTH, MICROBATCHES = 8, 3, 4
 SHAPES = ((VOCAB, WIDTH), (WIDTH, VOCAB), (VOCAB * WIDTH,), (2, 16), (WIDTH, WIDTH), (WIDTH,))
 LEAF_NAMES = ("alpha", "beta", "kappa", "omega", "zeta")
 TIED_NAMES = ("a_table", "r_table", "z_table")  # before, between and after "seg_*"
-KINDS = {  # kind -> chunks per device
-    "gpipe": 1,
-    "1f1b": 1,
-    "interleaved-1f1b": 2,
-    "zb-h1": 1,
-    "zb-h2": 1,
-    "zb-v": 2,
-    "auto": 1,
-    "async-1f1b": 1,
-}
 # async-1f1b trains on stale weights by design (test_async_lowering.py checks its
 # rule); its gradient of one batch is the plain one, like every other kind's.
 SYNCHRONOUS = tuple(k for k in KINDS if k != "async-1f1b")
