@@ -229,7 +229,7 @@ def test_scan_stack_is_cut_between_iterations():
         ("out", "stack[5:6]"),
     )
     assert "stage 0: inp, stack[0]\n" in cut.describe()
-    assert "stage 1: stack[1], stack[2]\n" in cut.describe()
+    assert "stage 1 (cut before stack[1]): stack[1], stack[2]\n" in cut.describe()
     stage_params = cut.split(params)
     assert stage_params[1]["stack[1:3]"]["Dense_0"]["kernel"].shape == (2, 8, 8)
     np.testing.assert_array_equal(
