@@ -1,4 +1,4 @@
-"""Run a Flax module's __call__ as one pipeline stage by intercepting its top-level calls.
+"""Run a Flax module's __call__ as one pipeline stage by intercepting its module calls.
 
 The model's forward pass is a chain of *events*: calls of the modules one
 level below the *containers* (`self.blocks[i](x, mask)`, the layers of
