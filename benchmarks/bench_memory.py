@@ -18,7 +18,7 @@ configurations show how much.
 Then, per ZeRO level (`--part zero`), the tiny GPT with adam at D = 2 and 4 on
 P = 2 and D = 8 on P = 1: the largest device's state, the memory report's
 prediction of it and of the step's peak, XLA's compiled peak, and the step
-time against ZeRO-1's (zero=3 is predicted only: it is not built yet).
+time against ZeRO-1's.
 
 And the memory report's rows (`--part report`): Llama-3-70B's and -8B's shapes
 on P = 8 x D = 8, one sequence of 4096 per microbatch, remat on, at ZeRO 0, 1
@@ -154,16 +154,9 @@ def zero_table(steps: int) -> None:
                 microbatches=M,
                 mesh=pp.make_mesh(data=D, stage=P),
                 optimizer=optax.adam(1e-3),
-                zero=zero == 1,
+                zero=zero,
             )
             shapes = jax.eval_shape(pm.init, jax.random.key(0), x)
-            if zero == 3:  # predicted only: zero=3 is not built yet
-                report = pm.memory_report(shapes, batch, lm_loss, zero=3).largest()
-                print(
-                    f"{D}x{P:<3} {zero:>4} {'-':>10} {report.state:>10} {'-':>10} "
-                    f"{report.total:>10} {'-':>6} {'-':>8} {'-':>8}"
-                )
-                continue
             report = pm.memory_report(shapes, batch, lm_loss, compiled=True)
             train = pm.train_step(lm_loss)
             box = {"state": train.init(pm.init(jax.random.key(0), x), batch)}
@@ -203,9 +196,7 @@ def report_table() -> None:
         )
         shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
         for zero in (0, 1, 3):
-            report = pm.memory_report(
-                shapes, (tokens, tokens), lm_loss, data=D, zero=zero, compute_dtype=config.dtype
-            )
+            report = pm.memory_report(shapes, (tokens, tokens), lm_loss, data=D, zero=zero)
             d = report.as_dict(80 * 10**9)
             print(
                 f"{name:<10} {zero:>4} "

@@ -136,7 +136,7 @@ def test_cli_prices_llama3_8b_from_shapes(capsys):
     assert reports[1]["optimizer"] == pytest.approx(whole["optimizer"] / 2, rel=1e-3)
     assert reports[1]["params"] == whole["params"]
     assert reports[3]["params"] == pytest.approx(whole["params"] / 2, rel=1e-3)
-    assert reports[3]["gathered"] == pytest.approx(whole["params"] / 2, rel=1e-3)  # bf16
+    assert reports[3]["gathered"] == whole["params"]  # gathered whole for the step
     assert reports[0]["total"] > reports[1]["total"] > reports[3]["total"]
     assert all(r["fits"] is (r["total"] <= 80 * 10**9) for r in reports.values())
 
@@ -150,10 +150,10 @@ def test_cli_refuses_config_of_another_model(capsys):
 
 def test_zero_levels_by_name():
     mesh = pp.make_mesh(data=2, stage=2)
-    named = pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero=1)
-    assert named.zero is True  # zero=1 names ZeRO-1, zero=True
-    assert pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero=0).zero is False
-    with pytest.raises(OptionError, match=r"zero=3 .* not built yet"):
-        pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero=3)
-    with pytest.raises(OptionError, match="zero: expected 0, 1"):
-        pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero="yes")
+    options = lambda zero: pp.PipelineOptions(stages=2, microbatches=2, mesh=mesh, zero=zero)  # noqa: E731
+    assert options(True).zero == options(1).zero == 1  # zero=1 names zero=True
+    assert options(False).zero == options(0).zero == 0
+    assert options(3).zero == 3
+    for bad in (2, "yes", 1.0):
+        with pytest.raises(OptionError, match=r"zero: expected 0 \(False\), 1 .* or 3"):
+            options(bad)

@@ -95,7 +95,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _model(args: argparse.Namespace):
-    """(module, loss, x and y shapes, compute dtype) of the chosen model."""
+    """(module, loss, x and y shapes) of the chosen model."""
     import jax
     import jax.numpy as jnp
 
@@ -113,14 +113,14 @@ def _model(args: argparse.Namespace):
             raise UsageError("--seq: --model mlp takes rows, not sequences; drop --seq")
         x = jax.ShapeDtypeStruct((batch, 16), jnp.float32)
         y = jax.ShapeDtypeStruct((batch, 8), jnp.float32)
-        return ResidualMLP(), mse_loss, x, y, None
+        return ResidualMLP(), mse_loss, x, y
     if args.model == "gpt-tiny":
         config = GPTConfig.tiny()
         # With T > 1 its blocks split as Megatron's columns and rows (as in train).
         config = dataclasses.replace(
             config, seq_len=args.seq or config.seq_len, megatron=args.mesh[2] > 1
         )
-        model, seq, dtype = GPT(config), config.seq_len, config.dtype
+        model, seq = GPT(config), config.seq_len
     else:
         named = {
             "tiny": LlamaConfig.tiny,
@@ -128,9 +128,9 @@ def _model(args: argparse.Namespace):
             "70b": LlamaConfig.llama3_70b,
         }
         config = named[args.config](**({"seq_len": args.seq} if args.seq else {}))
-        model, seq, dtype = Llama(config), config.seq_len, config.dtype
+        model, seq = Llama(config), config.seq_len
     tokens = jax.ShapeDtypeStruct((batch, seq), jnp.int32)
-    return model, lm_loss, tokens, tokens, dtype
+    return model, lm_loss, tokens, tokens
 
 
 def run(args: argparse.Namespace) -> int:
@@ -145,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     import pjit_pipe as pp
     from pjit_pipe.cli.device_choice import run_devices
 
-    model, loss, x, y, dtype = _model(args)
+    model, loss, x, y = _model(args)
     devices = run_devices(need)
     mesh_shape = (data, stages, tensor) if args.compiled else (1, stages, 1)
     mesh = pp.make_mesh(*mesh_shape, devices=devices)
@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
         mesh=mesh,
         optimizer=optax.adam(1e-3),
         remat=args.remat,
-        zero=bool(args.zero) and args.compiled,
+        zero=args.zero if args.compiled else 0,
     )
     shapes = jax.eval_shape(model.init, jax.random.key(0), x)
     report = pm.memory_report(
@@ -167,7 +167,6 @@ def run(args: argparse.Namespace) -> int:
         data=data,
         tensor=tensor,
         zero=args.zero,
-        compute_dtype=dtype,
         compiled=args.compiled,
     )
     out = report.as_dict(args.device_memory)

@@ -288,7 +288,6 @@ class CompiledPrograms:
         data: int | None = None,
         tensor: int | None = None,
         zero: int | None = None,
-        compute_dtype: Any = None,
         compiled: bool = False,
     ) -> MemoryReport:
         """What each device would hold to train this pipeline, before anything is
@@ -304,8 +303,7 @@ class CompiledPrograms:
                 a deployment larger than this machine can be priced.
             tensor: T, the devices each stage's annotated weights split over (None:
                 this pipeline's mesh's).
-            zero: 0, 1 or 3 (None: this pipeline's `zero`, 1 for True).
-            compute_dtype: the dtype ZeRO-3 gathers parameters in (None: their own).
+            zero: 0, 1 or 3 (None: this pipeline's `zero`).
             compiled: also compile the train step on this pipeline's mesh and add
                 XLA's memory analysis of it (`MemoryReport.compiled`).
 
@@ -313,8 +311,9 @@ class CompiledPrograms:
             The MemoryReport: per pipeline position, each part's bytes.
 
         Raises:
-            OptionError: no optimizer, zero outside 0, 1, 3, compiled with zero=3
-                (not built yet) or with another data/tensor than the mesh's.
+            OptionError: no optimizer, zero outside 0, 1, 3, or compiled with another
+                zero, data or tensor than the pipeline's.
+            BatchError: the batch does not split into data*microbatches.
         """
         if self.optimizer is None:
             raise OptionError(
@@ -324,7 +323,7 @@ class CompiledPrograms:
         mesh_data, mesh_tensor = self.replicas, tensor_size(self.mesh)
         want_data = mesh_data if data is None else data
         want_tensor = mesh_tensor if tensor is None else tensor
-        own_level = int(bool(self.options.zero))
+        own_level = self.options.zero
         level = own_level if zero is None else zero
         if compiled and (
             level != own_level or (want_data, want_tensor) != (mesh_data, mesh_tensor)
@@ -332,7 +331,7 @@ class CompiledPrograms:
             raise OptionError(
                 f"memory_report(compiled=True): compiles on this pipeline's mesh with "
                 f"its zero, so give no data/tensor other than ({mesh_data}, {mesh_tensor}) "
-                f"and no zero other than {own_level} (zero=3 is predicted only)"
+                f"and no zero other than {own_level}"
             )
         plain, boxed = unbox(params)
         plain = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), plain)
@@ -384,7 +383,6 @@ class CompiledPrograms:
             tensor=want_tensor,
             splits=splits,
             remat=self.remat is True,
-            compute_dtype=compute_dtype,
             input_bytes=nbytes,
         )
         if compiled:
@@ -469,7 +467,7 @@ class CompiledPrograms:
                     async_weights=self.options.async_weights,
                     pairwise=self.options.resolved_tick_sync() == "neighbor",
                     # One replica has nothing to shard the state over.
-                    zero=self.options.zero and self.mesh.shape["data"] > 1,
+                    zero=self.options.zero if self.mesh.shape["data"] > 1 else 0,
                     splits=splits,
                 ),
             )

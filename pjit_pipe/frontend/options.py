@@ -98,12 +98,13 @@ class PipelineOptions:
         async_weights: schedule="async-1f1b" only: the weights its stale forwards
             read, "predict" (PipeOptim's weight prediction), "stash" (PipeDream's
             weight stashing) or "latest"; None: "predict" for async-1f1b.
-        zero: ZeRO-1 over 'data' (True, or 1; False or 0: off; 3, the
-            parameters sharded too, is refused: not built yet): each stage's optax
-            state sharded over its D replicas, gradients reduce-scattered and the updated parameters
+        zero: ZeRO over 'data'. 1 (True): each stage's optax state sharded over
+            its D replicas, gradients reduce-scattered and the updated parameters
             all-gathered once per step (lowering/layout/zero.py); an elementwise
             optimizer and an unstaggered schedule. Failure variants run without it,
-            each lost slice read from the copy its neighbour keeps. With one
+            each lost slice read from the copy its neighbour keeps. 3: the
+            parameters between steps too, all-gathered once per step before the
+            tick loop (not with tensor > 1 yet). 0 (False): off. With one
             replica (data=1) there is nothing to shard: the state is whole.
 
     Raises:
@@ -208,22 +209,26 @@ class PipelineOptions:
             )
         self._check_skip_nonfinite()
         self._check_async_weights()
-        if self.zero == 3 and not isinstance(self.zero, bool):
+        if not isinstance(self.zero, bool | int) or self.zero not in (0, 1, 3):
             raise OptionError(
-                "zero=3 (parameters sharded over data too) is not built yet; use zero=1 "
-                "(the optax state sharded) or pm.memory_report(..., zero=3) to price it"
+                f"zero: expected 0 (False), 1 (True: the optax state sharded over data) or "
+                f"3 (the parameters too), got {self.zero!r}"
             )
-        if self.zero not in (0, 1) or not isinstance(self.zero, bool | int):
-            raise OptionError(f"zero: expected 0, 1 (True) or False, got {self.zero!r}")
-        object.__setattr__(self, "zero", bool(self.zero))  # zero=1 names zero=True
+        object.__setattr__(self, "zero", int(self.zero))  # zero=True names zero=1
+        name = "zero=True" if self.zero == 1 else f"zero={self.zero}"
         if self.zero and self.schedule in IN_LOOP_OPTIMIZER:
             raise OptionError(
-                f"zero=True with schedule={self.schedule!r}: its optimizer is staggered into "
+                f"{name} with schedule={self.schedule!r}: its optimizer is staggered into "
                 "the tick loop (each stage steps after every microbatch), where ZeRO's "
                 "once-per-step reduce-scatter and all-gather do not fit; use a synchronous "
                 "schedule such as '1f1b' or 'zb-h1' with zero=True, or zero=False"
             )
         self._check_mesh()
+        if self.zero == 3 and self.mesh is not None and self.mesh.shape.get("tensor", 1) > 1:
+            raise OptionError(
+                "zero=3 with weights split over 'tensor' (a mesh with tensor > 1) is not "
+                "built yet; use zero=1 there, or tensor=1 with zero=3"
+            )
         if self.layers is not None:
             layers = tuple((int(a), int(b)) for a, b in self.layers)
             if len(layers) != self.stages or (self.chunks or 1) != 1:

@@ -191,7 +191,7 @@ class Pipelined(CompiledPrograms):
         # live replicas sum down a ppermute chain): while workers are down they hold
         # their stages' whole optax state (joined from the slices and their copies;
         # lowering/layout/zero.py).
-        zero = self.options.zero and not failed
+        zero = 0 if failed else self.options.zero
         options = dataclasses.replace(self.options, failed=failed, zero=zero)
         return Pipelined(self.module, options, cuts=self.cuts)  # same module and stages
 
@@ -214,7 +214,7 @@ class Pipelined(CompiledPrograms):
                 that is not a finite number >= 1.
         """
         # The mitigated program steps the optimizer inside its loop, which ZeRO does not.
-        zero = self.options.zero and not any(f > 1 for f in dict(slow).values())
+        zero = 0 if any(f > 1 for f in dict(slow).values()) else self.options.zero
         options = dataclasses.replace(self.options, slow=slow, zero=zero)
         return Pipelined(self.module, options, cuts=self.cuts)
 

@@ -17,7 +17,7 @@ device:
 - `update`: the optax update's working copy (the new state is written while
   the old one is read: as large as `optimizer`);
 - `gathered`: parameters all-gathered over 'data' for the step (ZeRO-1: the
-  updated rows, once per step; ZeRO-3: the stage's rows in the compute dtype
+  updated rows, once per step; ZeRO-3: the stage's whole rows
   before the tick loop);
 - `activations`: the residual pools, as many rows as the tick plan keeps in
   flight on the busiest device times the widest stage's row (one program
@@ -29,10 +29,10 @@ device:
   cotangents; with remat the stored stage inputs);
 - `inputs`: the global batch each device receives (x and y, replicated).
 
-ZeRO-3 (`zero=3`) is priced as its design: the master parameters held in
-slices like ZeRO-1's optax state (own and the next replica's copy), gathered
-once per step in the compute dtype, gradients accumulated whole and
-reduce-scattered once.
+ZeRO-3 (`zero=3`, layout/zero.py) holds the parameters in slices like ZeRO-1's
+optax state (its own and the next replica's copy), gathers them whole once per
+step before the tick loop, accumulates the gradients whole and
+reduce-scatters them once.
 """
 
 from __future__ import annotations
@@ -195,16 +195,9 @@ def _device_bytes(spec: FlatSpec, key: str, tensor: int) -> int:
     return whole
 
 
-def _row_bytes(spec: FlatSpec, tensor: int, dtype: Any = None) -> int:
-    """Bytes one device holds of one chunk's row of every buffer of `spec`
-    (`dtype`: as if every buffer were cast to it)."""
-    total = 0
-    for key in spec.sizes:
-        b = _device_bytes(spec, key, tensor)
-        if dtype is not None:
-            b = b // np.dtype(dtype_of(key)).itemsize * np.dtype(dtype).itemsize
-        total += b
-    return total
+def _row_bytes(spec: FlatSpec, tensor: int) -> int:
+    """Bytes one device holds of one chunk's row of every buffer of `spec`."""
+    return sum(_device_bytes(spec, key, tensor) for key in spec.sizes)
 
 
 def optimizer_spec(
@@ -238,7 +231,6 @@ def predict_memory(
     tensor: int = 1,
     splits: Sequence[LeafSplits] | None = None,
     remat: bool = False,
-    compute_dtype: Any = None,
     input_bytes: int = 0,
 ) -> MemoryReport:
     """Per pipeline position, the bytes one of its devices holds (module docstring).
@@ -253,7 +245,6 @@ def predict_memory(
         tensor: T, the devices each worker's weights split over where annotated.
         splits: per virtual stage, per parameter leaf, its split over 'tensor'.
         remat: the backward recomputes each stage's forward (no residual pools).
-        compute_dtype: the dtype ZeRO-3 gathers parameters in (None: their own).
         input_bytes: bytes of the global batch (x and y), which every device receives.
 
     Returns:
@@ -285,7 +276,7 @@ def predict_memory(
         gathered = rows  # ZeRO-1: the updated rows, all-gathered after the update
         if zero == 3:
             params = 2 * scattered  # its own slice and a copy of the next replica's
-            gathered = v * _row_bytes(param_spec, tensor, compute_dtype)
+            gathered = rows  # the stage's whole rows, gathered before the tick loop
     plan = build_plan(
         table,
         remat,

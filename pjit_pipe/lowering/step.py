@@ -43,7 +43,7 @@ class PipelineStep(StepIO):
         lowered: TickProgram,
         optimizer: optax.GradientTransformation | None,
         examples: tuple[Any, Any, Any],
-        zero: bool = False,
+        zero: int = 0,
     ):
         self.schedule = schedule
         self.optimizer = optimizer
@@ -59,7 +59,8 @@ class PipelineStep(StepIO):
             None if optimizer is None or zero else RowOptimizer.fit(optimizer, lowered.param_spec)
         )
         self._stepper = StageOptimizer(lowered, optimizer, rows) if optimizer is not None else None
-        # ZeRO over 'data' (zero.py): the optax state in slices, one per replica.
+        # ZeRO over 'data' (zero.py): the optax state in slices, one per replica
+        # (zero=1), and the parameters between steps too (zero=3).
         self._zero = None
         if optimizer is not None and zero:
             self._zero = ZeroLayout(
@@ -69,6 +70,7 @@ class PipelineStep(StepIO):
                 schedule.num_virtual_stages,
                 lowered.held,
                 lowered.shared,
+                level=int(zero),
             )
             self._opt_spec = self._zero.opt_spec
         elif optimizer is not None and rows is not None:
@@ -131,6 +133,7 @@ class PipelineStep(StepIO):
         a step whose loss or global gradient norm is not finite returns the buffers
         it was given: the choice is made here, so donated buffers lose nothing."""
         low, spec = self._low, self._opt_spec
+        rows_spec = low.param_spec if self._zero is None else self._zero.rows_spec
         plan = low.step_plan if low.stepping else low.plan
         if skip_nonfinite and low.stepping:
             raise ValueError(
@@ -149,7 +152,9 @@ class PipelineStep(StepIO):
                     spec, params, opt, x, y, rows, *updates, pos
                 )
             elif self._zero is not None:
-                loss, grads = low.tick_loop(params, x, y, rows, pos, reduce=self._zero.scatter)
+                # ZeRO-3 holds slices: the loop reads the rows gathered once per step.
+                whole = self._zero.gather(params) if self._zero.level == 3 else params
+                loss, grads = low.tick_loop(whole, x, y, rows, pos, reduce=self._zero.scatter)
                 new = self._zero.step(params, grads, opt, pos)
                 if skip_nonfinite:  # grads are this replica's slices: any device's verdict
                     bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grads.values())
@@ -178,9 +183,9 @@ class PipelineStep(StepIO):
         out = self.topology.spec
         updates = (jnp.asarray(plan.updates),) if low.stepping else ()
         f = self._shard_map(body, 2, (out, out, PS(), PS()), n_replicated=len(updates))
-        params, opt = self._placed(low.param_spec, params), self._placed(spec, opt)
+        params, opt = self._placed(rows_spec, params), self._placed(spec, opt)
         params, opt, loss, skipped = f(params, opt, *self._device_args(x, y, plan), *updates)
-        params, opt = self._placed(low.param_spec, params), self._placed(spec, opt)
+        params, opt = self._placed(rows_spec, params), self._placed(spec, opt)
         if low.stepping and low.iterations == 1:
             loss = loss[0]
         return params, opt, loss, skipped

@@ -75,7 +75,12 @@ class DeviceLayout:
         self.topology = topology
         self.zero = zero  # ZeRO: each worker's optax rows are its replica's slices (zero.py)
         self.held = [list(h) for h in held]
-        self.specs = {"params": param_spec, "opt": opt_spec}
+        self.specs = {"params": param_spec, "opt": opt_spec}  # one stage's trees <-> a row
+        # The buffers' own layouts: ZeRO-3 keeps the parameters in slices (zero.py).
+        self.row_specs = {
+            "params": param_spec if zero is None else zero.rows_spec,
+            "opt": opt_spec,
+        }
         self.optimizer = optimizer
         self.devices = list(topology.mesh.devices.flat)  # every device, worker-major
         self.positions = [int(p) for p in topology.device_positions]
@@ -88,13 +93,13 @@ class DeviceLayout:
 
     def shapes(self, part: str) -> dict[str, tuple[int, ...]]:
         """Global shape of each buffer of `part` ('params' or 'opt')."""
-        v, spec = len(self.held[0]), self.specs[part]
+        v, spec = len(self.held[0]), self.row_specs[part]
         return {k: (len(self.topology.workers), v, *spec.shapes[k]) for k in spec.sizes}
 
     def sharding_of(self, part: str, key: str) -> NamedSharding:
         """Buffer `key` of `part` on the program's mesh: its leading dimension over the
         workers, and a shaped buffer's leaf dimension over 'tensor'."""
-        spec = self.specs[part]
+        spec = self.row_specs[part]
         if not is_shaped(key):
             return self.sharding
         return NamedSharding(self.topology.mesh, PS(self.topology.axes, None, *spec.split_of(key)))
@@ -112,9 +117,10 @@ class DeviceLayout:
     def compatible(self, other: DeviceLayout, position: int) -> bool:
         """Whether a row of `other` at `position` is a row of this layout there."""
         return other.held[position] == self.held[position] and all(
-            (other.specs[k].sizes, other.specs[k].slots, other.specs[k].treedefs)
-            == (self.specs[k].sizes, self.specs[k].slots, self.specs[k].treedefs)
-            for k in self.specs
+            (mine[k].sizes, mine[k].slots, mine[k].treedefs)
+            == (theirs[k].sizes, theirs[k].slots, theirs[k].treedefs)
+            for mine, theirs in ((self.specs, other.specs), (self.row_specs, other.row_specs))
+            for k in mine
         )
 
     def ideal_bytes(self, position: int) -> int:
@@ -195,9 +201,12 @@ class DeviceLayout:
                     rows = specs["params"]
                     packed = [rows.pack(s, t) for s, t in zip(held, trees, strict=True)]
                     chunks = {k: jnp.stack([r[k] for r in packed]) for k in rows.sizes}
-                    params = {
-                        k: jnp.broadcast_to(b, (workers, *b.shape)) for k, b in chunks.items()
-                    }
+                    if zero.level == 3:  # and its replica's parameter slices
+                        params = zero.holder_param_rows(chunks, replicas)
+                    else:
+                        params = {
+                            k: jnp.broadcast_to(b, (workers, *b.shape)) for k, b in chunks.items()
+                        }
                     return params, zero.holder_rows(chunks, opts, held, rows, replicas)
                 if init_opt:
                     opts = [opt.init(t) for t in trees]
@@ -215,7 +224,7 @@ class DeviceLayout:
                 return tuple(out)
 
             out_shardings = tuple(
-                {k: self._row_sharding(part, k, mesh) for k in self.specs[part].sizes}
+                {k: self._row_sharding(part, k, mesh) for k in self.row_specs[part].sizes}
                 for part in ("params", "opt")
             )
             self._packers[key] = jax.jit(pack, out_shardings=out_shardings)
@@ -226,7 +235,7 @@ class DeviceLayout:
         split over 'tensor' as on the program's mesh."""
         if TENSOR not in mesh.axis_names or not is_shaped(key):
             return NamedSharding(mesh, PS(HOLDER))
-        return NamedSharding(mesh, PS(HOLDER, None, *self.specs[part].split_of(key)))
+        return NamedSharding(mesh, PS(HOLDER, None, *self.row_specs[part].split_of(key)))
 
     def _assemble(self, part: str, rows: dict[str, dict[Any, jax.Array]]) -> Buffers:
         """Global buffers from each addressable device's own (1, v, ...) slice."""
@@ -306,10 +315,11 @@ class DeviceLayout:
             sources = zero.sources(live) if zero is not None else None
 
             def unpack(params, opt):
-                trees = [
-                    specs["params"].unpack(s, {k: b[0, c] for k, b in params.items()})
-                    for c, s in enumerate(held)
-                ]
+                if zero is not None and zero.level == 3:  # the holders' slices joined
+                    rows = [zero.whole_rows(params, c, sources) for c in range(len(held))]
+                else:
+                    rows = [{k: b[0, c] for k, b in params.items()} for c in range(len(held))]
+                trees = [specs["params"].unpack(s, r) for s, r in zip(held, rows, strict=True)]
                 if zero is not None:  # the holders' slices joined (zero.py)
                     return trees, zero.stage_states(opt, held, specs["params"], sources)
                 opts = [

@@ -74,8 +74,10 @@ class ZeroLayout:
         stages: int,
         held: Sequence[Sequence[int]],
         shared: SharedGrads | None,
+        level: int = 1,
     ):
-        self.D, self.optimizer = replicas, optimizer
+        self.D, self.optimizer, self.level = replicas, optimizer, level
+        self.param_spec = param_spec  # one stage's whole rows (the tick loop's layout)
         # Per buffer key: the dimension (of one chunk's buffer) cut into D slices, or None.
         self.dims: dict[str, int | None] = {}
         for k, shape in param_spec.shapes.items():
@@ -105,6 +107,10 @@ class ZeroLayout:
         # Per chunk, (this replica's slice state, a copy of the next replica's): a
         # failed replica's slices survive on its neighbour (the module docstring).
         self.opt_spec = FlatSpec([(state, state)] * stages, splits=[opt_splits * 2] * stages)
+        # ZeRO-3: the parameters between steps are (own slices, the next replica's) too.
+        self.rows_spec = (
+            FlatSpec([(self.slices, self.slices)] * stages) if level == 3 else param_spec
+        )
 
     def _slice_shape(self, shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
         if dim is None:
@@ -164,6 +170,35 @@ class ZeroLayout:
             out.append({k: jnp.stack([ch[k] for ch in chunks]) for k in chunks[0]})
         return {k: jnp.stack([o[k] for o in out]) for k in out[0]}
 
+    def holder_param_rows(self, chunks: Buffers, replicas: list[int]) -> Buffers:
+        """ZeRO-3: a position's (v, ...) whole parameter rows -> its holders' (holders,
+        v, ...) rows of (own slices, the next replica's), holder h being replica
+        replicas[h]."""
+        v = next(iter(chunks.values())).shape[0]
+
+        def part(c: int, r: int) -> Buffers:
+            return {k: self._take(b[c], k, r % self.D) for k, b in chunks.items()}
+
+        out = []
+        for r in replicas:
+            rows = [self.rows_spec.pack(0, (part(c, r), part(c, r + 1))) for c in range(v)]
+            out.append({k: jnp.stack([row[k] for row in rows]) for k in rows[0]})
+        return {k: jnp.stack([o[k] for o in out]) for k in out[0]}
+
+    def whole_rows(self, params: Buffers, c: int, sources: list[tuple[int, int]]) -> Buffers:
+        """ZeRO-3, the inverse of `holder_param_rows`: chunk c's whole parameter rows
+        joined from the live holders' (holders, v, ...) rows, read as `sources` says."""
+        parts = [
+            self.rows_spec.unpack(0, {k: b[row, c] for k, b in params.items()})[half]
+            for row, half in sources
+        ]
+        return {
+            k: parts[0][k]
+            if self.dims[k] is None
+            else jnp.concatenate([p[k] for p in parts], axis=self.dims[k])
+            for k in self.param_spec.sizes
+        }
+
     def sources(self, live: list[int]) -> list[tuple[int, int]]:
         """Per replica h, where its slices are read from the rows of the live
         holders of a position (`live`: their replicas, in row order): (row, 0) its
@@ -176,8 +211,8 @@ class ZeroLayout:
                 out.append((live.index((h - 1) % self.D), 1))
             else:
                 raise StateError(
-                    f"zero=True: replicas {h} and {(h - 1) % self.D} of a stage are both "
-                    f"down, and with them both copies of replica {h}'s optimizer slice"
+                    f"zero={self.level}: replicas {h} and {(h - 1) % self.D} of a stage are "
+                    f"both down, and with them both copies of replica {h}'s slices"
                 )
         return out
 
@@ -226,39 +261,74 @@ class ZeroLayout:
     def step(
         self, params: Buffers, grads: Buffers, opt: Buffers, pos: jax.Array
     ) -> tuple[Buffers, Buffers]:
-        """This replica's optax update of its slices, then the all-gather of the new
-        parameters (inside the program's shard_map). params/opt: (v, ...) buffers;
-        grads: `scatter`'s slices; pos: this device's pipeline position."""
+        """This replica's optax update of its slices, then the parameters between steps
+        (inside the program's shard_map). ZeRO-1: params are the (v, ...) whole rows,
+        and the updated slices are all-gathered over 'data' once per step. ZeRO-3:
+        params are the (v, ...) rows of (own slices, the next replica's copy), and
+        the new own slices are sent to the previous replica for its copy. grads:
+        `scatter`'s slices; opt: the (v, ...) optax rows; pos: this device's
+        pipeline position."""
         r = lax.axis_index(DATA)
         v = next(iter(params.values())).shape[0]
+        if self.level == 3:
+            slices = [
+                self.rows_spec.unpack(0, {k: b[c] for k, b in params.items()})[0] for c in range(v)
+            ]
+        else:
+            slices = [{k: self._take(b[c], k, r) for k, b in params.items()} for c in range(v)]
+        new_p, opt = self._update(slices, grads, opt, pos)
+        if self.level == 3:
+            rows = [self.rows_spec.pack(0, (p, self._to_previous(p))) for p in new_p]
+            return {k: jnp.stack([row[k] for row in rows]) for k in params}, opt
+        gathered = {}
+        for k in params:
+            b = jnp.stack([p[k] for p in new_p])
+            dim = self.dims[k]
+            gathered[k] = b if dim is None else lax.all_gather(b, DATA, axis=1 + dim, tiled=True)
+        return gathered, opt
+
+    def gather(self, params: Buffers) -> Buffers:
+        """ZeRO-3: the (v, ...) rows of (own slices, copy) -> the whole (v, ...)
+        parameter rows the tick loop reads, all-gathered over 'data' (once per step)."""
+        v = next(iter(params.values())).shape[0]
+        own = [self.rows_spec.unpack(0, {k: b[c] for k, b in params.items()})[0] for c in range(v)]
+        out = {}
+        for k in self.param_spec.sizes:
+            b = jnp.stack([o[k] for o in own])
+            dim = self.dims[k]
+            out[k] = b if dim is None else lax.all_gather(b, DATA, axis=1 + dim, tiled=True)
+        return out
+
+    def _to_previous(self, tree: Any) -> Any:
+        """Each replica's `tree` on the previous replica (its copy of the next one's)."""
+        shift = [(j, (j - 1) % self.D) for j in range(self.D)]
+        return jax.tree.map(lambda a: lax.ppermute(a, DATA, shift), tree)
+
+    def _update(
+        self, slices: list[Buffers], grads: Buffers, opt: Buffers, pos: jax.Array
+    ) -> tuple[list[Buffers], Buffers]:
+        """optax on this replica's slices of each chunk: (new slices per chunk, the new
+        optax rows with the copy of the next replica's state)."""
+        r = lax.axis_index(DATA)
+        v = len(slices)
         args = [
             (
                 {k: b[c] for k, b in grads.items()},
                 self.opt_spec.unpack(0, {k: b[c] for k, b in opt.items()})[0],
-                {k: self._take(b[c], k, r) for k, b in params.items()},
+                slices[c],
             )
             for c in range(v)
         ]
         known = self.norms.known(
             self.norm_calls, lambda c: self.optimizer.update(*args[c]), v, pos, r
         )
-        new_p: dict[str, list[jax.Array]] = {k: [] for k in params}
+        new_p: list[Buffers] = []
         new_o: list[Buffers] = []
         for c in range(v):
             g, o, p = args[c]
             with stage_norms(StageNorms(known, None)):
                 updates, o = self.optimizer.update(g, o, p)
-            p = optax.apply_updates(p, updates)
-            for k, b in p.items():
-                new_p[k].append(b)
+            new_p.append(optax.apply_updates(p, updates))
             # The copy of the next replica's new slice state, for failures.
-            shift = [(j, (j - 1) % self.D) for j in range(self.D)]
-            copy = jax.tree.map(lambda a, perm=shift: lax.ppermute(a, DATA, perm), o)
-            new_o.append(self.opt_spec.pack(0, (o, copy)))
-        gathered = {}
-        for k, parts in new_p.items():
-            b = jnp.stack(parts)
-            dim = self.dims[k]
-            gathered[k] = b if dim is None else lax.all_gather(b, DATA, axis=1 + dim, tiled=True)
-        opt = {k: jnp.stack([o[k] for o in new_o]) for k in opt}
-        return gathered, opt
+            new_o.append(self.opt_spec.pack(0, (o, self._to_previous(o))))
+        return new_p, {k: jnp.stack([o[k] for o in new_o]) for k in opt}

@@ -1,0 +1,179 @@
+"""ZeRO-3: the parameters between steps sharded over 'data' like the optax state.
+
+Each device holds its slices of its stages' parameters and optax state and a
+copy of the next replica's (2/D of the stage's), the step all-gathers the
+parameters once, before the tick loop, and reduce-scatters the gradients.
+Training equals plain `jax.value_and_grad` + optax (with a global-norm clip)
+on every schedule kind; the module view joins the slices, a failed replica's
+slices come from its neighbour's copy, and what cannot be built yet (weights
+split over 'tensor') is refused by name.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import numpy as np
+import optax
+import pytest
+from test_tensor_zero import poisoned
+from test_zero_combos import BATCH, TOL, check, optax_run, optimizer, problem
+
+import pjit_pipe as pp
+from tests.numerics import rel_err
+from tests.tiers import EXHAUSTIVE
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "1f1b",
+        "zb-v",
+        pytest.param("zb-h1", marks=pytest.mark.slow),
+        pytest.param("interleaved-1f1b", marks=pytest.mark.slow),
+        pytest.param("gpipe", marks=pytest.mark.slow),
+        pytest.param("zb-h2", marks=EXHAUSTIVE),
+    ],
+)
+def test_zero3_with_a_global_norm_clip_trains_like_optax(kind):
+    """Three steps of each kind (its own chunks per device) equal optax's."""
+    module, boxed, loss_fn, batches = problem("mlp")
+    pm = pp.pipeline(
+        module,
+        stages=2,
+        microbatches=BATCH // 8,
+        schedule=kind,
+        mesh=pp.make_mesh(data=4, stage=2),
+        optimizer=optimizer("adamw", clip=True),
+        zero=3,
+    )
+    step = pm.train_step(loss_fn)
+    state = step.init(boxed, batches[0])
+    losses = []
+    for b in batches:
+        state, loss = step(state, b)
+        losses.append(float(loss))
+    want_losses, want_params = optax_run("mlp", "adamw", True)
+    np.testing.assert_allclose(losses, want_losses, rtol=TOL)
+    assert rel_err(nn.meta.unbox(state.params), want_params) <= TOL
+
+
+@pytest.mark.slow
+def test_zero3_with_tied_weights_trains_like_optax():
+    check("tied-gpt2", "zb-h1", (4, 2, 1), zero=3, opt_name="sgd")
+
+
+def pipelines(zero: int):
+    module, boxed, loss_fn, batches = problem("mlp")
+    pm = pp.pipeline(
+        module,
+        stages=2,
+        microbatches=BATCH // 8,
+        mesh=pp.make_mesh(data=4, stage=2),
+        optimizer=optimizer("adamw", clip=False),
+        zero=zero,
+    )
+    return pm, boxed, loss_fn, batches
+
+
+def test_zero3_holds_slices_and_its_module_view_joins_them():
+    states = {}
+    for zero in (0, 3):
+        pm, boxed, loss_fn, batches = pipelines(zero)
+        step = pm.train_step(loss_fn)
+        states[zero] = (pm, step, step.init(boxed, batches[0]))
+    pm, step, state = states[3]
+    held = state.device_bytes()
+    whole = states[0][2].device_bytes()
+    # 2/D of the stage's parameters and optax state (its slices and the next
+    # replica's copy), and what the memory report predicts
+    assert max(held.values()) <= 1.1 * 2 / 4 * max(whole.values())
+    shapes = jax.eval_shape(lambda: boxed)
+    report = pm.memory_report(shapes, problem("mlp")[3][0], problem("mlp")[2])
+    assert report.zero == 3
+    assert all(d.state == max(held.values()) for d in report.devices)
+    # the module view joins the slices: the same trees as zero=0's
+    for got, want in (
+        (state.params, states[0][2].params),
+        (state.opt_state, states[0][2].opt_state),
+    ):
+        assert rel_err(nn.meta.unbox(got), nn.meta.unbox(want)) == 0
+    # a device's lost slices are read from the copy its neighbour keeps
+    devices = pm.mesh.devices[..., 0]
+    lost = {devices[1, 0], devices[2, 1]}
+    params, opt = state.view.to_module(state, skip=lost)
+    assert rel_err(params, nn.meta.unbox(state.params)) == 0
+    assert rel_err(opt, state.opt_state) == 0
+    # and a state rebuilt from the module view is the same buffers
+    again = step.init(state.params, problem("mlp")[3][0], state.opt_state, state.step)
+    for a, b in zip(
+        jax.tree.leaves((again.device_params, again.device_opt)),
+        jax.tree.leaves((state.device_params, state.device_opt)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_zero3_memory_report_matches_the_compiled_step():
+    pm, boxed, loss_fn, batches = pipelines(3)
+    report = pm.memory_report(jax.eval_shape(lambda: boxed), batches[0], loss_fn, compiled=True)
+    assert abs(report.largest().total / report.compiled["compiled_peak"] - 1) <= 0.25
+
+
+def test_zero3_refusals_name_the_option():
+    module, *_ = problem("mlp")
+    with pytest.raises(pp.OptionError, match=r"zero=3 with weights split over 'tensor'"):
+        pp.pipeline(
+            module,
+            stages=2,
+            microbatches=2,
+            mesh=pp.make_mesh(data=2, stage=2, tensor=2),
+            optimizer=optax.sgd(0.1),
+            zero=3,
+        )
+    with pytest.raises(pp.OptionError, match=r"zero=3 with schedule='async-1f1b'"):
+        pp.pipeline(
+            module,
+            stages=2,
+            microbatches=2,
+            schedule="async-1f1b",
+            mesh=pp.make_mesh(data=2, stage=2),
+            optimizer=optax.sgd(0.1),
+            zero=3,
+        )
+
+
+@pytest.mark.slow
+def test_zero3_failure_and_rejoin_keep_the_fault_free_losses():
+    """Worker (1, 0) fails at step 1 (its rows turn to NaN, so reading them would
+    break the run) and rejoins at step 2: its parameter and optax slices come from
+    the copies replica 0 keeps, and the losses and final params equal the run
+    without failures."""
+    _, boxed, loss_fn, batches = problem("mlp")
+    batches = [*batches, *batches]
+    runs = {}
+    for name, fail, rejoin in (("clean", {}, {}), ("failing", {1: [(1, 0)]}, {3: [(1, 0)]})):
+        pm, *_ = pipelines(3)
+        current = {}
+
+        def lose_failed_devices(event, current=current, devices=pm.mesh.devices):
+            if event.kind == "failure":
+                dead = {d for w in event.failed for d in devices[w.replica, w.stage]}
+                state = current["state"]
+                for bufs in (state.device_params, state.device_opt):
+                    bufs.update({k: poisoned(b, dead) for k, b in bufs.items()})
+
+        trainer = pp.ResilientTrainer(
+            pm, loss_fn, pp.InjectedFailures(fail, rejoin), on_event=lose_failed_devices
+        )
+        state = trainer.init(boxed, batches[0], precompile=False)
+        losses = []
+        for batch in batches:
+            current["state"] = state
+            state, loss = trainer.step(state, batch)
+            losses.append(float(loss))
+        runs[name] = (losses, nn.meta.unbox(state.params))
+        switches = [(e.step, sorted(e.failed)) for e in trainer.events if e.kind == "switch"]
+        assert switches == ([(1, [(1, 0)]), (3, [])] if fail else []), switches
+    np.testing.assert_allclose(runs["failing"][0], runs["clean"][0], rtol=1e-5)
+    assert rel_err(runs["failing"][1], runs["clean"][1]) <= 1e-5
