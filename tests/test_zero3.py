@@ -11,6 +11,8 @@ split over 'tensor') is refused by name.
 
 from __future__ import annotations
 
+import json
+
 import flax.linen as nn
 import jax
 import numpy as np
@@ -177,3 +179,18 @@ def test_zero3_failure_and_rejoin_keep_the_fault_free_losses():
         assert switches == ([(1, [(1, 0)]), (3, [])] if fail else []), switches
     np.testing.assert_allclose(runs["failing"][0], runs["clean"][0], rtol=1e-5)
     assert rel_err(runs["failing"][1], runs["clean"][1]) <= 1e-5
+
+
+@pytest.mark.slow
+def test_cli_train_zero3_losses_equal_zero1s_through_a_failure(capsys):
+    from pjit_pipe.cli import main
+
+    argv = ["train", "--model", "mlp", "--mesh", "4x2", "--steps", "4", "--json"]
+    argv += ["--fail", "1:1:0", "--rejoin", "3:1:0"]
+    losses = {}
+    for zero in ("1", "3"):
+        assert main([*argv, "--zero", zero]) == 0
+        lines = capsys.readouterr().out.splitlines()
+        losses[zero] = [json.loads(line)["loss"] for line in lines if line.startswith("{")]
+    assert len(losses["3"]) == 4
+    np.testing.assert_allclose(losses["3"], losses["1"], rtol=1e-5)

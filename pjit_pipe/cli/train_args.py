@@ -132,9 +132,15 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--zero",
-        action="store_true",
-        help="ZeRO over the data axis: each stage's Adam state sharded over its D replicas "
-        "(unstaggered schedules; docs/tensor_parallel.md)",
+        type=int,
+        nargs="?",
+        const=1,
+        default=0,
+        choices=(0, 1, 3),
+        metavar="0|1|3",
+        help="ZeRO over the data axis: 1 (--zero alone) shards each stage's Adam state over "
+        "its D replicas, 3 its parameters too, 0 (the default) neither (unstaggered "
+        "schedules; docs/memory.md)",
     )
 
 

@@ -1,4 +1,5 @@
-"""ZeRO over 'data': each stage's optimizer state sharded over its D replicas.
+"""ZeRO over 'data': each stage's optimizer state (and with ZeRO-3 its parameters)
+sharded over its D replicas.
 
 With `zero=True` a worker (r, p) keeps the full parameters of its stages (the
 forward and backward read them every tick) but only slice r of their optax
@@ -23,6 +24,14 @@ shape or the model's tree (a mask over the parameter tree, per-leaf norms,
 factored second moments) is refused or fails when its state is built
 (docs/tensor_parallel.md). A norm of the whole update (a global-norm clip) is
 one reduction of the slices' norms (zero_norms.py).
+
+ZeRO-3 (`level=3`) keeps the parameters in the same slices: between steps a
+worker holds (its slice, a copy of the next replica's) of each parameter
+buffer, like the optax state (`rows_spec`). The step all-gathers the whole
+rows over 'data' once, before the tick loop (`gather`), and after the update
+sends each replica's new slices to the previous replica for its copy instead
+of all-gathering them. The parameters at rest are then 2/D of the stage's; the
+step still holds one whole copy of them while the loop runs.
 """
 
 from __future__ import annotations
