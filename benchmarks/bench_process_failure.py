@@ -1,12 +1,13 @@
 """A real process death on a multi-process run: `pjit-pipe train --processes N`, one
-training process killed with SIGKILL mid-run (by its pid from the events file).
+training process killed with SIGKILL mid-run (by its pid from the events file), or
+stopped with SIGSTOP past the timeouts and resumed.
 
 Prints, per scenario: the time from the kill to the failure's detection (the
 survivors' `failure` event), to the first step committed after it, and the
 steps lost (committed steps missing from 0 .. --steps - 1; 0 when training
-went on). Run `python -m benchmarks.bench_process_failure`; the first run
-compiles (about two minutes on 2 cores), later ones load from the cache
-folder it names.
+went on). Run `python -m benchmarks.bench_process_failure`; each scenario
+compiles afresh (about two minutes on 2 cores): JAX writes its disk cache from
+process 0 alone, here the coordinator, which compiles nothing.
 """
 
 from __future__ import annotations
@@ -59,9 +60,11 @@ def run_with_kill(
     after_step: int,
     timeout_s: float,
     cache_dir: Path,
+    stop_s: float | None = None,
 ) -> KillRun:
     """Run `pjit-pipe train <train_args> --json --events ...` and SIGKILL training
-    process `victim` (None: nobody) once step `after_step` is committed. The whole
+    process `victim` (None: nobody) once step `after_step` is committed (with
+    `stop_s`: SIGSTOP it, and SIGCONT `stop_s` seconds later). The whole
     process group is killed at the end, whatever happens; past `timeout_s` the run
     is stopped and TimeoutError raised with the output so far."""
     events_file = folder / "events.jsonl"
@@ -92,8 +95,11 @@ def run_with_kill(
             pids = {e["process"]: e["pid"] for e in events if e["event"] == "process"}
             if any(e["event"] == "step" and e["step"] >= after_step for e in events):
                 killed_pid = pids[victim]
-                os.kill(killed_pid, signal.SIGKILL)
+                os.kill(killed_pid, signal.SIGSTOP if stop_s else signal.SIGKILL)
                 killed_at = time.time()
+                if stop_s:  # a stall, not a death: it runs again after stop_s
+                    time.sleep(stop_s)
+                    os.kill(killed_pid, signal.SIGCONT)
             time.sleep(0.01)
         try:
             out, _ = proc.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
@@ -117,42 +123,21 @@ def run_with_kill(
     )
 
 
-SCENARIOS = {  # name -> (train args, victim process, kill after this step is committed)
-    "2x2 mlp 1f1b, 4 processes, process 2 killed": (
-        [
-            "--model",
-            "mlp",
-            "--mesh",
-            "2x2",
-            "--schedule",
-            "1f1b",
-            "--microbatches",
-            "2",
-            "--steps",
-            "40",
-            "--processes",
-            "4",
-        ],
-        2,
-        3,
-    ),
+MLP_2X2 = ["--model", "mlp", "--mesh", "2x2", "--schedule", "1f1b", "--microbatches", "2"]
+MLP_2X2 += ["--steps", "40", "--processes", "4"]
+SCENARIOS = {  # name -> (train args, victim process, after this step is committed, stop_s)
+    "2x2 mlp 1f1b, 4 processes, process 2 killed": (MLP_2X2, 2, 3, None),
     "2x2 mlp 1f1b, 4 processes, process 1 (the first training process) killed": (
-        [
-            "--model",
-            "mlp",
-            "--mesh",
-            "2x2",
-            "--schedule",
-            "1f1b",
-            "--microbatches",
-            "2",
-            "--steps",
-            "40",
-            "--processes",
-            "4",
-        ],
+        MLP_2X2,
         1,
         3,
+        None,
+    ),
+    "2x2 mlp 1f1b, 4 processes, process 2 stopped for 12 s (SIGSTOP, then SIGCONT)": (
+        MLP_2X2,
+        2,
+        3,
+        12.0,
     ),
 }
 
@@ -167,10 +152,10 @@ def main() -> None:
     import jax
 
     print(f"jax {jax.__version__}, cache {args.cache_dir}")
-    for name, (train_args, victim, after) in SCENARIOS.items():
+    for name, (train_args, victim, after, stop_s) in SCENARIOS.items():
         with tempfile.TemporaryDirectory() as tmp:
             run = run_with_kill(
-                Path(tmp), train_args, victim, after, args.timeout, Path(args.cache_dir)
+                Path(tmp), train_args, victim, after, args.timeout, Path(args.cache_dir), stop_s
             )
         steps = int(train_args[train_args.index("--steps") + 1])
         committed = {r["step"] for r in run.records}

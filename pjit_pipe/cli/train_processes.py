@@ -168,10 +168,16 @@ def launch(args: argparse.Namespace) -> int:
         losses: dict[int, float] = {}  # committed step -> its loss, as first reported
         reported: dict[int, set[int]] = {rank: set() for rank in range(1, n + 1)}
         disagree: list[str] = []
-        open_streams = n
+        open_streams, deadline = n, None
         try:
             while open_streams:
-                rank, line = lines.get()
+                try:
+                    rank, line = lines.get(timeout=1.0)
+                except queue.Empty:
+                    if deadline is not None and time.monotonic() > deadline:
+                        _stop_stragglers(workers)  # their streams close next
+                        deadline = None
+                    continue
                 if line is None:
                     open_streams -= 1
                     continue
@@ -186,6 +192,8 @@ def launch(args: argparse.Namespace) -> int:
                     if step in losses and abs(loss - losses[step]) > 1e-6 * abs(losses[step]):
                         disagree.append(f"step {step}: process {rank} {loss}, else {losses[step]}")
                     losses.setdefault(step, loss)
+                    if step == args.steps - 1 and deadline is None:
+                        deadline = time.monotonic() + EXIT_WAIT_S
                 if events.add(event) and event["event"] == "step":
                     on_step(StepRecord(**event["record"]))
             codes = [_exit_code(p) for p in workers]
@@ -222,6 +230,20 @@ def launch(args: argparse.Namespace) -> int:
         print(f"error: pjit-pipe train: {problem}", file=sys.stderr)
         return 1
     return 0
+
+
+def _stop_stragglers(workers: list[subprocess.Popen]) -> None:
+    """Kill the training processes still running EXIT_WAIT_S after the last step
+    was committed: one stopped past the timeouts and resumed may wait forever on
+    a job that has moved on without it."""
+    for rank, proc in enumerate(workers, start=1):
+        if proc.poll() is None:
+            print(
+                f"note: process {rank} (pid {proc.pid}) is still running {EXIT_WAIT_S} s "
+                "after the last step was committed; stopping it",
+                file=sys.stderr,
+            )
+            proc.kill()
 
 
 def _exit_code(proc: subprocess.Popen) -> int:
