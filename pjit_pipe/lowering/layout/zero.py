@@ -280,30 +280,31 @@ class ZeroLayout:
         r = lax.axis_index(DATA)
         v = next(iter(params.values())).shape[0]
         if self.level == 3:
-            slices = [
-                self.rows_spec.unpack(0, {k: b[c] for k, b in params.items()})[0] for c in range(v)
-            ]
+            slices = self._own_slices(params)
         else:
             slices = [{k: self._take(b[c], k, r) for k, b in params.items()} for c in range(v)]
         new_p, opt = self._update(slices, grads, opt, pos)
         if self.level == 3:
             rows = [self.rows_spec.pack(0, (p, self._to_previous(p))) for p in new_p]
             return {k: jnp.stack([row[k] for row in rows]) for k in params}, opt
-        gathered = {}
-        for k in params:
-            b = jnp.stack([p[k] for p in new_p])
-            dim = self.dims[k]
-            gathered[k] = b if dim is None else lax.all_gather(b, DATA, axis=1 + dim, tiled=True)
-        return gathered, opt
+        return self._all_gather(new_p), opt
 
     def gather(self, params: Buffers) -> Buffers:
         """ZeRO-3: the (v, ...) rows of (own slices, copy) -> the whole (v, ...)
         parameter rows the tick loop reads, all-gathered over 'data' (once per step)."""
+        return self._all_gather(self._own_slices(params))
+
+    def _own_slices(self, params: Buffers) -> list[Buffers]:
+        """ZeRO-3: per chunk, this replica's slices out of its (v, ...) parameter rows."""
         v = next(iter(params.values())).shape[0]
-        own = [self.rows_spec.unpack(0, {k: b[c] for k, b in params.items()})[0] for c in range(v)]
+        return [self.rows_spec.unpack(0, {k: b[c] for k, b in params.items()})[0] for c in range(v)]
+
+    def _all_gather(self, slices: list[Buffers]) -> Buffers:
+        """Per chunk, {buffer key: this replica's slice} -> the whole (v, ...) rows,
+        each buffer all-gathered over 'data' along its cut dimension."""
         out = {}
         for k in self.param_spec.sizes:
-            b = jnp.stack([o[k] for o in own])
+            b = jnp.stack([chunk[k] for chunk in slices])
             dim = self.dims[k]
             out[k] = b if dim is None else lax.all_gather(b, DATA, axis=1 + dim, tiled=True)
         return out
