@@ -14,7 +14,8 @@ from pjit_pipe.cli import main
 from pjit_pipe.cli.train import make_task
 from pjit_pipe.cli.train_processes import process_workers
 from pjit_pipe.errors import OptionError
-from pjit_pipe.runtime import recovery_settings
+from pjit_pipe.ir.ops import Worker
+from pjit_pipe.runtime import LiveDevices, recovery_settings
 
 TIMEOUT_S = 420  # the CLI's whole run, compiles included (2 cores, 5 processes)
 STEPS, MESH, MICROBATCHES, LR = 24, (2, 2), 2, 3e-3
@@ -111,3 +112,31 @@ def test_bad_process_options_are_refused(capsys, extra, message):
     assert code == 2
     err = capsys.readouterr().err
     assert message in err and len(err.strip().splitlines()) == 1
+
+
+class FakeDevice:
+    """A device of another process, as LiveDevices sees it."""
+
+    def __init__(self, process_index: int):
+        self.process_index = process_index
+
+
+def live_devices_over(owner: dict[tuple[int, int], int]) -> LiveDevices:
+    """LiveDevices whose worker (r, s) is a device of process owner[(r, s)]."""
+    detector = LiveDevices.__new__(LiveDevices)
+    detector.worker_of = {FakeDevice(p): Worker(*w) for w, p in owner.items()}
+    return detector
+
+
+def test_live_devices_plans_each_other_process_death_that_leaves_every_stage():
+    one_each = live_devices_over({(0, 0): 1, (0, 1): 2, (1, 0): 3, (1, 1): 4})
+    assert one_each.planned(1) == [
+        frozenset({Worker(0, 1)}),
+        frozenset({Worker(1, 0)}),
+        frozenset({Worker(1, 1)}),
+    ]
+    by_replica = live_devices_over({(0, 0): 1, (0, 1): 1, (1, 0): 2, (1, 1): 2})
+    assert by_replica.planned(1) == [frozenset({Worker(1, 0), Worker(1, 1)})]
+    # Process 1 holds both replicas of stage 0: its death cannot be trained around.
+    by_stage = live_devices_over({(0, 0): 1, (1, 0): 1, (0, 1): 2, (1, 1): 2})
+    assert by_stage.planned(2) == [] and by_stage.planned(1) == []

@@ -152,11 +152,16 @@ class InjectedFailures:
             raise WorkerFailure(step, dying)
 
 
+COLLECTIVE_FAILURE = ("gloo", "collective", "timed out", "deadline_exceeded", "pair closure")
+
+
 class CollectiveTimeout(WorkerFailure):
     """A collective of the step failed while every process stayed live: a peer
-    reached it later than the collective timeout (a process stopped, or one that
-    compiled the step's program that much later). Nothing is down, so the same
-    program would run again over the same broken connections; the trainer stops."""
+    reached it later than the collective timeout while its heartbeats went on
+    (one process compiled the step's program that much later, say; a stopped
+    process misses its heartbeats and counts as dead). Nothing is down, so the
+    same program would run again over the same broken connections; the trainer
+    stops."""
 
     def __init__(self, step: int, cause: BaseException):
         self.step = step
@@ -263,4 +268,6 @@ class LiveDevices:
         except multihost_utils.ProcessFailureError as e:
             raise WorkerFailure(step, (self.worker_of[d] for d in e.failed_devices)) from e
         except jax.errors.JaxRuntimeError as e:  # the step failed, yet nobody died
-            raise CollectiveTimeout(step, e) from e
+            if any(word in str(e).lower() for word in COLLECTIVE_FAILURE):
+                raise CollectiveTimeout(step, e) from e
+            raise
