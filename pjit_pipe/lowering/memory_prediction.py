@@ -10,15 +10,16 @@ device:
 - `params`, `optimizer`: the state between steps (what `TrainState.device_bytes`
   gives): each position's rows, padded to the largest stage as one SPMD
   program needs, split over 'tensor' where annotated, and with ZeRO the
-  optax state in slices (a device's own and a copy of the next replica's);
+  optax state in slices (a device's own and a copy of the next replica's),
+  with ZeRO-3 the parameters too;
 - `grads`: the gradient the step accumulates over the microbatches (one
   buffer like the parameter rows), plus with ZeRO the slice the
   reduce-scatter leaves;
 - `update`: the optax update's working copy (the new state is written while
   the old one is read: as large as `optimizer`);
 - `gathered`: parameters all-gathered over 'data' for the step (ZeRO-1: the
-  updated rows, once per step; ZeRO-3: the stage's whole rows
-  before the tick loop);
+  updated rows, once per step; ZeRO-3: the stage's whole rows, before the
+  tick loop);
 - `activations`: the residual pools, as many rows as the tick plan keeps in
   flight on the busiest device times the widest stage's row (one program
   sizes every device's pools alike);
@@ -61,8 +62,8 @@ ZERO_LEVELS = (0, 1, 3)
 # stages' (the residuals a tick's forward makes before they are stored, and the
 # cotangents its backward makes of them), or with remat one chunk's (a backward
 # that recomputes holds the residuals and their cotangents beside the tick's
-# forward). Fitted on CPU: totals within 0.92-1.05x of XLA's peak on the tiny GPT and
-# MLP, 0.88-1.11x with remat (benchmarks/bench_memory.py).
+# forward). Fitted on CPU: totals within 0.91-1.05x of XLA's peak on the tiny GPT
+# and MLP at ZeRO 0, 1 and 3, 0.88-1.11x with remat (benchmarks/bench_memory.py).
 WORKSPACE_MICROBATCHES = 2
 WORKSPACE_REMAT_CHUNKS = 3
 PARTS = (
