@@ -1,21 +1,22 @@
 """Cut a Flax module into pipeline stages and split its parameters to match.
 
-Candidate cut points are the module's events (see `trace.py`): every
-call of a module below a container (the root's children; the blocks of a
-stack deeper down, see `nesting.py`), or only the `boundary()` markers when
-the model has any; `split_points` names them by path instead of balancing.
-A candidate is kept only if it is a *clean* cut: the code after it reads
-nothing computed before it except its activation. We check that on the jaxpr
-of each segment, traced with the model input and every skipped call's output
+Candidate cut points are the module's events (see `trace.py`): every call of a
+module below a container (the root's children; the blocks of a stack deeper
+down, see `nesting.py`), or only the `boundary()` markers when the model has
+any; `split_points` names them by path instead of balancing. A candidate is
+kept only if it is a *clean* cut: the code after it reads nothing computed
+before it except its activation. We check that on the jaxpr of each segment
+(`segments.py`), traced with the model input and every skipped call's output
 passed as arguments: if any of them reaches the segment's output, the cut in
 front of the segment is dropped (the refusal names what the code after it
 read). The last stage may leave some of the model's outputs to earlier stages
 (the per-block caches a model returns beside its logits) when it reads none of
 them itself: they are the cut's `stale_outputs`, and a loss that reads one is
-refused by name when the program is built (`StageCut.check_loss`). What crosses a cut is the activation of the
-event there: every array in its arguments (see `trace.py`), so a `(hidden,
-mask)` pair or integer positions cross as they are. The remaining segments are
-grouped into stages by estimated FLOPs (or parameter count).
+refused by name when the program is built (`StageCut.check_loss`). What
+crosses a cut is the activation of the event there: every array in its
+arguments (see `trace.py`), so a `(hidden, mask)` pair or integer positions
+cross as they are. The remaining segments are grouped into stages by estimated
+FLOPs (or parameter count).
 
 A unit read by several stages (tied weights: an embedding that the LM head
 reuses through `attend`) is held by each of them: `split` gives every holder
@@ -52,13 +53,22 @@ import jax.numpy as jnp
 
 from pjit_pipe.errors import CutError, OptionError
 from pjit_pipe.frontend.cutter.adapters import Model, Path, as_model
-from pjit_pipe.frontend.cutter.analysis import liveness, reads_of_each_output
 from pjit_pipe.frontend.cutter.balance import balance as balance_costs
+from pjit_pipe.frontend.cutter.events import Event, with_iterations
 from pjit_pipe.frontend.cutter.nesting import choose_levels, containers_above
+from pjit_pipe.frontend.cutter.segments import (
+    MODEL_INPUT,
+    Recorded,
+    Segment,
+    clean_segments,
+    path_key,
+    probe,
+    unit_of,
+)
 from pjit_pipe.frontend.cutter.stacks import scan_share as scan_share_of
 from pjit_pipe.frontend.cutter.stacks import split_stacks
-from pjit_pipe.frontend.cutter.stage_cut import StageCut, StaleOutput, get_path, imbalance
-from pjit_pipe.frontend.cutter.trace import Event, Run, with_iterations
+from pjit_pipe.frontend.cutter.stage_cut import StageCut, get_path, imbalance
+from pjit_pipe.frontend.cutter.trace import Run
 
 BALANCE = ("flops", "params", "time")
 
@@ -67,34 +77,13 @@ def _avals(tree: Any) -> Any:
     return jax.tree.map(lambda a: jax.ShapeDtypeStruct(jnp.shape(a), jnp.result_type(a)), tree)
 
 
-def _key(entry: Any) -> Any:
-    """The dict key or list index of one step of a pytree path."""
-    for attr in ("key", "idx", "name"):
-        if hasattr(entry, attr):
-            return getattr(entry, attr)
-    raise TypeError(f"unexpected pytree path entry {entry!r}")
-
-
 def _units(param_avals: dict, children: Sequence[Path]) -> dict[str, Path]:
-    """Unit name -> path, for every unit that holds parameters (see `_unit_of`)."""
+    """Unit name -> path, for every unit that holds parameters (see `unit_of`)."""
     units: dict[str, Path] = {}
     for path, _ in jax.tree_util.tree_flatten_with_path(param_avals)[0]:
-        unit = _unit_of(tuple(map(_key, path)), children)
+        unit = unit_of(tuple(map(path_key, path)), children)
         units["/".join(map(str, unit))] = unit
     return units
-
-
-def _unit_of(path: Path, children: Sequence[Path]) -> Path:
-    """The unit of the leaf at `path`: the longest child path that prefixes it, else
-    its shortest prefix that no child path starts with (its top-level name when
-    the children are top-level)."""
-    owners = [c for c in children if path[: len(c)] == c]
-    if owners:
-        return max(owners, key=len)
-    for k in range(1, len(path)):
-        if not any(c[:k] == path[:k] for c in children):
-            return path[:k]
-    return path
 
 
 def _event_paths(model: Model, events: Sequence[Event]) -> tuple[Path, ...]:
@@ -109,120 +98,15 @@ def _is_aval(x: Any) -> bool:
     return isinstance(x, jax.ShapeDtypeStruct)
 
 
-@dataclass(frozen=True)
-class _Segment:
-    start: int | None  # event index where it begins; None: the model input
-    stop: int | None  # event index where it ends; None: the model output
-    keys: frozenset[str]  # names of the parameter units it reads
-    flops: float
-    clean: bool
-    reads: tuple[str, ...] = ()  # what it reads from before its start (unclean: why)
-    stale: tuple[StaleOutput, ...] = ()  # the last one: model outputs it cannot make
-
-
 IMBALANCE_WARNING = 1.5
-MODEL_INPUT = "the model input"
-
-
-@dataclass(frozen=True)
-class _Recorded:
-    """A model's events for inputs like x, and what each probe of a segment needs."""
-
-    model: Model
-    events: tuple[Event, ...]
-    x_aval: Any
-    param_avals: dict
-    levels: frozenset[Path]
-    children: tuple[Path, ...]
-    out_aval: Any
-
-
-def _probe(rec: _Recorded, start: int | None, stop: int | None) -> _Segment:
-    """Trace the model as stage [start, stop) with every hidden input as an argument."""
-    events = rec.events
-    calls_before = [i for i in range(start or 0) if events[i].kind == "call"]
-    act_aval = rec.x_aval if start is None else events[start].act
-
-    def segment(params, x, skips, act):
-        if start is None:
-            return rec.model.run(params, act, Run(stop=stop, expected=events, levels=rec.levels))
-        skipped = dict(zip(calls_before, skips, strict=True))
-        run = Run(start, stop, act, skipped, events, rec.levels)
-        return rec.model.run(params, x, run)
-
-    skip_avals = [events[i].out for i in calls_before]
-    closed = jax.make_jaxpr(segment)(rec.param_avals, rec.x_aval, skip_avals, act_aval)
-    live = liveness(closed.jaxpr)
-    used = iter(live.used)
-    keys = set()
-    for path, _ in jax.tree_util.tree_flatten_with_path(rec.param_avals)[0]:
-        if next(used):
-            keys.add("/".join(map(str, _unit_of(tuple(map(_key, path)), rec.children))))
-    # Who each hidden input is: the model input's leaves, then each skipped call's.
-    owners = [MODEL_INPUT] * len(jax.tree.leaves(rec.x_aval))
-    for i, out in zip(calls_before, skip_avals, strict=True):
-        owners += [events[i].name] * len(jax.tree.leaves(out))
-    hidden = [next(used) for _ in owners]
-    if start is None or not any(hidden):
-        return _Segment(start, stop, frozenset(keys), live.flops, True)
-    reads = tuple(dict.fromkeys(o for o, h in zip(owners, hidden, strict=True) if h))
-    first = len(jax.tree.leaves(rec.param_avals))
-    stale = _stale_outputs(closed.jaxpr, first, owners, rec.out_aval) if stop is None else ()
-    clean = bool(stale) and len(stale) < len(jax.tree.leaves(rec.out_aval))
-    return _Segment(start, stop, frozenset(keys), live.flops, clean, reads, stale)
-
-
-def _stale_outputs(
-    jaxpr, first: int, owners: Sequence[str], out_aval: Any
-) -> tuple[StaleOutput, ...]:
-    """The model outputs of a last stage that read a hidden input (jaxpr inputs
-    first, first+1, ..., one per entry of `owners`), each with the calls (or the
-    model input) it reads from before the stage."""
-    flat = jax.tree_util.tree_flatten_with_path(out_aval)[0]
-    stale = []
-    for (path, _), reads in zip(flat, reads_of_each_output(jaxpr), strict=True):
-        hidden = reads[first : first + len(owners)]
-        producers = tuple(dict.fromkeys(o for o, h in zip(owners, hidden, strict=True) if h))
-        if producers:
-            stale.append(StaleOutput(jax.tree_util.keystr(path), producers))
-    return tuple(stale)
-
-
-def _candidates(events: Sequence[Event]) -> list[int]:
-    """Event indices where a stage may begin: markers if the model has any, else every
-    call after the first; and the iterations of nn.scan stacks. The event must
-    receive at least one array."""
-    markers = any(e.kind == "boundary" for e in events)
-    return [
-        i
-        for i, e in enumerate(events)
-        if e.act is not None and (e.kind != "call" if markers else i > 0)
-    ]
-
-
-def _clean_segments(rec: _Recorded) -> tuple[list[_Segment], dict[str, tuple[str, ...]]]:
-    """Segments between candidate cuts, dropping cuts that are not clean; and each
-    dropped cut's event name -> what the code after it read from before it."""
-    bounds: list[int | None] = [None, *_candidates(rec.events)]
-    segments: list[_Segment] = []
-    dropped: dict[str, tuple[str, ...]] = {}
-    for j, start in enumerate(bounds):
-        stop = bounds[j + 1] if j + 1 < len(bounds) else None
-        seg = _probe(rec, start, stop)
-        while not seg.clean:  # merge with the previous segment and try again
-            dropped[rec.events[seg.start].name] = seg.reads
-            prev = segments.pop()
-            seg = _probe(rec, prev.start, stop)
-        segments.append(seg)
-    return segments, dropped
 
 
 @dataclass(frozen=True)
 class _Traced:
     """A model recorded for inputs like x: its events and clean segments."""
 
-    rec: _Recorded
-    segments: list[_Segment]
+    rec: Recorded
+    segments: list[Segment]
     units: dict[str, Path]
     dropped: dict[str, tuple[str, ...]]
 
@@ -234,7 +118,7 @@ class _Traced:
         groups = [segments[a:b] for a, b in zip(starts, ends, strict=True)]
         last = groups[-1][0]
         if segments[-1].stale and last is not segments[-1]:  # fewer outputs are stale
-            last = _probe(rec, last.start, None)
+            last = probe(rec, last.start, None)
         keys = tuple(tuple(sorted(set().union(*(s.keys for s in g)))) for g in groups)
         return StageCut(
             model=rec.model,
@@ -288,8 +172,8 @@ def _trace(module: Any, variables: Any, x: Any, split_points: Sequence[str] = ()
         recorder, out_aval = record(levels)
     events = with_iterations(tuple(recorder.events))
     children = _event_paths(model, events)
-    rec = _Recorded(model, events, x_aval, param_avals, levels, children, out_aval)
-    segments, dropped = _clean_segments(rec)
+    rec = Recorded(model, events, x_aval, param_avals, levels, children, out_aval)
+    segments, dropped = clean_segments(rec)
     return _Traced(rec, segments, _units(param_avals, children), dropped)
 
 

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from pjit_pipe.frontend.cutter.adapters import Path
-from pjit_pipe.frontend.cutter.trace import Event
+from pjit_pipe.frontend.cutter.events import Event
 
 Rows = tuple[int, int]  # [first, stop) rows of a stacked (nn.scan) parameter
 

@@ -23,8 +23,9 @@ import jax.numpy as jnp
 from pjit_pipe.errors import CutError
 from pjit_pipe.frontend.cutter.adapters import Model, Path
 from pjit_pipe.frontend.cutter.analysis import liveness
+from pjit_pipe.frontend.cutter.events import Event
 from pjit_pipe.frontend.cutter.stacks import Rows, rows_of, stack
-from pjit_pipe.frontend.cutter.trace import Event, Run
+from pjit_pipe.frontend.cutter.trace import Run
 
 
 def _zeros(avals: Any) -> Any:

@@ -17,7 +17,7 @@ run with that event's activation. Later events of the stage that receive one
 of the very arrays replaced at `start` (a mask passed to every block) get the
 stage input's array instead. The glue that runs on stand-ins feeds nothing
 the stage returns, so XLA removes it; the stage cutter checks that (see
-`cut.py`), so a stage never silently reads a stand-in.
+`segments.py`), so a stage never silently reads a stand-in.
 
 A child wrapped in a linen transform (nn.remat, nn.jit, nn.vmap) is entered
 where the transform is applied, outside its trace: its activation is taken
@@ -42,50 +42,15 @@ import dataclasses
 import threading
 from collections.abc import Callable, Mapping
 from contextvars import ContextVar
-from dataclasses import dataclass
 from typing import Any
 
 import flax.linen as nn
 import jax
 
 from pjit_pipe.errors import CutError
+from pjit_pipe.frontend.cutter.events import Event
 from pjit_pipe.frontend.cutter.linen_hooks import transforms_seen_from_outside
 from pjit_pipe.frontend.cutter.nesting import CallTree, module_name
-
-
-@dataclass(frozen=True)
-class Event:
-    """One top-level call or boundary marker, as seen when the model was recorded.
-
-    act: shapes of the activation (every array in the call's arguments, in
-        flattening order), or None when it has none (such an event cannot
-        start a stage).
-    out: shapes of what the event returned (a call is skipped by returning
-        stand-ins of these shapes).
-    """
-
-    kind: str  # "call", "boundary" or "iteration" (a cut inside an nn.scan)
-    name: str  # the module's path, dotted ("transformer.h.0"), and ".method" if not __call__
-    act: tuple[jax.ShapeDtypeStruct, ...] | None
-    out: Any
-    transform: str | None = None  # the linen transform around the child ("Scan", "Checkpoint")
-    # An nn.scan call that can be cut between iterations: its length L. An
-    # "iteration" event: the iteration k at which it begins a stage.
-    iterations: int | None = None
-    iteration: int = 0
-    path: tuple[str, ...] | None = None  # the called module's path (its parameters' path)
-
-
-def with_iterations(events: tuple[Event, ...]) -> tuple[Event, ...]:
-    """The recorded events with the L-1 iteration events after each cuttable nn.scan."""
-    out: list[Event] = []
-    for e in events:
-        out.append(e)
-        out += [
-            Event("iteration", f"{e.name}[{k}]", e.act, None, "Scan", iteration=k, path=e.path)
-            for k in range(1, e.iterations or 1)
-        ]
-    return tuple(out)
 
 
 class _StageEnd(Exception):
