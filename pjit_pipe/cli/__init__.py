@@ -16,12 +16,12 @@ from collections.abc import Sequence
 # The module of each subcommand (pjit_pipe.cli.<module>): add yours here.
 SUBCOMMANDS = {
     "schedule": "schedule_command",
-    "train": "train",
+    "train": "train_command",
     "demo": "demo",
     "plan": "plan",
     "probe": "probe",
     "emulate": "emulate",
-    "memory": "memory",
+    "memory": "memory_command",
 }
 
 

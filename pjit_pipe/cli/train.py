@@ -1,6 +1,10 @@
-"""`pjit-pipe train`: train an example model with a pipeline schedule and print the loss.
+"""The training loop of `pjit-pipe train`: an example model trained on a pipeline
+schedule through injected failures, and the printing of its steps and costs.
 
-JAX is imported only inside `run`, after XLA_FLAGS asks for enough host (CPU)
+The subcommand itself (its options, and the choice between one process and
+`--processes N`) is `train_command`; the loop lives here so that both it and
+each process of a multi-process run (`train_processes`) use it. JAX is
+imported only inside `train`, after XLA_FLAGS asks for enough host (CPU)
 devices for the mesh; the flag does not affect GPU or TPU devices.
 """
 
@@ -9,47 +13,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
-import warnings
 from dataclasses import dataclass
 from typing import Any
 
-from pjit_pipe.cli.compile_cache import add_cache_args, configure_compilation_cache
+from pjit_pipe.cli.compile_cache import configure_compilation_cache
 from pjit_pipe.cli.device_choice import ensure_host_devices, run_devices
-from pjit_pipe.cli.train_args import (
-    add_checkpoint_args,
-    add_failure_args,
-    add_process_args,
-    add_training_args,
-    check_failure_plan,
-    check_slow_plan,
-)
-
-
-def register(subparsers: Any) -> None:
-    parser = subparsers.add_parser(
-        "train",
-        help="train an example model on a pipeline",
-        description="Train an example model on a DxP mesh of devices under a pipeline "
-        "schedule and print the loss of each step, through injected worker failures "
-        "and rejoins. On a CPU-only machine the D*P devices are simulated.",
-    )
-    add_training_args(parser)
-    add_failure_args(parser)
-    add_checkpoint_args(parser)
-    add_cache_args(parser)
-    add_process_args(parser)
-    parser.add_argument("--json", action="store_true", help="one JSON object per step")
-    parser.add_argument(
-        "--show-costs",
-        action="store_true",
-        help="measure each stage's F, B, W and a tick's fixed cost (ms) on the mesh and print "
-        "them first (with --json: one object with key 'costs'; 'costs_arg' is for "
-        "`schedule --costs`, 'tick' for `schedule --tick-cost`)",
-    )
-    parser.set_defaults(run=run)
+from pjit_pipe.cli.train_args import check_failure_plan, check_slow_plan
 
 
 @dataclass
@@ -399,36 +370,3 @@ def step_printer(args: argparse.Namespace) -> tuple[Any, Any]:
             bar.close()
 
     return on_step, close
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.async_weights is not None and args.schedule != "async-1f1b":
-        from pjit_pipe.cli import UsageError
-
-        raise UsageError(
-            f"--async-weights {args.async_weights} applies to --schedule async-1f1b only, "
-            f"not {args.schedule}; drop it or use --schedule async-1f1b"
-        )
-    if args.processes is not None:
-        from pjit_pipe.cli.train_processes import launch
-
-        return launch(args)
-    directory = args.checkpoint_dir
-    if not (directory and os.path.isdir(directory) and os.listdir(directory)):
-        # Nothing to resume: refuse a bad plan before JAX loads (train() checks a
-        # resumed run's plan against the workers its checkpoint has down).
-        check_failure_plan(args.fail, args.rejoin, *args.mesh[:2], args.steps)
-    on_step, close = step_printer(args)
-    try:
-        with warnings.catch_warnings():
-            warnings.showwarning = one_line_warning
-            train(args, on_step)
-    finally:
-        close()
-    return 0
-
-
-def one_line_warning(message: Warning | str, *_: Any, **__: Any) -> None:
-    """Print a warning (a skipped step, a damaged checkpoint passed over) as one
-    line on stderr, without the source line Python adds."""
-    print(f"warning: {' '.join(str(message).split())}", file=sys.stderr, flush=True)

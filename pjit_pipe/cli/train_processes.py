@@ -267,7 +267,7 @@ def _train(directory: str, rank: int, count: int, port: str, k: int) -> None:
 
     out = os.fdopen(os.dup(1), "w")  # the reports go to the launcher...
     os.dup2(2, 1)  # ...and anything else printed to stderr
-    from pjit_pipe.runtime.distributed import initialize_distributed
+    from pjit_pipe.runtime import initialize_distributed
 
     initialize_distributed(f"localhost:{port}", count, rank)
     import jax
@@ -300,7 +300,7 @@ def _train(directory: str, rank: int, count: int, port: str, k: int) -> None:
 
 def _coordinate(count: int, port: str) -> None:
     """Process 0: host the coordination service until the launcher closes stdin."""
-    from pjit_pipe.runtime.distributed import initialize_distributed
+    from pjit_pipe.runtime import initialize_distributed
 
     initialize_distributed(f"localhost:{port}", count, COORDINATOR)
     import jax
