@@ -3,32 +3,32 @@ costs, the tick table and the program, built through the one compile path
 (`pjit_pipe.compiler`) and cached per loss function and shapes.
 
 `CompiledPrograms` is a base of `Pipelined` (pipelined.py), which holds the
-attributes it reads: the options, the schedule spec and the caches.
+attributes it reads: the options, the schedule spec and the caches. Its own base
+`MemoryReports` (memory_report.py) prices a pipeline's memory from shapes.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import weakref
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh
 
 from pjit_pipe.compiler import (
     ScheduleSpec,
     build_program,
-    build_schedule,
     build_table,
     layout_of,
 )
-from pjit_pipe.errors import BatchError, OptionError
+from pjit_pipe.errors import BatchError
 from pjit_pipe.frontend.cutter.cut import StageCut, cut_module
-from pjit_pipe.frontend.cutter.tensor_split import stage_splits, unbox
+from pjit_pipe.frontend.cutter.tensor_split import stage_splits
 from pjit_pipe.frontend.inputs import explained_rng_errors, leading_dim
+from pjit_pipe.frontend.memory_report import MemoryReports
 from pjit_pipe.frontend.mesh import pipeline_mesh, tensor_size
 from pjit_pipe.frontend.opt_state import check_opt_layout
 from pjit_pipe.frontend.options import PipelineOptions
@@ -39,16 +39,13 @@ from pjit_pipe.ir.memory import split_stages
 from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering import LoweringOptions
-from pjit_pipe.lowering.compute.stage_cache import traced_stages
-from pjit_pipe.lowering.layout.tensor_layout import any_split
-from pjit_pipe.lowering.memory_prediction import MemoryReport, predict_memory
 
 if TYPE_CHECKING:
     from pjit_pipe.frontend.pipelined import LossFn
     from pjit_pipe.lowering import PipelineStep
 
 
-class CompiledPrograms:
+class CompiledPrograms(MemoryReports):
     """The program-building half of `Pipelined`: cut, measure, pack, compile."""
 
     module: Any
@@ -279,127 +276,6 @@ class CompiledPrograms:
             self._views[program] = StateView(cut, program.layout, self.optimizer, boxed)
         return self._views[program]
 
-    def memory_report(
-        self,
-        params: Any,
-        batch: tuple[Any, Any],
-        loss_fn: LossFn | None = None,
-        *,
-        data: int | None = None,
-        tensor: int | None = None,
-        zero: int | None = None,
-        compiled: bool = False,
-    ) -> MemoryReport:
-        """What each device would hold to train this pipeline, before anything is
-        allocated (lowering/memory_prediction.py): from shapes alone, so
-        `jax.eval_shape(module.init, ...)` of a model too large for the machine will do.
-
-        Args:
-            params: the module's parameters, or their ShapeDtypeStructs (boxed or not).
-            batch: (x, y) of one global batch, arrays or ShapeDtypeStructs.
-            loss_fn: as in `train_step`; None prices the last stage without a loss's
-                own residuals (an LM's softmax keeps its logits: pass the loss).
-            data: D, the replicas to predict for (None: this pipeline's mesh's), so
-                a deployment larger than this machine can be priced.
-            tensor: T, the devices each stage's annotated weights split over (None:
-                this pipeline's mesh's).
-            zero: 0, 1 or 3 (None: this pipeline's `zero`).
-            compiled: also compile the train step on this pipeline's mesh and add
-                XLA's memory analysis of it (`MemoryReport.compiled`).
-
-        Returns:
-            The MemoryReport: per pipeline position, each part's bytes.
-
-        Raises:
-            OptionError: no optimizer, zero outside 0, 1, 3, or compiled with another
-                zero, data or tensor than the pipeline's.
-            BatchError: the batch does not split into data*microbatches.
-        """
-        if self.optimizer is None:
-            raise OptionError(
-                "memory_report: this pipeline has no optimizer; give it one with "
-                "pm.with_options(optimizer=optax.adam(1e-3))"
-            )
-        mesh_data, mesh_tensor = self.replicas, tensor_size(self.mesh)
-        want_data = mesh_data if data is None else data
-        want_tensor = mesh_tensor if tensor is None else tensor
-        own_level = self.options.zero
-        level = own_level if zero is None else zero
-        if compiled and (
-            level != own_level or (want_data, want_tensor) != (mesh_data, mesh_tensor)
-        ):
-            raise OptionError(
-                f"memory_report(compiled=True): compiles on this pipeline's mesh with "
-                f"its zero, so give no data/tensor other than ({mesh_data}, {mesh_tensor}) "
-                f"and no zero other than {own_level}"
-            )
-        plain, boxed = unbox(params)
-        plain = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), plain)
-        x, y = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), tuple(batch)
-        )
-        loss_fn = _output_mean if loss_fn is None else loss_fn
-        n = want_data * self.microbatches
-        batch_size = leading_dim("x", x)
-        if batch_size % n:
-            raise BatchError(
-                f"batch: global batch {batch_size} is not divisible by data*microbatches = "
-                f"{want_data}*{self.microbatches} = {n}; use a multiple of {n}"
-            )
-        cut = self._keyed_cut(plain, x, None)
-        names = getattr(self.model, "sharding_names", lambda: None)()
-        splits = stage_splits(cut, plain, boxed, want_tensor, names)
-        if want_data == mesh_data and not self.failed.failed and not self.measure:
-            table = self.tick_table()
-        else:
-            spec = dataclasses.replace(self.spec, replicas=want_data, failed=())
-            table = build_table(
-                build_schedule(spec, self.costs),
-                self.costs,
-                1,
-                self.options.mem_limit,
-                self.options.pack_polish,
-                sync=self.options.resolved_tick_sync(),
-            )
-        split = set() if self.remat is True else set(split_stages(table.schedule))
-        mb = lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype)  # noqa: E731
-        _, stages = traced_stages(
-            cut.stage_fns(),
-            loss_fn,
-            False,
-            cut.split(plain),
-            jax.tree.map(mb, x),
-            jax.tree.map(mb, y),
-            split,
-            None,
-            tensor_split=any_split(splits),
-        )
-        nbytes = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves((x, y)))
-        report = predict_memory(
-            table,
-            stages,
-            self.optimizer,
-            zero=level,
-            tensor=want_tensor,
-            splits=splits,
-            remat=self.remat is True,
-            input_bytes=nbytes,
-        )
-        if compiled:
-            report = report.with_compiled(self._compiled_memory(plain, boxed, x, y, loss_fn))
-        return report
-
-    def _compiled_memory(self, plain: Any, boxed: Any, x: Any, y: Any, loss_fn: LossFn) -> Any:
-        """XLA's memory analysis of the train step compiled for these shapes."""
-        _, program = self.program(plain, x, y, loss_fn, boxed=boxed)
-        sharding = NamedSharding(self.device_mesh, PartitionSpec())
-        placed = jax.tree.map(
-            lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), (x, y)
-        )
-        skip = self.options.skip_nonfinite is not False and not program.steps_in_loop
-        program.compile_device_train_step(*placed, donate=True, skip_nonfinite=skip)
-        return program.device_memory_analysis(donate=True, skip_nonfinite=skip)
-
     def _keyed_cut(self, params: Any, x: Any, rngs: dict[str, jax.Array] | None) -> StageCut:
         """`cut`; the cut traces the model, so a model with rngs gets stand-in keys."""
         with self._rng_context(rngs):
@@ -473,10 +349,3 @@ class CompiledPrograms:
             )
 
         return cut, self._programs.get(key, build)
-
-
-def _output_mean(out: Any, y: Any) -> jax.Array:
-    """The loss `memory_report` prices without one: the outputs' mean, which keeps
-    no residual of its own."""
-    del y
-    return jnp.mean(jnp.stack([jnp.mean(a.astype(jnp.float32)) for a in jax.tree.leaves(out)]))

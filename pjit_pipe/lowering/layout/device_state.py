@@ -15,9 +15,9 @@ re-splits the model.
 step, one pipeline position at a time on that position's devices only (a
 small program over the position's holders), so the whole model never sits
 on one device. `relayout` moves a state to another program's layout (a
-failure variant, or back to the full mesh): a device that runs the same
-position in both keeps its buffers, a device new to a position copies the row
-from a live peer, and devices named unavailable are never read.
+failure variant, or back to the full mesh; relayout.py): a device that runs the
+same position in both keeps its buffers, a device new to a position copies the
+row from a live peer, and devices named unavailable are never read.
 
 With a 'tensor' axis (T > 1) a worker is T devices. The flat rows are
 replicated over them, and each leaf split over 'tensor' has a shaped buffer
@@ -41,6 +41,7 @@ from jax.sharding import PartitionSpec as PS
 from pjit_pipe.errors import StateError
 from pjit_pipe.lowering.comms.topology import TENSOR, Topology
 from pjit_pipe.lowering.layout.flat_buffers import Buffers, FlatSpec, dtype_of, is_shaped
+from pjit_pipe.lowering.layout.relayout import relayout_state
 from pjit_pipe.lowering.layout.zero import ZeroLayout
 
 HOLDER = "holder"  # a position's sub-mesh: its workers (and 'tensor', with T > 1)
@@ -185,7 +186,7 @@ class DeviceLayout:
                 for k, b in bufs.items():
                     for shard in b.addressable_shards:
                         rows[part].setdefault(k, {})[shard.device] = shard.data
-        return tuple(self._assemble(part, rows[part]) for part in ("params", "opt"))
+        return tuple(self.assemble(part, rows[part]) for part in ("params", "opt"))
 
     def _packer(self, p: int, init_opt: bool, mesh: Mesh):
         key = (p, init_opt)
@@ -237,7 +238,7 @@ class DeviceLayout:
             return NamedSharding(mesh, PS(HOLDER))
         return NamedSharding(mesh, PS(HOLDER, None, *self.row_specs[part].split_of(key)))
 
-    def _assemble(self, part: str, rows: dict[str, dict[Any, jax.Array]]) -> Buffers:
+    def assemble(self, part: str, rows: dict[str, dict[Any, jax.Array]]) -> Buffers:
         """Global buffers from each addressable device's own (1, v, ...) slice."""
         out = {}
         for k, shape in self.shapes(part).items():
@@ -345,47 +346,9 @@ class DeviceLayout:
         opt: Buffers,
         unavailable: Collection[Any] = (),
     ) -> tuple[Buffers, Buffers, int]:
-        """A state in `source`'s layout -> this layout, and the bytes copied.
-
-        A device that runs the same position in both layouts keeps its own row
-        (no copy); a device new to its position (a rejoining one) copies the row
-        from the first live source device of that position. Rows of devices in
-        `unavailable` (failed ones) are never read.
-        """
-        if [len(h) for h in source.held] != [len(h) for h in self.held]:
-            raise StateError("relayout: the two programs hold different numbers of chunks")
-        for p in range(len(self.held)):
-            if not self.compatible(source, p):
-                raise StateError(
-                    f"relayout: position {p} holds different stages or row formats in the "
-                    "two programs; go through the module layout (state.params) instead"
-                )
-        where = dict(zip(source.devices, source.positions, strict=True))
-        lane = dict(zip(source.devices, source.tensor_index, strict=True))
-        moved = 0
-        out = []
-        for part, bufs in (("params", params), ("opt", opt)):
-            rows: dict[str, dict[Any, jax.Array]] = {}
-            for k, b in bufs.items():
-                shards = {s.device: s for s in b.addressable_shards}
-                rows[k] = {}
-                for d, p, t in zip(self.devices, self.positions, self.tensor_index, strict=True):
-                    if d.process_index != jax.process_index():
-                        continue
-                    if where.get(d) == p and lane.get(d) == t and d not in unavailable:
-                        rows[k][d] = shards[d].data
-                        continue
-                    peers = [
-                        e for e in source.holders(p, unavailable) if e in shards and lane[e] == t
-                    ]
-                    if not peers:
-                        raise StateError(
-                            f"relayout: no live device of position {p} holds its rows here"
-                        )
-                    rows[k][d] = jax.device_put(shards[peers[0]].data, d)
-                    moved += rows[k][d].nbytes
-            out.append(self._assemble(part, rows))
-        return out[0], out[1], moved
+        """A state in `source`'s layout -> this layout, and the bytes copied
+        (relayout.py: kept rows, rows copied from live peers)."""
+        return relayout_state(self, source, params, opt, unavailable)
 
 
 def _onto(leaf: Any, sharding: NamedSharding) -> jax.Array:
