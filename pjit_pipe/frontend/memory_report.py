@@ -3,9 +3,9 @@ priced from shapes before anything is allocated (lowering/memory_prediction.py).
 
 It has its own module because it is a question about a pipeline, not a step of
 building its program: it traces the stages from shapes alone, for a replica
-count, tensor size or ZeRO level that may differ from the pipeline's own. `MemoryReports` is a base
-of `CompiledPrograms` (compiled_programs.py), whose cut, tick table and program
-it uses.
+count, tensor size or ZeRO level that may differ from the pipeline's own.
+`MemoryReports` is a base of `CompiledPrograms` (compiled_programs.py), whose
+cut, tick table and program it uses.
 """
 
 from __future__ import annotations
