@@ -57,8 +57,11 @@ def _free_port() -> int:
 def _env(devices: int) -> dict[str, str]:
     """This environment with `devices` CPU devices per process and the package importable."""
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_FLAG)]
+    # No persistent compilation cache from the environment: a gloo job on CPU whose
+    # processes load an executable from it hangs in its first collective (jax 0.12).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     return {
-        **os.environ,
+        **env,
         "XLA_FLAGS": " ".join([*flags, f"{DEVICE_FLAG}={devices}"]),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),

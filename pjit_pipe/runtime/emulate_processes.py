@@ -46,8 +46,11 @@ def _env() -> dict[str, str]:
         for f in os.environ.get("XLA_FLAGS", "").split()
         if not f.startswith("--xla_force_host_platform_device_count")
     ]
+    # No persistent compilation cache: a gloo job on CPU whose processes load an
+    # executable from it hangs in its first collective (jax 0.12, docs/multiprocess.md).
+    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
     return {
-        **os.environ,
+        **env,
         "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=1"]),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
