@@ -128,11 +128,11 @@ def test_without_cycles_splits_each_ring_once():
     routes = without_cycles([ring + chain])
     assert sorted(p for r in routes for p in r) == sorted(ring + chain)
     assert routes[-1] == ((3, 0),)
-    assert all(not _has_cycle(r) for r in routes)
+    assert all(not has_cycle(r) for r in routes)
     assert without_cycles([chain]) == [chain]
 
 
-def _has_cycle(pairs) -> bool:
+def has_cycle(pairs) -> bool:
     nxt = dict(pairs)
     for start in nxt:
         node, seen = start, set()
@@ -173,7 +173,7 @@ def test_no_compiled_collective_permute_has_a_cycle():
     hlo = step._vg.lower(params, x, x).compile().as_text()
     permutes = _permutes(hlo)
     assert any((P - 1, 0) in pairs for pairs in permutes)  # the ring's wrap edge is sent
-    assert all(not _has_cycle(pairs) for pairs in permutes), permutes
+    assert all(not has_cycle(pairs) for pairs in permutes), permutes
 
 
 def test_tick_sync_option_is_checked():

@@ -18,6 +18,7 @@ from pjit_pipe.models import ResidualMLP, mse_loss
 from pjit_pipe.schedules import schedule_with_failures
 from pjit_pipe.tick_packing.packer import pack_ticks
 from tests.numerics import rel_err
+from tests.test_emulate import has_cycle
 
 
 def assert_partial_permutations(routes, pairs):
@@ -56,25 +57,13 @@ def test_a_grouping_with_more_routes_than_needed_is_merged():
     assert_partial_permutations(routes, [p for g in by_shift for p in g])
 
 
-def _has_cycle(route) -> bool:
-    nxt = dict(route)
-    for start in nxt:
-        node, seen = start, set()
-        while node in nxt and node not in seen:
-            seen.add(node)
-            node = nxt[node]
-        if node in seen:
-            return True
-    return False
-
-
 def test_wrap_edges_of_two_routes_that_share_a_device_travel_apart():
     """Device 2 tops a cycle in both routes: its two wrap edges cannot share a
     ppermute (a re-routed interleaved-1f1b on 2x2 built exactly that one)."""
     routes = [((0, 2), (2, 0)), ((1, 2), (2, 1))]
     out = without_cycles(routes)
     assert_partial_permutations(out, [p for r in routes for p in r])
-    assert not any(_has_cycle(r) for r in out)
+    assert not any(has_cycle(r) for r in out)
 
 
 def test_random_routes_lose_their_cycles_and_stay_partial_permutations():
@@ -87,7 +76,7 @@ def test_random_routes_lose_their_cycles_and_stay_partial_permutations():
             continue
         out = without_cycles(fewest_routes(pairs))
         assert_partial_permutations(out, pairs)
-        assert not any(_has_cycle(r) for r in out)
+        assert not any(has_cycle(r) for r in out)
 
 
 def test_rerouted_plan_runs_every_used_ppermute_in_its_tick():

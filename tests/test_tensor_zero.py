@@ -259,6 +259,32 @@ def poisoned(buf, dead):
     return jax.make_array_from_single_device_arrays(buf.shape, buf.sharding, rows)
 
 
+def train_losing_failed_rows(pm, loss_fn, boxed, batches, fail, rejoin):
+    """Train `batches` with ResilientTrainer under injected failures, turning a failed
+    worker's rows to NaN as it fails (a read of them would show in the losses):
+    (losses, final module-layout params, [(step, failed workers) of each switch])."""
+    current = {}
+
+    def lose_failed_devices(event, devices=pm.mesh.devices):
+        if event.kind == "failure":
+            dead = {d for w in event.failed for d in devices[w.replica, w.stage]}
+            state = current["state"]
+            for bufs in (state.device_params, state.device_opt):
+                bufs.update({k: poisoned(b, dead) for k, b in bufs.items()})
+
+    trainer = pp.ResilientTrainer(
+        pm, loss_fn, pp.InjectedFailures(fail, rejoin), on_event=lose_failed_devices
+    )
+    state = trainer.init(boxed, batches[0], precompile=False)
+    losses = []
+    for batch in batches:
+        current["state"] = state
+        state, loss = trainer.step(state, batch)
+        losses.append(float(loss))
+    switches = [(e.step, sorted(e.failed)) for e in trainer.events if e.kind == "switch"]
+    return losses, nn.meta.unbox(state.params), switches
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     # (2, 2, 2) with zero also covers tensor splits without it: the failure
@@ -282,26 +308,10 @@ def test_a_failure_and_rejoin_keep_the_fault_free_losses(shape, zero, boxed):
             optimizer=optax.adamw(1e-2, eps=1e-3),
             zero=zero,
         )
-        current = {}
-
-        def lose_failed_devices(event, current=current, devices=pm.mesh.devices):
-            if event.kind == "failure":
-                dead = {d for w in event.failed for d in devices[w.replica, w.stage]}
-                state = current["state"]
-                for bufs in (state.device_params, state.device_opt):
-                    bufs.update({k: poisoned(b, dead) for k, b in bufs.items()})
-
-        trainer = pp.ResilientTrainer(
-            pm, lm_loss, pp.InjectedFailures(fail, rejoin), on_event=lose_failed_devices
+        losses, params, switches = train_losing_failed_rows(
+            pm, lm_loss, boxed, batches, fail, rejoin
         )
-        state = trainer.init(boxed, batches[0], precompile=False)
-        losses = []
-        for batch in batches:
-            current["state"] = state
-            state, loss = trainer.step(state, batch)
-            losses.append(float(loss))
-        runs[name] = (losses, nn.meta.unbox(state.params))
-        switches = [(e.step, sorted(e.failed)) for e in trainer.events if e.kind == "switch"]
+        runs[name] = (losses, params)
         assert switches == ([(2, [(1, 0)]), (4, [])] if fail else []), switches
     np.testing.assert_allclose(runs["failing"][0], runs["clean"][0], rtol=1e-5)
     assert rel_err(runs["failing"][1], runs["clean"][1]) <= 1e-5

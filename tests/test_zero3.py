@@ -20,7 +20,7 @@ import numpy as np
 import optax
 import pytest
 from test_memory_report import COMPILED_TOLERANCE
-from test_tensor_zero import poisoned
+from test_tensor_zero import train_losing_failed_rows
 from test_zero_combos import BATCH, TOL, check, optax_run, optimizer, problem
 
 import pjit_pipe as pp
@@ -177,26 +177,10 @@ def test_zero3_failure_and_rejoin_keep_the_fault_free_losses():
     runs = {}
     for name, fail, rejoin in (("clean", {}, {}), ("failing", {1: [(1, 0)]}, {3: [(1, 0)]})):
         pm, *_ = pipelines(3)
-        current = {}
-
-        def lose_failed_devices(event, current=current, devices=pm.mesh.devices):
-            if event.kind == "failure":
-                dead = {d for w in event.failed for d in devices[w.replica, w.stage]}
-                state = current["state"]
-                for bufs in (state.device_params, state.device_opt):
-                    bufs.update({k: poisoned(b, dead) for k, b in bufs.items()})
-
-        trainer = pp.ResilientTrainer(
-            pm, loss_fn, pp.InjectedFailures(fail, rejoin), on_event=lose_failed_devices
+        losses, params, switches = train_losing_failed_rows(
+            pm, loss_fn, boxed, batches, fail, rejoin
         )
-        state = trainer.init(boxed, batches[0], precompile=False)
-        losses = []
-        for batch in batches:
-            current["state"] = state
-            state, loss = trainer.step(state, batch)
-            losses.append(float(loss))
-        runs[name] = (losses, nn.meta.unbox(state.params))
-        switches = [(e.step, sorted(e.failed)) for e in trainer.events if e.kind == "switch"]
+        runs[name] = (losses, params)
         assert switches == ([(1, [(1, 0)]), (3, [])] if fail else []), switches
     np.testing.assert_allclose(runs["failing"][0], runs["clean"][0], rtol=1e-5)
     assert rel_err(runs["failing"][1], runs["clean"][1]) <= 1e-5
