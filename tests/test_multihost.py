@@ -10,8 +10,6 @@ writes the shards it holds (orbax splits a replicated array's writing among
 its replicas, here one per process).
 """
 
-import os
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +21,7 @@ import numpy as np
 import optax
 
 from pjit_pipe.models import ResidualMLP, mse_loss
+from pjit_pipe.runtime import free_port, local_process_env
 
 ROOT = Path(__file__).resolve().parents[1]
 TIMEOUT_S = 300
@@ -79,23 +78,10 @@ WORKER = textwrap.dedent(
 )
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
 def test_two_processes_match_one(tmp_path):
     script = tmp_path / "worker.py"
     script.write_text(WORKER)
-    # Without the suite's persistent compilation cache: processes of a gloo job that
-    # load an executable from it hang in their first collective (docs/multiprocess.md).
-    env = {
-        **{k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"},
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=4",
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
+    env = local_process_env(4)  # 4 CPU devices, no persistent compilation cache
     port = free_port()
     outs = [tmp_path / f"out{i}.npz" for i in range(2)]
     procs = [

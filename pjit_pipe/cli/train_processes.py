@@ -33,7 +33,6 @@ import os
 import pickle
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,30 +41,10 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-ROOT = Path(__file__).resolve().parents[2]
+from pjit_pipe.runtime import PACKAGE_ROOT, free_port, local_process_env
+
 COORDINATOR = 0  # the process that hosts the coordination service and trains nothing
-DEVICE_FLAG = "--xla_force_host_platform_device_count"
 EXIT_WAIT_S = 30  # how long the launcher waits for a process that finished to exit
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _env(devices: int) -> dict[str, str]:
-    """This environment with `devices` CPU devices per process and the package importable."""
-    flags = [f for f in os.environ.get("XLA_FLAGS", "").split() if not f.startswith(DEVICE_FLAG)]
-    # No persistent compilation cache from the environment: a gloo job on CPU whose
-    # processes load an executable from it hangs in its first collective (jax 0.12).
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    return {
-        **env,
-        "XLA_FLAGS": " ".join([*flags, f"{DEVICE_FLAG}={devices}"]),
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
 
 
 def worker_of_index(index: int, mesh: tuple[int, int, int]) -> tuple[int, int]:
@@ -138,22 +117,22 @@ def launch(args: argparse.Namespace) -> int:
     n = args.processes
     on_step, close = step_printer(args)
     events = Events(args.events)
-    port = _free_port()
+    port = free_port()
     with tempfile.TemporaryDirectory(prefix="pjit_pipe-processes-") as tmp:
         (Path(tmp) / "args.pkl").write_bytes(pickle.dumps(args))
         command = [sys.executable, "-m", __name__, tmp]
         coordinator = subprocess.Popen(
             [*command, str(COORDINATOR), str(n + 1), str(port)],
-            env=_env(1),
-            cwd=ROOT,
+            env=local_process_env(1),
+            cwd=PACKAGE_ROOT,
             stdin=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
         )
         workers = [
             subprocess.Popen(
                 [*command, str(rank), str(n + 1), str(port), str(k)],
-                env=_env(k),
-                cwd=ROOT,
+                env=local_process_env(k),
+                cwd=PACKAGE_ROOT,
                 stdout=subprocess.PIPE,
                 text=True,
             )

@@ -12,6 +12,7 @@ from pjit_pipe.runtime.detector import (
 from pjit_pipe.runtime.distributed import initialize_distributed, recovery_settings
 from pjit_pipe.runtime.emulate_processes import emulate_processes
 from pjit_pipe.runtime.emulation import emulate_in_process
+from pjit_pipe.runtime.local_processes import PACKAGE_ROOT, free_port, local_process_env
 from pjit_pipe.runtime.speed import (
     FACTORS,
     InjectedSlowdowns,
@@ -25,6 +26,7 @@ from pjit_pipe.runtime.variants import Variant, Variants, check_cache_dir, use_d
 
 __all__ = [
     "FACTORS",
+    "PACKAGE_ROOT",
     "Checkpoints",
     "CollectiveTimeout",
     "FailureDetector",
@@ -42,7 +44,9 @@ __all__ = [
     "device_probe",
     "emulate_in_process",
     "emulate_processes",
+    "free_port",
     "initialize_distributed",
+    "local_process_env",
     "quantize",
     "recovery_settings",
     "use_disk_cache",

@@ -18,9 +18,7 @@ a process reads its job from DIR/job.pkl (written by `emulate_processes`).
 from __future__ import annotations
 
 import json
-import os
 import pickle
-import socket
 import subprocess
 import sys
 import tempfile
@@ -28,33 +26,9 @@ from pathlib import Path
 
 from pjit_pipe.ir.costs import Costs
 from pjit_pipe.ir.ticks import PackedTicks
+from pjit_pipe.runtime.local_processes import PACKAGE_ROOT, free_port, local_process_env
 
-ROOT = Path(__file__).resolve().parents[2]
 TIMEOUT_S = 600
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("localhost", 0))
-        return s.getsockname()[1]
-
-
-def _env() -> dict[str, str]:
-    """This process's environment with one CPU device per process."""
-    flags = [
-        f
-        for f in os.environ.get("XLA_FLAGS", "").split()
-        if not f.startswith("--xla_force_host_platform_device_count")
-    ]
-    # No persistent compilation cache: a gloo job on CPU whose processes load an
-    # executable from it hangs in its first collective (jax 0.12, docs/multiprocess.md).
-    env = {k: v for k, v in os.environ.items() if k != "JAX_COMPILATION_CACHE_DIR"}
-    return {
-        **env,
-        "XLA_FLAGS": " ".join([*flags, "--xla_force_host_platform_device_count=1"]),
-        "JAX_PLATFORMS": "cpu",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-    }
 
 
 def emulate_processes(
@@ -69,12 +43,12 @@ def emulate_processes(
     count = schedule.replicas * schedule.stages
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "job.pkl").write_bytes(pickle.dumps((table, costs, unit_ms, pairwise)))
-        port = str(_free_port())
+        port = str(free_port())
         procs = [
             subprocess.Popen(
                 [sys.executable, "-m", __name__, tmp, str(rank), str(count), port],
-                env=_env(),
-                cwd=ROOT,
+                env=local_process_env(1),
+                cwd=PACKAGE_ROOT,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
