@@ -114,11 +114,16 @@ def liveness(jaxpr: Jaxpr) -> Liveness:
         live, used = dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
         return Liveness(tuple(used), _flops(live))
     except _READ_ERRORS as e:
-        raise JaxprError(
-            f"jaxpr: cannot read equation '{_primitive_at_fault(e)}' on jax {jax.__version__} "
-            f"({type(e).__name__}: {e}); pjit_pipe supports jax 0.10.2 to 0.12.x: install one "
-            "of those, or report the primitive and version"
-        ) from e
+        raise _unreadable(e) from e
+
+
+def _unreadable(e: Exception) -> JaxprError:
+    """The error for a jaxpr this JAX version's reader (`dce_jaxpr`) could not read."""
+    return JaxprError(
+        f"jaxpr: cannot read equation '{_primitive_at_fault(e)}' on jax {jax.__version__} "
+        f"({type(e).__name__}: {e}); pjit_pipe supports jax 0.10.2 to 0.12.x: install one "
+        "of those, or report the primitive and version"
+    )
 
 
 def reads_of_each_output(jaxpr: Jaxpr) -> list[tuple[bool, ...]]:
@@ -137,8 +142,4 @@ def reads_of_each_output(jaxpr: Jaxpr) -> list[tuple[bool, ...]]:
     try:
         return [tuple(dce_jaxpr(jaxpr, [k == j for k in range(n)])[1]) for j in range(n)]
     except _READ_ERRORS as e:
-        raise JaxprError(
-            f"jaxpr: cannot read equation '{_primitive_at_fault(e)}' on jax {jax.__version__} "
-            f"({type(e).__name__}: {e}); pjit_pipe supports jax 0.10.2 to 0.12.x: install one "
-            "of those, or report the primitive and version"
-        ) from e
+        raise _unreadable(e) from e
