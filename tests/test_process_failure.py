@@ -41,27 +41,37 @@ def optax_losses(steps: int) -> list[float]:
 
 
 @pytest.mark.slow
-def test_training_goes_on_after_a_process_is_killed(tmp_path):
-    # Process 1 is the first training process (process 0 only hosts the
-    # coordination service) and holds the mesh's first device.
-    victim = 1
+@pytest.mark.parametrize(
+    "victim, stop_s",
+    [
+        # Process 1 is the first training process (process 0 only hosts the
+        # coordination service) and holds the mesh's first device: killed.
+        (1, None),
+        # Process 2 stopped (SIGSTOP) for twice the collective timeout, then resumed
+        # (SIGCONT): a dead process to the service, so its worker is re-routed; the
+        # resumed process must not break the job.
+        (2, 12.0),
+    ],
+    ids=["killed", "stopped"],
+)
+def test_training_goes_on_after_a_process_is_killed_or_stopped(tmp_path, victim, stop_s):
     args = ["--model", "mlp", "--mesh", "x".join(map(str, MESH)), "--schedule", "1f1b"]
     args += ["--microbatches", str(MICROBATCHES), "--steps", str(STEPS), "--processes", "4"]
-    run = run_with_kill(tmp_path, args, victim, 3, TIMEOUT_S, tmp_path / "cache")
+    run = run_with_kill(tmp_path, args, victim, 3, TIMEOUT_S, tmp_path / "cache", stop_s)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.killed_at is not None
     steps = [r["step"] for r in run.records]
     assert steps == list(range(STEPS)), steps  # each step once, in order, none skipped
     np.testing.assert_allclose([r["loss"] for r in run.records], optax_losses(STEPS), rtol=1e-5)
     victim_workers = sorted(map(tuple, run.workers[victim]))
-    assert victim_workers == [(0, 0)]
+    assert victim_workers == [(0, victim - 1)]
     failure = run.first_after_kill("failure")
     switch = run.first_after_kill("switch")
     assert failure is not None and switch is not None, run.events
     assert sorted(map(tuple, failure["failed"])) == victim_workers
     assert sorted(map(tuple, switch["failed"])) == victim_workers
     after = [r for r in run.records if r["step"] >= failure["step"]]
-    assert all(r["failed"] == ["0:0"] for r in after)  # the re-routed program ran them
+    assert all(r["failed"] == [f"0:{victim - 1}"] for r in after)  # the re-routed program ran them
     first = run.first_after_kill("step")
     assert first["t"] - run.killed_at < 30  # detection plus the retried step
     logged = [e["step"] for e in run.events if e["event"] == "step"]
