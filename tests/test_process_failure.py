@@ -19,12 +19,13 @@ from pjit_pipe.runtime import LiveDevices, recovery_settings
 
 TIMEOUT_S = 420  # the CLI's whole run, compiles included (2 cores, 5 processes)
 STEPS, MESH, MICROBATCHES, LR = 24, (2, 2), 2, 3e-3
+COMBO_STEPS = 10  # the combinations' runs: the kill comes after step 2
 
 
-def optax_losses(steps: int) -> list[float]:
-    """The CLI's mlp run as plain optax: the same seed, batches and Adam."""
+def optax_losses(steps: int, model: str = "mlp", tensor: int = 1) -> list[float]:
+    """The CLI's run of `model` as plain optax: the same seed, batches and Adam."""
     data, _ = MESH
-    task = make_task("mlp", 2 * data * MICROBATCHES, seed=0)
+    task = make_task(model, 2 * data * MICROBATCHES, seed=0, tensor=tensor)
     x, y = task.next_batch()
     params = task.model.init(jax.random.key(0), x)
     opt = optax.adam(LR)
@@ -78,6 +79,33 @@ def test_training_goes_on_after_a_process_is_killed_or_stopped(tmp_path, victim,
     assert logged == list(range(STEPS))
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, tensor, options, victim",
+    [
+        # ZeRO-1: the dead replica's optax slices live on as its neighbour's copy.
+        ("mlp", 1, ["--zero", "1", "--schedule", "1f1b"], 2),
+        # ZeRO-3 (parameters in slices too) under a 2-chunk kind, a replica-1 death.
+        ("mlp", 1, ["--zero", "3", "--schedule", "interleaved-1f1b"], 3),
+        # Tensor parallelism: each process holds one worker's two 'tensor' devices.
+        ("gpt-tiny", 2, ["--schedule", "1f1b"], 2),
+    ],
+    ids=["zero1", "zero3-interleaved", "tensor2"],
+)
+def test_every_combination_survives_a_killed_process(tmp_path, model, tensor, options, victim):
+    args = ["--model", model, "--mesh", f"2x2x{tensor}", *options]
+    args += ["--microbatches", str(MICROBATCHES), "--steps", str(COMBO_STEPS)]
+    args += ["--processes", "4"]
+    run = run_with_kill(tmp_path, args, victim, 2, TIMEOUT_S, tmp_path / "cache")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in run.records] == list(range(COMBO_STEPS))
+    expected = optax_losses(COMBO_STEPS, model, tensor)
+    np.testing.assert_allclose([r["loss"] for r in run.records], expected, rtol=1e-5)
+    failure = run.first_after_kill("failure")
+    assert failure is not None, run.events
+    assert sorted(map(tuple, failure["failed"])) == sorted(map(tuple, run.workers[victim]))
+
+
 def test_process_workers_follow_the_mesh_layout():
     # 2x2 over 4 processes of one device: row-major, process i holds device i-1.
     assert [process_workers(i, 1, (2, 2, 1)) for i in range(1, 5)] == [
@@ -114,7 +142,7 @@ def test_recovery_settings():
         (["--processes", "3"], "do not split evenly"),
         (["--processes", "2", "--devices-per-process", "1"], "needs 4"),
         (["--processes", "4", "--fail", "2:0:1"], "--fail injects"),
-        (["--processes", "4", "--checkpoint-dir", "ckpt"], "--checkpoint-dir is not supported"),
+        (["--processes", "4", "--zero", "--checkpoint-dir", "ckpt"], "--zero 1 splits them"),
     ],
 )
 def test_bad_process_options_are_refused(capsys, extra, message):

@@ -116,12 +116,20 @@ def train(
     import optax
 
     import pjit_pipe as pp
-    from pjit_pipe.runtime import Checkpoints, InjectedFailures, InjectedSlowdowns, ResilientTrainer
+    from pjit_pipe.runtime import (
+        Checkpoints,
+        InjectedFailures,
+        InjectedSlowdowns,
+        ProcessCheckpoints,
+        ResilientTrainer,
+    )
 
     # Before the first compile: JAX opens its cache folder once per process.
     configure_compilation_cache(getattr(args, "cache_dir", None), getattr(args, "no_cache", False))
     directory = getattr(args, "checkpoint_dir", None)
-    checkpoints = Checkpoints(directory, args.checkpoint_every) if directory else None
+    # A job of several processes: each saves its own stages, with no collective.
+    kind = ProcessCheckpoints if jax.process_count() > 1 else Checkpoints
+    checkpoints = kind(directory, args.checkpoint_every) if directory else None
 
     batch = args.batch or 2 * data * args.microbatches
     task = make_task(args.model, batch, args.seed, tensor)
@@ -152,6 +160,8 @@ def train(
         step_fn = pm.train_step(task.loss_fn, donate=False)
         start_from, saved = checkpoints.restore(step_fn, (x, y), jax.eval_shape(pm.init, key, x))
         position, down = resume_point(saved)
+        if jax.process_count() > 1:
+            down = []  # a new job: every process is live again
         if start_from.step >= args.steps:
             print(
                 f"checkpoint {directory} is already at step {start_from.step}, at or past "

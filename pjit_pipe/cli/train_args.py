@@ -292,10 +292,11 @@ def check_process_args(args: argparse.Namespace) -> int:
                 f"{flag} injects events into one process; with --processes the failures are "
                 "real (kill a process): drop it"
             )
-    if args.checkpoint_dir:
+    if args.checkpoint_dir and (tensor > 1 or args.zero):
+        what = f"--mesh {data}x{stages}x{tensor}" if tensor > 1 else f"--zero {args.zero}"
         raise UsageError(
-            "--checkpoint-dir is not supported with --processes yet (orbax cannot save a "
-            "stage that a process holds no copy of); drop one of them"
+            f"--checkpoint-dir with --processes saves whole stage rows from each process; "
+            f"{what} splits them over devices, which it does not read yet: drop one of them"
         )
     if args.schedule == "async-1f1b" or args.show_costs:
         what = "--schedule async-1f1b" if args.schedule == "async-1f1b" else "--show-costs"

@@ -18,7 +18,7 @@ Each training process reports to the launcher in JSON lines on its stdout
 (its own prints go to stderr); the launcher prints each committed step once,
 as one process would, and appends the events to `--events FILE`. A training
 process's death is not an error: the run succeeds when every step up to
-`--steps` was committed, every process that finished committed each of them,
+`--steps` was committed (from the checkpoint's step, with `--checkpoint-dir`), every process that finished committed each of them,
 and all reported the same loss for each.
 
 Run as `python -m pjit_pipe.cli.train_processes DIR RANK`, a process reads its
@@ -198,7 +198,9 @@ def launch(args: argparse.Namespace) -> int:
                 "training went on without it",
                 file=sys.stderr,
             )
-    missing = sorted(set(range(args.steps)) - set(losses))
+    # A run resumed from a checkpoint starts at its step (none: nothing left to run).
+    first = min(losses, default=args.steps if all(c == 0 for c in codes) else 0)
+    missing = sorted(set(range(first, args.steps)) - set(losses))
     finished = [r for r, code in enumerate(codes, start=1) if code == 0]
     short = [r for r in finished if reported[r] != set(losses)]
     problem = None

@@ -55,6 +55,30 @@ def check_directory(directory: str | os.PathLike) -> Path:
     return path.resolve()
 
 
+def check_every_keep(every: int, keep: int | None) -> None:
+    """Raise CheckpointError unless `every` is a positive integer and `keep` one or None."""
+    if not isinstance(every, int) or isinstance(every, bool) or every < 1:
+        raise CheckpointError(
+            f"--checkpoint-every must be a positive number of steps, got {every!r}"
+        )
+    if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
+        raise CheckpointError(
+            f"keep: expected a positive number of checkpoints to keep, or None to keep "
+            f"all, got {keep!r}"
+        )
+
+
+def check_json(data: Any) -> None:
+    """Raise CheckpointError (before anything is written) unless `data` is JSON."""
+    try:
+        json.dumps(data, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(
+            f"save: data must be JSON (dicts, lists, strings, finite numbers, None): {e}; "
+            "convert it first, e.g. arrays with .tolist()"
+        ) from e
+
+
 class Checkpoints:
     """Orbax checkpoints of a pipelined training run in `directory`.
 
@@ -82,15 +106,7 @@ class Checkpoints:
     """
 
     def __init__(self, directory: str | os.PathLike, every: int = 100, keep: int | None = 3):
-        if not isinstance(every, int) or isinstance(every, bool) or every < 1:
-            raise CheckpointError(
-                f"--checkpoint-every must be a positive number of steps, got {every!r}"
-            )
-        if keep is not None and (not isinstance(keep, int) or isinstance(keep, bool) or keep < 1):
-            raise CheckpointError(
-                f"keep: expected a positive number of checkpoints to keep, or None to keep "
-                f"all, got {keep!r}"
-            )
+        check_every_keep(every, keep)
         self.directory = check_directory(directory)
         self.every = every
         options = ocp.CheckpointManagerOptions(
@@ -132,13 +148,7 @@ class Checkpoints:
         """
         if not force and state.step % self.every:
             return False
-        try:
-            json.dumps(data, allow_nan=False)
-        except (TypeError, ValueError) as e:
-            raise CheckpointError(
-                f"save: data must be JSON (dicts, lists, strings, finite numbers, None): {e}; "
-                "convert it first, e.g. arrays with .tolist()"
-            ) from e
+        check_json(data)
         if state.in_flight is not None:
             raise CheckpointError(
                 "save: the state has microbatches in flight (a carrying async-1f1b step), "
@@ -279,7 +289,7 @@ def _first_line(error: BaseException) -> str:
     return text if len(text) <= 200 else text[:197] + "..."
 
 
-def _path_name(path: Any) -> str:
+def path_name(path: Any) -> str:
     return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
 
 
@@ -318,7 +328,7 @@ def _check_same_model(saved: Any, target: Any, where: Path) -> None:
 def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
     """{leaf path: shape} of a tree of arrays or array metadata."""
     return {
-        _path_name(p): tuple(leaf.shape)
+        path_name(p): tuple(leaf.shape)
         for p, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]
         if hasattr(leaf, "shape")
     }
