@@ -5,7 +5,9 @@ stopped with SIGSTOP past the timeouts and resumed.
 Prints, per scenario: the time from the kill to the failure's detection (the
 survivors' `failure` event), to the first step committed after it, and the
 steps lost (committed steps missing from 0 .. --steps - 1; 0 when training
-went on). Run `python -m benchmarks.bench_process_failure`; each scenario
+went on); first, what a checkpoint of `ProcessCheckpoints` costs (copy, write,
+restore; `--checkpoints-only` for those alone). Run `python -m
+benchmarks.bench_process_failure`; each scenario
 compiles afresh (about two minutes on 2 cores): JAX writes its disk cache from
 process 0 alone, here the coordinator, which compiles nothing.
 """
@@ -142,16 +144,74 @@ SCENARIOS = {  # name -> (train args, victim process, after this step is committ
 }
 
 
+def checkpoint_costs(model: str, repeats: int = 5) -> dict[str, float]:
+    """`ProcessCheckpoints` on a 2x2 `model` in this process (4 CPU devices, so
+    one copy holds both stages, where a process of the 4-process run holds one):
+    the median seconds to copy a step's leaves off the devices (what the
+    training thread waits for), to write them (the background thread), and to
+    restore them into the step's layout (a resumed run's share, no compile);
+    the first save's, unpack ops compiling, apart."""
+    import statistics
+    import tempfile
+
+    import jax
+    import optax
+
+    import pjit_pipe as pp
+    from pjit_pipe.cli.train import make_task
+    from pjit_pipe.runtime import ProcessCheckpoints
+
+    task = make_task(model, 8, seed=0)
+    x, y = task.next_batch()
+    mesh = pp.make_mesh(data=2, stage=2, devices=jax.devices()[:4])
+    pm = pp.pipeline(task.model, stages=2, microbatches=2, mesh=mesh, optimizer=optax.adam(3e-3))
+    step = pm.train_step(task.loss_fn, donate=False)
+    state = step.init(jax.jit(pm.init)(jax.random.key(0), x), (x, y))
+    state, _ = step(state, (x, y))
+    like = jax.eval_shape(pm.init, jax.random.key(0), x)
+    times: dict[str, list[float]] = {"copy": [], "write": [], "restore": []}
+    with tempfile.TemporaryDirectory() as folder:
+        checkpoints = ProcessCheckpoints(folder, every=1, keep=None)
+        for k in range(repeats + 1):
+            start = time.perf_counter()
+            checkpoints.save(state.replace(step=k + 1))
+            copied = time.perf_counter()
+            checkpoints.wait()
+            written = time.perf_counter()
+            checkpoints.restore(step, (x, y), like, step=k + 1)
+            restored = time.perf_counter()
+            times["copy"].append(copied - start)
+            times["write"].append(written - copied)
+            times["restore"].append(restored - written)
+    out = {name: statistics.median(t[1:]) for name, t in times.items()}
+    return {**out, "first copy": times["copy"][0]}
+
+
 def main() -> None:
     import tempfile
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cache-dir", default=os.path.join(tempfile.gettempdir(), "bench_pf"))
     parser.add_argument("--timeout", type=float, default=600.0)
+    parser.add_argument(
+        "--checkpoints-only", action="store_true", help="only the checkpoint costs (seconds)"
+    )
     args = parser.parse_args()
+    flags = os.environ.get("XLA_FLAGS", "")
+    if "--xla_force_host_platform_device_count" not in flags:  # checkpoint_costs' 4 devices
+        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=4".strip()
     import jax
 
     print(f"jax {jax.__version__}, cache {args.cache_dir}")
+    for model in ("mlp", "gpt-tiny"):
+        costs = checkpoint_costs(model)
+        print(
+            f"ProcessCheckpoints, 2x2 {model} in one process (both stages): copy off the "
+            f"devices {costs['copy'] * 1e3:.1f} ms (first save {costs['first copy']:.2f} s), "
+            f"write {costs['write'] * 1e3:.1f} ms, restore {costs['restore'] * 1e3:.1f} ms"
+        )
+    if args.checkpoints_only:
+        return
     for name, (train_args, victim, after, stop_s) in SCENARIOS.items():
         with tempfile.TemporaryDirectory() as tmp:
             run = run_with_kill(
