@@ -64,6 +64,7 @@ def stack_state(stages: int, data: int = 1):
     return pm, params, (x, y)
 
 
+@pytest.mark.slow
 def test_a_copy_restores_onto_another_cut_and_needs_every_leaf(tmp_path):
     pm, params, batch = stack_state(4)
     opt_state = jax.tree.map(lambda a: a + 1, optax.adam(1e-2).init(params))  # not fresh
@@ -93,6 +94,13 @@ def test_a_copy_restores_onto_another_cut_and_needs_every_leaf(tmp_path):
     assert ProcessCheckpoints(tmp_path).latest_step() is None
     copy.rename(tmp_path / f".{copy.name}.partial")
     assert ProcessCheckpoints(tmp_path).saved_steps() == []
+
+    # keep=2: a process deletes its own copies of the steps older than the 2 newest.
+    checkpoints = ProcessCheckpoints(tmp_path, every=1, keep=2)
+    for step in (5, 6, 7):
+        assert checkpoints.save(state.replace(step=step))
+    checkpoints.close()
+    assert checkpoints.saved_steps() == [6, 7]
 
 
 def train_args(steps: int, directory) -> list[str]:

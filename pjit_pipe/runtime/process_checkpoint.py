@@ -7,9 +7,9 @@ or restore needs another process. Each training process writes the
 module-layout leaves (`state.params`, `state.opt_state`) of the stages its
 live workers hold, unpacked from one of its own devices' rows by ops on that
 device alone (no program over the mesh, so nothing waits on a peer), into a
-copy of its own:
-`step_<step>.process_<i>/`, written as `.step_<step>.process_<i>.partial/`
-and renamed into place when its files are on disk. A process killed during a
+copy of its own, `step_<step>.process_<i>/`: written in a background thread
+as `.step_<step>.process_<i>.partial/` and renamed into place once its files
+are synced to disk. A process killed during a
 save leaves a partial directory that nothing reads, so the steps saved before
 stay as they were.
 
