@@ -218,9 +218,19 @@ class TrainStep:
             params, opt, moved = view.layout.relayout(
                 state.view.layout, state.device_params, state.device_opt, unavailable
             )
-        except ValueError:  # another stage cut or chunk layout: via the module layout
-            params, opt = state.view.to_module(state, unavailable)
-            params, opt = view.to_device(params, opt)
+        except ValueError:  # another chunk layout or row format
+            if view.cut is state.view.cut:
+                # The same stages: each stage's trees go straight to its new rows, so
+                # every leaf stays on its stage's devices (the module layout would
+                # put one stage's step count on every stage, which a process of a
+                # multi-process job may hold no copy of).
+                stages = state.view.layout.to_stages(
+                    state.device_params, state.device_opt, unavailable
+                )
+                params, opt = view.layout.from_stages(*stages)
+            else:  # another stage cut: via the module layout
+                params, opt = state.view.to_module(state, unavailable)
+                params, opt = view.to_device(params, opt)
             moved = sum(b.nbytes for b in jax.tree.leaves((params, opt)))  # at most this
         return TrainState(params, opt, state.step, view, skip_log=state.skip_log), moved
 

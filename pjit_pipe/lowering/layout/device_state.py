@@ -266,9 +266,7 @@ class DeviceLayout:
             if not any(d.process_index == jax.process_index() for d in devices):
                 # Another process holds these stages: arrays with no local shards.
                 for s in self.held[p]:
-                    out_p[s], out_o[s] = (
-                        self._remote(spec, s, mesh) for spec in self.specs.values()
-                    )
+                    out_p[s], out_o[s] = (_remote(t, mesh) for t in self._stage_avals(s))
                 continue
             bufs = [
                 self._rows(part, b, devices, mesh) for part, b in (("params", params), ("opt", opt))
@@ -278,15 +276,16 @@ class DeviceLayout:
                 out_p[s], out_o[s] = t, o
         return out_p, out_o
 
-    @staticmethod
-    def _remote(spec: FlatSpec, s: int, mesh: Mesh) -> Any:
-        """Stage `s`'s tree as global arrays on `mesh`, none of whose devices is ours."""
-        sharding = NamedSharding(mesh, PS())
-        leaves = [
-            jax.make_array_from_single_device_arrays(a.shape, sharding, [], dtype=a.dtype)
-            for a in spec.avals[s]
-        ]
-        return jax.tree.unflatten(spec.treedefs[s], leaves)
+    def _stage_avals(self, s: int) -> tuple[Any, Any]:
+        """Stage `s`'s (parameter tree, optax state) in the module layout, as avals:
+        with ZeRO the optax state of `optimizer.init` on the whole stage (what
+        `zero.stage_states` gives), not the slices' tree."""
+        params = self.specs["params"]
+        tree = jax.tree.unflatten(params.treedefs[s], params.avals[s])
+        if self.zero is not None:
+            return tree, jax.eval_shape(self.optimizer.init, tree)
+        opt = self.specs["opt"]
+        return tree, jax.tree.unflatten(opt.treedefs[s], opt.avals[s])
 
     def _rows(self, part: str, bufs: Buffers, devices: list[Any], mesh: Mesh) -> Buffers:
         """The rows of `devices` as buffers over their own sub-mesh (no copy)."""
@@ -362,6 +361,16 @@ def _onto(leaf: Any, sharding: NamedSharding) -> jax.Array:
     ):
         leaf = np.asarray(leaf.addressable_data(0))
     return jax.device_put(leaf, sharding)
+
+
+def _remote(tree: Any, mesh: Mesh) -> Any:
+    """`tree`'s avals as global arrays replicated on `mesh`, none of whose devices is
+    this process's (a stage another process holds)."""
+    sharding = NamedSharding(mesh, PS())
+    return jax.tree.map(
+        lambda a: jax.make_array_from_single_device_arrays(a.shape, sharding, [], dtype=a.dtype),
+        tree,
+    )
 
 
 def device_bytes(*trees: Any) -> dict[Any, int]:
