@@ -187,6 +187,23 @@ def checkpoint_costs(model: str, repeats: int = 5) -> dict[str, float]:
     return {**out, "first copy": times["copy"][0]}
 
 
+def save_step_cost(folder: Path, timeout_s: float, cache_dir: Path) -> tuple[float, float]:
+    """The 2x2 mlp over 4 processes saving every 4 steps: (median seconds between
+    two committed steps across a save, median between others), from the events
+    file's times, steps 5 on (compiles and the first save's own compile done)."""
+    import itertools
+    import statistics
+
+    args = [*MLP_2X2, "--checkpoint-dir", str(folder / "ckpt"), "--checkpoint-every", "4"]
+    run = run_with_kill(folder, args, None, 0, timeout_s, cache_dir)
+    steps = [e for e in run.events if e["event"] == "step"]
+    gaps = {b["step"]: b["t"] - a["t"] for a, b in itertools.pairwise(steps)}
+    across = [g for s, g in gaps.items() if s > 4 and s % 4 == 0]  # step s follows the save
+    return statistics.median(across), statistics.median(
+        [g for s, g in gaps.items() if s > 4 and s % 4]
+    )
+
+
 def main() -> None:
     import tempfile
 
@@ -212,6 +229,12 @@ def main() -> None:
         )
     if args.checkpoints_only:
         return
+    with tempfile.TemporaryDirectory() as tmp:
+        across, other = save_step_cost(Path(tmp), args.timeout, Path(args.cache_dir))
+    print(
+        f"2x2 mlp 1f1b, 4 processes, a save every 4 steps: {across * 1e3:.0f} ms between "
+        f"the steps around a save, {other * 1e3:.0f} ms between others (medians)"
+    )
     for name, (train_args, victim, after, stop_s) in SCENARIOS.items():
         with tempfile.TemporaryDirectory() as tmp:
             run = run_with_kill(
