@@ -40,6 +40,7 @@ import argparse
 import statistics
 import sys
 import time
+from typing import Any
 
 import jax
 import numpy as np
@@ -176,12 +177,31 @@ def zero_table(steps: int) -> None:
             )
 
 
+def block_residuals(config: Any) -> None:
+    """What one block's backward recomputes (the report's per-layer workspace), and
+    its attention's share: the residuals `jax.vjp` keeps of one microbatch."""
+    from pjit_pipe.lowering.compute.remat_regions import region_residual_bytes
+    from pjit_pipe.models.llama import Attention, LlamaBlock
+
+    x = jax.ShapeDtypeStruct((1, config.seq_len, config.d_model), config.dtype)
+    got = {}
+    for name, module in (("block", LlamaBlock(config)), ("attention", Attention(config))):
+        shapes = jax.eval_shape(module.init, jax.random.key(0), x)
+        cast = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, config.dtype), shapes)
+        fn = jax.checkpoint(lambda p, x, module=module: module.apply(p, x))
+        got[name] = region_residual_bytes(fn, cast, x)
+    print(
+        f"  one block's recomputed residuals {got['block'] / 1e9:.2f} GB, its attention's "
+        f"{got['attention'] / 1e9:.2f} GB ({config.n_heads} heads x {config.seq_len}^2 scores)"
+    )
+
+
 def report_table() -> None:
     """The memory report's rows for Llama-3 shapes, and the 32k Llama's padding."""
     from pjit_pipe.models.llama import Llama, LlamaConfig
 
     print(
-        f"{'model':<10} {'zero':>4} "
+        f"{'model':<10} {'remat':>5} {'zero':>4} "
         + " ".join(f"{p:>11}" for p in (*PARTS, "total"))
         + f" {'fits 80GB':>9}  (GB per device)"
     )
@@ -189,20 +209,22 @@ def report_table() -> None:
         ("70B 8x8", LlamaConfig.llama3_70b(seq_len=4096)),
         ("8B 8x8", LlamaConfig.llama3_8b(seq_len=4096)),
     ):
-        D, P, M = 8, 8, 16
+        D, P, M = 8, 8, 8
         tokens = jax.ShapeDtypeStruct((D * M, config.seq_len), np.int32)
-        pm = pp.pipeline(
-            Llama(config), stages=P, microbatches=M, optimizer=optax.adam(1e-3), remat=True
-        )
-        shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
-        for zero in (0, 1, 3):
-            report = pm.memory_report(shapes, (tokens, tokens), lm_loss, data=D, zero=zero)
-            d = report.as_dict(80 * 10**9)
-            print(
-                f"{name:<10} {zero:>4} "
-                + " ".join(f"{d[p] / 1e9:11.2f}" for p in (*PARTS, "total"))
-                + f" {d['fits']!s:>9}"
+        for remat in (True, False):  # the pipeline's, beside the model's per-block nn.remat
+            pm = pp.pipeline(
+                Llama(config), stages=P, microbatches=M, optimizer=optax.adam(1e-3), remat=remat
             )
+            shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
+            for zero in (0, 1, 3):
+                report = pm.memory_report(shapes, (tokens, tokens), lm_loss, data=D, zero=zero)
+                d = report.as_dict(80 * 10**9)
+                print(
+                    f"{name:<10} {remat!s:>5} {zero:>4} "
+                    + " ".join(f"{d[p] / 1e9:11.2f}" for p in (*PARTS, "total"))
+                    + f" {d['fits']!s:>9}"
+                )
+        block_residuals(config)
     config = LlamaConfig.gpu()
     tokens = jax.ShapeDtypeStruct((8, config.seq_len), np.int32)
     pm = pp.pipeline(Llama(config), stages=4, microbatches=8, optimizer=optax.adam(1e-3))

@@ -136,7 +136,9 @@ def test_cli_prices_llama3_8b_from_shapes(capsys):
     assert reports[1]["optimizer"] == pytest.approx(whole["optimizer"] / 2, rel=1e-3)
     assert reports[1]["params"] == whole["params"]
     assert reports[3]["params"] == pytest.approx(whole["params"] / 2, rel=1e-3)
-    assert reports[3]["gathered"] == whole["params"]  # gathered whole for the step
+    # gathered whole for the step, in bf16: every weight is read through a cast to
+    # bf16, only the RMSNorm scales (2 per layer and 1, a 1e-4 share) in float32
+    assert reports[3]["gathered"] == pytest.approx(whole["params"] / 2, rel=1e-3)
     assert reports[0]["total"] > reports[1]["total"] > reports[3]["total"]
     assert all(r["fits"] is (r["total"] <= 80 * 10**9) for r in reports.values())
 

@@ -25,14 +25,17 @@ device:
   sizes every device's pools alike);
 - `workspace`: the ops' live intermediates, in one microbatch's vjp residuals
   of the busiest position (`WORKSPACE_MICROBATCHES`, `WORKSPACE_REMAT_CHUNKS`:
-  an estimate, as XLA decides what is live at once);
+  an estimate, as XLA decides what is live at once), and where the model remats
+  its own layers one layer's recomputed residuals (`WORKSPACE_REGIONS`,
+  compute/remat_regions.py);
 - `messages`: the message store's rows (boundary activations and their
   cotangents; with remat the stored stage inputs);
 - `inputs`: the global batch each device receives (x and y, replicated).
 
 ZeRO-3 (`zero=3`, layout/zero.py) holds the parameters in slices like ZeRO-1's
 optax state (its own and the next replica's copy), gathers them whole once per
-step before the tick loop, accumulates the gradients whole and
+step before the tick loop, in their compute dtype (bf16 where the model reads
+them through a cast to bf16), accumulates the gradients whole and
 reduce-scatters them once.
 """
 
@@ -49,9 +52,9 @@ import optax
 from pjit_pipe.errors import OptionError
 from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering.comms.messages import MessageSpec
+from pjit_pipe.lowering.compute.compute_dtype import buffer_dtypes, compute_param_spec
 from pjit_pipe.lowering.compute.stages import StageVjp
 from pjit_pipe.lowering.layout.flat_buffers import FlatSpec, dtype_of, is_shaped
-from pjit_pipe.lowering.layout.param_layout import device_param_spec
 from pjit_pipe.lowering.layout.row_optimizer import RowOptimizer
 from pjit_pipe.lowering.layout.tensor_layout import LeafSplits, opt_state_splits
 from pjit_pipe.lowering.layout.zero import ZeroLayout
@@ -66,6 +69,11 @@ ZERO_LEVELS = (0, 1, 3)
 # and MLP at ZeRO 0, 1 and 3, 0.88-1.11x with remat (benchmarks/bench_memory.py).
 WORKSPACE_MICROBATCHES = 2
 WORKSPACE_REMAT_CHUNKS = 3
+# A model's own remat region (stages.region_bytes), recomputed one at a time: its
+# residuals, and their cotangents while the residuals are consumed. Fitted on CPU on
+# the tiny f32 Llama (nn.remat blocks): totals within 0.97-1.05x of XLA's peak at
+# ZeRO 0 and 3, with and without the pipeline's remat.
+WORKSPACE_REGIONS = 1.5
 PARTS = (
     "params",
     "grads",
@@ -187,18 +195,21 @@ class MemoryReport:
         return out
 
 
-def _device_bytes(spec: FlatSpec, key: str, tensor: int) -> int:
-    """Bytes one device holds of one chunk's buffer `key`: a shaped buffer split
-    over 'tensor' is cut T ways, a flat row is whole on every tensor device."""
-    whole = int(np.prod(spec.shapes[key], dtype=np.int64)) * np.dtype(dtype_of(key)).itemsize
+def _device_bytes(spec: FlatSpec, key: str, tensor: int, dtype: str | None = None) -> int:
+    """Bytes one device holds of one chunk's buffer `key` (in `dtype`, if given, else
+    its own): a shaped buffer split over 'tensor' is cut T ways, a flat row is
+    whole on every tensor device."""
+    itemsize = np.dtype(dtype or dtype_of(key)).itemsize
+    whole = int(np.prod(spec.shapes[key], dtype=np.int64)) * itemsize
     if is_shaped(key) and "tensor" in spec.split_of(key):
         return whole // tensor
     return whole
 
 
-def _row_bytes(spec: FlatSpec, tensor: int) -> int:
-    """Bytes one device holds of one chunk's row of every buffer of `spec`."""
-    return sum(_device_bytes(spec, key, tensor) for key in spec.sizes)
+def _row_bytes(spec: FlatSpec, tensor: int, dtypes: dict[str, str] | None = None) -> int:
+    """Bytes one device holds of one chunk's row of every buffer of `spec` (a buffer
+    named in `dtypes` in that dtype)."""
+    return sum(_device_bytes(spec, key, tensor, (dtypes or {}).get(key)) for key in spec.sizes)
 
 
 def optimizer_spec(
@@ -262,9 +273,21 @@ def predict_memory(
     sliced = zero and D > 1  # one replica has nothing to shard over
     held = [schedule.held_stages(p) for p in range(schedule.stages)]
     v = len(held[0])
-    param_spec = device_param_spec(stages.param_avals, splits, D if sliced else 1)
+    param_spec = compute_param_spec(
+        stages.param_avals, splits, D if sliced else 1, stages.compute_dtypes
+    )
+    gather_dtypes = buffer_dtypes(param_spec, stages.compute_dtypes)
     zero_layout = (
-        ZeroLayout(param_spec, D, optimizer, schedule.num_virtual_stages, held, None)
+        ZeroLayout(
+            param_spec,
+            D,
+            optimizer,
+            schedule.num_virtual_stages,
+            held,
+            None,
+            level=zero,
+            gather_dtypes=gather_dtypes,
+        )
         if sliced
         else None
     )
@@ -277,7 +300,8 @@ def predict_memory(
         gathered = rows  # ZeRO-1: the updated rows, all-gathered after the update
         if zero == 3:
             params = 2 * scattered  # its own slice and a copy of the next replica's
-            gathered = rows  # the stage's whole rows, gathered before the tick loop
+            # The stage's whole rows in their compute dtype, gathered before the tick loop.
+            gathered = v * _row_bytes(param_spec, tensor, zero_layout.gather_dtypes)
     plan = build_plan(
         table,
         remat,
@@ -293,6 +317,10 @@ def predict_memory(
         workspace = WORKSPACE_REMAT_CHUNKS * max(residuals)
     else:
         workspace = WORKSPACE_MICROBATCHES * max(sum(residuals[s] for s in h) for h in held)
+    # A model's own checkpointed regions (nn.remat blocks): their stage stores only their
+    # inputs, and the backward recomputes one region's residuals at a time.
+    region = max(stages.region_bytes(s) for s in range(schedule.num_virtual_stages))
+    workspace += round(WORKSPACE_REGIONS * region)
     messages = plan.store_rows * _message_row_bytes(stages)
     own = [
         _own_bytes(a, None if splits is None else splits[s], optimizer, tensor)

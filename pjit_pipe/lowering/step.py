@@ -23,6 +23,7 @@ from pjit_pipe.ir.schedule import Schedule
 from pjit_pipe.lowering.async_pipeline.async_carry import CarryingStep, InFlight
 from pjit_pipe.lowering.comms.topology import AXES
 from pjit_pipe.lowering.compute.branch_permutes import BranchSafeJit
+from pjit_pipe.lowering.compute.compute_dtype import buffer_dtypes
 from pjit_pipe.lowering.compute.rng import check_rngs, microbatch_key_data
 from pjit_pipe.lowering.compute.tick import TickProgram
 from pjit_pipe.lowering.layout.device_state import DeviceLayout
@@ -71,6 +72,7 @@ class PipelineStep(StepIO):
                 lowered.held,
                 lowered.shared,
                 level=int(zero),
+                gather_dtypes=buffer_dtypes(lowered.param_spec, lowered.st.compute_dtypes),
             )
             self._opt_spec = self._zero.opt_spec
         elif optimizer is not None and rows is not None:

@@ -28,9 +28,12 @@ from typing import Any
 import jax
 
 from pjit_pipe.errors import OptionError
+from pjit_pipe.lowering.compute.flat_jaxpr import count_primitives
 
 POLICIES = ("all", "dots", "dots_no_batch", "names", "nothing")
 DEFAULT_POLICY = "dots"
+# The checkpoint primitive's names (jax 0.10: "remat2").
+REMAT_PRIMITIVES = ("checkpoint", "remat", "remat2")
 
 _FIXED = {
     "dots": jax.checkpoint_policies.dots_saveable,
@@ -89,6 +92,25 @@ def saved_names(fn: Callable, *args: Any) -> tuple[str, ...]:
         The names, sorted.
     """
     return tuple(sorted(_names_in(jax.make_jaxpr(fn)(*args).jaxpr)))
+
+
+def default_policy(fn: Callable, *args: Any) -> str:
+    """The policy of a stage given none: "all" where `fn(*args)` checkpoints parts of
+    itself (`nn.remat`, `jax.checkpoint`: the model's own remat, such as the bundled
+    Llama's per-layer one, then decides what its layers keep), else `DEFAULT_POLICY`.
+    A stage-wide policy would override the model's: JAX applies the outer policy
+    inside nested checkpoints, so "dots" would store every layer's matmul outputs.
+
+    Args:
+        fn: a stage function.
+        *args: its arguments (arrays or ShapeDtypeStructs).
+
+    Returns:
+        A name from `POLICIES`.
+    """
+    jaxpr = jax.make_jaxpr(fn)(*args).jaxpr
+    remats = sum(count_primitives(jaxpr, name) for name in REMAT_PRIMITIVES)
+    return "all" if remats else DEFAULT_POLICY
 
 
 def checkpointed(fn: Callable, policy: str, names: tuple[str, ...] = ()) -> Callable:

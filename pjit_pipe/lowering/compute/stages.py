@@ -50,11 +50,13 @@ import jax.numpy as jnp
 
 from pjit_pipe.errors import LossFnError, OptionError
 from pjit_pipe.ir.memory import StoredBytes
+from pjit_pipe.lowering.compute.compute_dtype import compute_dtypes
+from pjit_pipe.lowering.compute.remat_regions import region_residual_bytes
 from pjit_pipe.lowering.compute.replay import TracedOnce
 from pjit_pipe.lowering.compute.residual_policy import (
-    DEFAULT_POLICY,
     check_policy,
     checkpointed,
+    default_policy,
     saved_names,
 )
 from pjit_pipe.lowering.compute.stage_backward import SplitBackward
@@ -80,7 +82,8 @@ class StageVjp:
     the input of stage s, and `b_spec` / `w_spec` the B-pool / W-pool rows
     (module docstring) shared by all stages (a stage's tree number s in each).
     `policies[s]`: the residual policy stage s's F stores under
-    (residual_policy.POLICIES); None: DEFAULT_POLICY for every stage. Its
+    (residual_policy.POLICIES); None: each stage's `default_policy`, "all" where
+    the model checkpoints its own layers (nn.remat), else DEFAULT_POLICY. That
     default, matmul outputs (and the stage input), leaves B and W only the cheap
     elementwise ops to recompute, which is what XLA's fusion does in an
     unpipelined step anyway, at a fraction of the memory traffic of every
@@ -107,8 +110,11 @@ class StageVjp:
         self.loss_fn = loss_fn
         self.S = len(self.fns)
         self.param_avals = [jax.eval_shape(lambda p: p, p) for p in stage_params]
-        self.policies = tuple(check_policy(p) for p in (policies or (DEFAULT_POLICY,) * self.S))
-        if len(self.policies) != self.S:
+        # Per stage, per parameter leaf, the dtype the stage computes it in (None: its
+        # own): every method takes the master leaves and computes on them cast to it.
+        self.compute_dtypes: list[list[Any]] = []
+        given = [check_policy(p) for p in policies or ()]
+        if policies and len(given) != self.S:
             raise OptionError(
                 f"policies: give one residual policy per virtual stage ({self.S}), got {policies!r}"
             )
@@ -122,7 +128,13 @@ class StageVjp:
         self.res_treedef: dict[int, Any] = {}
         stored, kept = [], []
         for s in range(self.S):
-            p, a, y = self.param_avals[s], self.act_avals[s], y_mb if s == self.S - 1 else None
+            self.compute_dtypes.append(
+                compute_dtypes(self.fns[s], self.param_avals[s], self.act_avals[s])
+            )
+            if not policies:
+                given.append(default_policy(self.fns[s], self.param_avals[s], self.act_avals[s]))
+            self.policies = tuple(given)
+            p, a, y = self.compute_avals(s), self.act_avals[s], y_mb if s == self.S - 1 else None
             if self.policies[s] == "names":
                 self.saved_names[s] = saved_names(self.fns[s], p, a)
             if s in self.split:
@@ -150,6 +162,21 @@ class StageVjp:
             kept, MAX_POOL_CLASS_OVERHEAD, replicated=tensor_split
         )
 
+    def cast(self, s: int, p: Any) -> Any:
+        """Stage s's parameters as it computes on them: each leaf the model casts to a
+        narrower float in its one use, cast already (compute_dtype.py), so its
+        gradient comes back in that dtype with the same values."""
+        leaves, treedef = jax.tree.flatten(p)
+        cast = [
+            leaf if d is None else leaf.astype(d)
+            for leaf, d in zip(leaves, self.compute_dtypes[s], strict=True)
+        ]
+        return jax.tree.unflatten(treedef, cast)
+
+    def compute_avals(self, s: int) -> Any:
+        """Stage s's parameter avals in the dtypes it computes them in (`cast`)."""
+        return jax.eval_shape(functools.partial(self.cast, s), self.param_avals[s])
+
     def zero_residuals(self, *lead: int) -> Residuals:
         """Empty B-pool and W-pool stores with leading dimensions `lead`."""
         return Residuals(self.b_spec.zeros(*lead), self.w_spec.zeros(*lead))
@@ -161,7 +188,7 @@ class StageVjp:
     def remat_forward(self, s: int, p: Any, a: Any, y: Any) -> Any:
         """F under remat: the stage output (the loss vector on the last stage) and
         nothing stored; `recompute_backward` runs the forward again."""
-        return self._replay("remat F", s, self.forward)(p, a, y)
+        return self._replay("remat F", s, self.forward)(self.cast(s, p), a, y)
 
     def _vjp_parts(self, s: int, p: Any, a: Any, y: Any):
         """(output, pullback, residual origin list, stored residual leaves); a split
@@ -227,7 +254,7 @@ class StageVjp:
         by leaf: a split stage's vjp residuals into B-pool row `b_slot` and W's data
         operands into the head of W-pool row `w_slot` (B writes the cotangents
         after them); any other stage's vjp residuals into W-pool row `w_slot`."""
-        out, stored = self._replay("F", s, self._forward_stored)(p, a, y)
+        out, stored = self._replay("F", s, self._forward_stored)(self.cast(s, p), a, y)
         if s not in self.split:
             return out, store._replace(w=self.w_spec.write(s, store.w, w_slot, stored))
         (out, operands) = out
@@ -247,7 +274,7 @@ class StageVjp:
         parameters (a split stage's: w.r.t. its input and site perturbations)."""
         spec, row = (self.b_spec, res.b) if s in self.split else (self.w_spec, res.w)
         stored = jax.tree.leaves(spec.unpack(s, row))
-        param_leaves = jax.tree.leaves(p)
+        param_leaves = jax.tree.leaves(self.cast(s, p))
         leaves = [param_leaves[i] if src == "param" else stored[i] for src, i in self.res_where[s]]
         return jax.tree.unflatten(self.res_treedef[s], leaves)
 
@@ -257,7 +284,7 @@ class StageVjp:
         cotangent `seed`. Nothing is stored: with forward and backward in one
         computation XLA keeps or recomputes intermediates as it likes, as in a
         plain `jax.value_and_grad` (no checkpoint policy, no packed rows)."""
-        return self._replay("FUSED", s, self._value_and_grad)(p, a, y, seed)
+        return self._replay("FUSED", s, self._value_and_grad)(self.cast(s, p), a, y, seed)
 
     def _value_and_grad(self, s: int, p: Any, a: Any, y: Any, seed: Any) -> tuple[Any, Any, Any]:
         if s == 0:  # the raw batch may be integers: no input gradient
@@ -272,7 +299,7 @@ class StageVjp:
         (parameter gradient, input gradient), or (parameter gradient,) on stage 0; a
         split stage's is w.r.t. (input, site perturbations): (input gradient, site
         cotangents)."""
-        return self._replay("pull", s, self._pull)(p, res, g)
+        return self._replay("pull", s, self._pull)(self.cast(s, p), res, g)
 
     def _pull(self, s: int, p: Any, res: Residuals, g: Any) -> Any:
         return self.pullback(s, p, res)(g)
@@ -280,7 +307,7 @@ class StageVjp:
     def recompute_backward(self, s: int, p: Any, a: Any, y: Any, g: Any) -> Any:
         """`backward` by re-running the stage's forward (remat) instead of reading
         stored residuals."""
-        return self._replay("remat BW", s, self._recompute_backward)(p, a, y, g)
+        return self._replay("remat BW", s, self._recompute_backward)(self.cast(s, p), a, y, g)
 
     def _recompute_backward(self, s: int, p: Any, a: Any, y: Any, g: Any) -> Any:
         return self._vjp_parts(s, p, a, y)[1](g)
@@ -298,7 +325,7 @@ class StageVjp:
 
     def weight_grad(self, s: int, p: Any, res: Residuals) -> Any:
         """W: the parameter gradient from the W-pool row's data operands and cotangents."""
-        return self._replay("W", s, self._weight_grad)(p, res)
+        return self._replay("W", s, self._weight_grad)(self.cast(s, p), res)
 
     def _weight_grad(self, s: int, p: Any, res: Residuals) -> Any:
         operands, cots = self.w_spec.unpack(s, res.w)
@@ -306,7 +333,7 @@ class StageVjp:
 
     def fused_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
         """BW of a split stage: B then W without storing the cotangents."""
-        return self._replay("split BW", s, self._fused_grad)(p, res, g)
+        return self._replay("split BW", s, self._fused_grad)(self.cast(s, p), res, g)
 
     def _fused_grad(self, s: int, p: Any, res: Residuals, g: Any) -> tuple[Any, Any]:
         dinput, cots = self._pull(s, p, res, g)
@@ -323,6 +350,11 @@ class StageVjp:
         b = nbytes(self.b_spec.avals[s])
         operands, cots = jax.tree.unflatten(self.w_spec.treedefs[s], self.w_spec.avals[s])
         return {"b": b, "w_operands": nbytes(operands), "cotangents": nbytes(cots)}
+
+    def region_bytes(self, s: int) -> int:
+        """Bytes of the residuals of stage s's largest checkpointed region (the model's
+        own remat, remat_regions.py), which its backward recomputes one at a time."""
+        return region_residual_bytes(self.fns[s], self.compute_avals(s), self.act_avals[s])
 
     def stored_bytes(self, s: int) -> StoredBytes:
         """Stage s's bytes per microbatch by the op that frees them (ir/memory.py):

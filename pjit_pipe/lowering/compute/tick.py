@@ -45,12 +45,13 @@ from pjit_pipe.lowering.async_pipeline.async_weights import AsyncWeights
 from pjit_pipe.lowering.comms.delivery import Post
 from pjit_pipe.lowering.comms.messages import MessageSpec
 from pjit_pipe.lowering.comms.topology import Topology
+from pjit_pipe.lowering.compute.compute_dtype import compute_param_spec
 from pjit_pipe.lowering.compute.emulated_ticks import EmulatedTicks, EmulationHost
 from pjit_pipe.lowering.compute.loss import LossLayout
 from pjit_pipe.lowering.compute.stages import Residuals, StageVjp
 from pjit_pipe.lowering.compute.tick_ops import Inbox, OpGroup, StageOps
 from pjit_pipe.lowering.layout.flat_buffers import Buffers
-from pjit_pipe.lowering.layout.param_layout import ChunkLayout, device_param_spec
+from pjit_pipe.lowering.layout.param_layout import ChunkLayout
 from pjit_pipe.lowering.layout.shared import SharedGrads
 from pjit_pipe.lowering.layout.tensor_layout import LeafSplits
 from pjit_pipe.lowering.tick_plan import FUSED, OpRow, TickPlan, TickRow, build_plan
@@ -82,8 +83,7 @@ class TickProgram:
         splits: Sequence[LeafSplits] | None = None,
         row_multiple: int = 1,
     ):
-        self.sched = schedule
-        self.st = stages
+        self.sched, self.st = schedule, stages
         self.loss = loss  # what the last stage's loss vector holds (stages.loss_fn = loss.vector)
         # Stream name -> key impl when steps take rngs (the batch is then (x, key data)).
         self.rng_impls = rng_impls
@@ -125,7 +125,8 @@ class TickProgram:
         # Leaves split over 'tensor' get shaped buffers of their own (packing.py).
         self.splits = splits
         # `row_multiple`: ZeRO cuts each flat row into D slices (zero.py).
-        self.param_spec = device_param_spec(stages.param_avals, splits, row_multiple)
+        avals, dtypes = stages.param_avals, stages.compute_dtypes
+        self.param_spec = compute_param_spec(avals, splits, row_multiple, dtypes)
         self.msg_spec = MessageSpec(stages.act_avals[1:])
         self.post = Post(self.msg_spec, topology.axes)
         self.held = [schedule.held_stages(p) for p in range(schedule.stages)]

@@ -31,12 +31,14 @@ buffer, like the optax state (`rows_spec`). The step all-gathers the whole
 rows over 'data' once, before the tick loop (`gather`), and after the update
 sends each replica's new slices to the previous replica for its copy instead
 of all-gathering them. The parameters at rest are then 2/D of the stage's; the
-step still holds one whole copy of them while the loop runs.
+step still holds one whole copy of them while the loop runs, in the compute
+dtype: a buffer whose every leaf the model reads through a cast to bf16 is
+gathered in bf16 (half the bytes), the others in their own dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -84,8 +86,13 @@ class ZeroLayout:
         held: Sequence[Sequence[int]],
         shared: SharedGrads | None,
         level: int = 1,
+        gather_dtypes: Mapping[str, str] | None = None,
     ):
         self.D, self.optimizer, self.level = replicas, optimizer, level
+        # ZeRO-3: per buffer key, the compute dtype it is all-gathered in (bf16 where
+        # every leaf in it is read through a cast to bf16, compute/compute_dtype.py);
+        # a buffer not named is gathered in its own dtype.
+        self.gather_dtypes = dict(gather_dtypes or {})
         self.param_spec = param_spec  # one stage's whole rows (the tick loop's layout)
         # Per buffer key: the dimension (of one chunk's buffer) cut into D slices, or None.
         self.dims: dict[str, int | None] = {}
@@ -291,8 +298,14 @@ class ZeroLayout:
 
     def gather(self, params: Buffers) -> Buffers:
         """ZeRO-3: the (v, ...) rows of (own slices, copy) -> the whole (v, ...)
-        parameter rows the tick loop reads, all-gathered over 'data' (once per step)."""
-        return self._all_gather(self._own_slices(params))
+        parameter rows the tick loop reads, all-gathered over 'data' (once per step),
+        each buffer in its compute dtype (`gather_dtypes`): the ops cast every leaf
+        to it before use anyway, so the values they see are the same."""
+        slices = [
+            {k: b.astype(self.gather_dtypes.get(k, b.dtype)) for k, b in chunk.items()}
+            for chunk in self._own_slices(params)
+        ]
+        return self._all_gather(slices)
 
     def _own_slices(self, params: Buffers) -> list[Buffers]:
         """ZeRO-3: per chunk, this replica's slices out of its (v, ...) parameter rows."""
