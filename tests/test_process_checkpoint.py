@@ -130,6 +130,7 @@ def resume(tmp_path, directory, steps: int, first: int) -> None:
     np.testing.assert_allclose([r["loss"] for r in run.records], want, rtol=1e-5)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 def test_processes_save_and_resume_without_failure(tmp_path):
     directory = tmp_path / "ckpt"
@@ -140,6 +141,7 @@ def test_processes_save_and_resume_without_failure(tmp_path):
     resume(tmp_path, directory, 10, 6)
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize("in_save", [False, True], ids=["killed", "killed-in-save"])
 def test_processes_save_after_a_kill_and_resume(tmp_path, monkeypatch, in_save):

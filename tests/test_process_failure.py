@@ -20,15 +20,21 @@ from pjit_pipe.runtime import LiveDevices, recovery_settings
 TIMEOUT_S = 420  # the CLI's whole run, compiles included (2 cores, 5 processes)
 STEPS, MESH, MICROBATCHES, LR = 24, (2, 2), 2, 3e-3
 COMBO_STEPS = 10  # the combinations' runs: the kill comes after step 2
+CLIP = "1.0"  # binds: the first gradients' global norms are 3.7 (mlp) and 5.3 (gpt-tiny)
 
 
-def optax_losses(steps: int, model: str = "mlp", tensor: int = 1) -> list[float]:
-    """The CLI's run of `model` as plain optax: the same seed, batches and Adam."""
+def optax_losses(
+    steps: int, model: str = "mlp", tensor: int = 1, clip: float | None = None
+) -> list[float]:
+    """The CLI's run of `model` as plain optax: the same seed, batches and Adam (after
+    a global-norm clip to `clip`, if given)."""
     data, _ = MESH
     task = make_task(model, 2 * data * MICROBATCHES, seed=0, tensor=tensor)
     x, y = task.next_batch()
     params = task.model.init(jax.random.key(0), x)
     opt = optax.adam(LR)
+    if clip is not None:
+        opt = optax.chain(optax.clip_by_global_norm(clip), opt)
     state = opt.init(params)
     grad = jax.jit(jax.value_and_grad(lambda p, x, y: task.loss_fn(task.model.apply(p, x), y)))
     losses = []
@@ -41,6 +47,7 @@ def optax_losses(steps: int, model: str = "mlp", tensor: int = 1) -> list[float]
     return losses
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "victim, stop_s",
@@ -79,16 +86,18 @@ def test_training_goes_on_after_a_process_is_killed_or_stopped(tmp_path, victim,
     assert logged == list(range(STEPS))
 
 
+@pytest.mark.processes
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, tensor, options, victim",
     [
-        # ZeRO-1: the dead replica's optax slices live on as its neighbour's copy.
-        ("mlp", 1, ["--zero", "1", "--schedule", "1f1b"], 2),
+        # ZeRO-1: the dead replica's optax slices live on as its neighbour's copy;
+        # the clip's global norm is one reduction of the slices' norms.
+        ("mlp", 1, ["--zero", "1", "--schedule", "1f1b", "--clip", CLIP], 2),
         # ZeRO-3 (parameters in slices too) under a 2-chunk kind, a replica-1 death.
         ("mlp", 1, ["--zero", "3", "--schedule", "interleaved-1f1b"], 3),
         # Tensor parallelism: each process holds one worker's two 'tensor' devices.
-        ("gpt-tiny", 2, ["--schedule", "1f1b"], 2),
+        ("gpt-tiny", 2, ["--schedule", "1f1b", "--clip", CLIP], 2),
     ],
     ids=["zero1", "zero3-interleaved", "tensor2"],
 )
@@ -99,7 +108,8 @@ def test_every_combination_survives_a_killed_process(tmp_path, model, tensor, op
     run = run_with_kill(tmp_path, args, victim, 2, TIMEOUT_S, tmp_path / "cache")
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["step"] for r in run.records] == list(range(COMBO_STEPS))
-    expected = optax_losses(COMBO_STEPS, model, tensor)
+    clip = float(CLIP) if "--clip" in options else None
+    expected = optax_losses(COMBO_STEPS, model, tensor, clip)
     np.testing.assert_allclose([r["loss"] for r in run.records], expected, rtol=1e-5)
     failure = run.first_after_kill("failure")
     assert failure is not None, run.events

@@ -72,6 +72,14 @@ def make_task(name: str, batch: int, seed: int, tensor: int = 1) -> Task:
     return Task(ResidualMLP(), mse_loss, regression, 1, rng)
 
 
+def make_optimizer(lr: float, clip: float | None = None) -> Any:
+    """The CLI's optimizer: Adam at `lr`, after a global-norm clip to `clip` if given."""
+    import optax
+
+    adam = optax.adam(lr)
+    return adam if clip is None else optax.chain(optax.clip_by_global_norm(clip), adam)
+
+
 @dataclass
 class StepRecord:
     """What one committed step did."""
@@ -113,7 +121,6 @@ def train(
     fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
     ensure_host_devices(data * stages * tensor)
     import jax
-    import optax
 
     import pjit_pipe as pp
     from pjit_pipe.runtime import (
@@ -145,7 +152,7 @@ def train(
             tensor=tensor,
             devices=devices if devices is not None else run_devices(data * stages * tensor),
         ),
-        optimizer=optax.adam(args.lr),
+        optimizer=make_optimizer(args.lr, getattr(args, "clip", None)),
         async_weights=getattr(args, "async_weights", None),
         zero=getattr(args, "zero", False),
         **({"costs": "measure"} if getattr(args, "show_costs", False) else {}),

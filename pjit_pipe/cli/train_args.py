@@ -117,6 +117,13 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "--lr", type=positive_float, default=3e-3, help="Adam learning rate (default 3e-3)"
     )
     parser.add_argument(
+        "--clip",
+        type=positive_float,
+        default=None,
+        metavar="NORM",
+        help="clip the gradient's global norm to NORM before Adam (optax.clip_by_global_norm)",
+    )
+    parser.add_argument(
         "--seed",
         type=int,
         default=0,
