@@ -17,8 +17,11 @@ configurations show how much.
 
 Then, per ZeRO level (`--part zero`), the tiny GPT with adam at D = 2 and 4 on
 P = 2 and D = 8 on P = 1: the largest device's state, the memory report's
-prediction of it and of the step's peak, XLA's compiled peak, and the step
-time against ZeRO-1's.
+prediction of it and of the step's peak, XLA's compiled temporaries and peak,
+and the step time against ZeRO-1's.
+
+The gradient sum alone (`--part grads`): one accumulator reduce-scattered
+once against a reduce-scatter per microbatch into slices.
 
 And the memory report's rows (`--part report`): Llama-3-70B's and -8B's shapes
 on P = 8 x D = 8, one sequence of 4096 per microbatch, remat on, at ZeRO 0, 1
@@ -26,7 +29,7 @@ and 3, against an 80 GB device; and the padding of the bundled Llama with a 32k
 vocabulary (LlamaConfig.gpu) at P = 4: the largest device's state over the mean
 of the devices' own stages'.
 
-Run: python -m benchmarks.bench_memory [--steps N] [--part layout|zero|report ...]
+Run: python -m benchmarks.bench_memory [--steps N] [--part layout|zero|grads|report ...]
 """
 
 from __future__ import annotations
@@ -139,8 +142,8 @@ def zero_table(steps: int) -> None:
     """Per ZeRO level: measured and predicted state, predicted and compiled peak, step time."""
     config = GPTConfig.tiny(vocab=65)
     print(
-        f"{'mesh':>5} {'zero':>4} {'state B':>10} {'predicted':>10} {'peak B':>10} "
-        f"{'predicted':>10} {'ratio':>6} {'step ms':>8} {'vs zero1':>8}"
+        f"{'mesh':>5} {'zero':>4} {'state B':>10} {'predicted':>10} {'temps B':>10} "
+        f"{'peak B':>10} {'predicted':>10} {'ratio':>6} {'step ms':>8} {'vs zero1':>8}"
     )
     for D, P in ((2, 2), (4, 2), (8, 1)):
         M = 4
@@ -171,9 +174,63 @@ def zero_table(steps: int) -> None:
             held = max(box["state"].device_bytes().values())
             largest, peak = report.largest(), report.compiled["compiled_peak"]
             print(
-                f"{D}x{P:<3} {zero:>4} {held:>10} {largest.state:>10} {peak:>10} "
+                f"{D}x{P:<3} {zero:>4} {held:>10} {largest.state:>10} "
+                f"{report.compiled['compiled_temporaries']:>10} {peak:>10} "
                 f"{largest.total:>10} {largest.total / peak:6.3f} {times[zero] * 1e3:8.1f} "
                 + f"{times[zero] / times[1]:8.3f}"
+            )
+
+
+def grad_sum_table(steps: int) -> None:
+    """The microbatches' gradient sum under ZeRO, alone: one float32 accumulator of
+    the whole stage, reduce-scattered over 'data' once (what zero=1 and 3 run), against
+    a reduce-scatter of each microbatch's gradient into a float32 slice (1/D of the
+    accumulator, m reduce-scatters). A scan over m microbatches of a d x d weight's
+    gradient, D = 4: XLA's temporaries and the step time."""
+    import jax.numpy as jnp
+    from jax import lax
+
+    D, m, b = 4, 8, 64
+    mesh = jax.make_mesh((D,), ("data",), devices=jax.devices()[:D])
+    print(f"{'d':>5} {'per-microbatch':>15} {'temps B':>11} {'step ms':>8} {'vs once':>8}")
+    for d in (256, 1024):
+        xs = jax.device_put(
+            np.random.default_rng(0).normal(size=(D * m, b, d)).astype(np.float32),
+            NamedSharding(mesh, PartitionSpec("data")),
+        )
+        w = jnp.ones((d, d), jnp.float32)
+
+        def run(xs, w, each):
+            def tick(acc, x):
+                g = x.T @ jnp.tanh(x @ w)  # a weight gradient's shape and cost
+                if each:
+                    g = lax.psum_scatter(g, "data", scatter_dimension=0, tiled=True)
+                return acc + g, None
+
+            n = w.shape[0]
+            acc = jnp.zeros((n // D if each else n, n), jnp.float32)
+            acc, _ = lax.scan(tick, acc, xs)
+            return acc if each else lax.psum_scatter(acc, "data", scatter_dimension=0, tiled=True)
+
+        times, temps = {}, {}
+        for each in (False, True):
+            f = jax.jit(
+                jax.shard_map(
+                    lambda xs, w, each=each: run(xs, w, each),
+                    mesh=mesh,
+                    in_specs=(PartitionSpec("data"), PartitionSpec()),
+                    out_specs=PartitionSpec("data"),
+                    check_vma=False,
+                )
+            )
+            compiled = f.lower(xs, w).compile()
+            temps[each] = compiled.memory_analysis().temp_size_in_bytes
+            call = lambda f=compiled, xs=xs, w=w: f(xs, w)  # noqa: E731
+            timed(call, 2)
+            times[each] = timed(call, steps)
+            print(
+                f"{d:>5} {each!s:>15} {temps[each]:>11,} {times[each] * 1e3:8.2f} "
+                f"{times[each] / times[False]:8.3f}"
             )
 
 
@@ -245,16 +302,18 @@ def main(argv: list[str]) -> None:
     parser.add_argument(
         "--part",
         action="append",
-        choices=("layout", "zero", "report"),
+        choices=("layout", "zero", "grads", "report"),
         help="which tables (default all)",
     )
     args = parser.parse_args(argv)
-    parts = args.part or ["layout", "zero", "report"]
+    parts = args.part or ["layout", "zero", "grads", "report"]
     if "layout" in parts:
         for name, (config, D, P, M) in CONFIGS.items():
             measure(name, config, D, P, M, args.steps)
     if "zero" in parts:
         zero_table(args.steps)
+    if "grads" in parts:
+        grad_sum_table(args.steps)
     if "report" in parts:
         report_table()
 
