@@ -91,9 +91,8 @@ def test_training_goes_on_after_a_process_is_killed_or_stopped(tmp_path, victim,
 @pytest.mark.parametrize(
     "model, tensor, options, victim",
     [
-        # ZeRO-1: the dead replica's optax slices live on as its neighbour's copy;
-        # the clip's global norm is one reduction of the slices' norms.
-        ("mlp", 1, ["--zero", "1", "--schedule", "1f1b", "--clip", CLIP], 2),
+        # ZeRO-1: the dead replica's optax slices live on as its neighbour's copy.
+        ("mlp", 1, ["--zero", "1", "--schedule", "1f1b"], 2),
         # ZeRO-3 (parameters in slices too) under a 2-chunk kind, a replica-1 death.
         ("mlp", 1, ["--zero", "3", "--schedule", "interleaved-1f1b"], 3),
         # Tensor parallelism: each process holds one worker's two 'tensor' devices.
@@ -114,6 +113,37 @@ def test_every_combination_survives_a_killed_process(tmp_path, model, tensor, op
     failure = run.first_after_kill("failure")
     assert failure is not None, run.events
     assert sorted(map(tuple, failure["failed"])) == sorted(map(tuple, run.workers[victim]))
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [2, 0], ids=["rejoin", "coordinator"])
+def test_restart_makes_the_mesh_whole_again(tmp_path, victim):
+    # --restart: a killed training process (2) rejoins at the step the survivors
+    # stopped and saved at; the coordinator's death (process 0, which every process
+    # needs) restarts the whole job from the newest checkpoint (saved every 4 steps).
+    steps = 16
+    args = ["--model", "mlp", "--mesh", "2x2", "--schedule", "1f1b", "--microbatches", "2"]
+    args += ["--steps", str(steps), "--processes", "4", "--restart", "--checkpoint-every", "4"]
+    run = run_with_kill(tmp_path, args, victim, 3, 2 * TIMEOUT_S, tmp_path / "cache")
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in run.records] == list(range(steps))  # each printed once
+    np.testing.assert_allclose([r["loss"] for r in run.records], optax_losses(steps), rtol=1e-5)
+    starts = [e for e in run.events if e["event"] == "process" and e["process"] == victim]
+    assert len(starts) == 2  # the victim started again
+    rejoins = [e for e in run.events if e["event"] == "rejoin"]
+    if victim == 0:  # a restart from a checkpoint, not a rejoin at a planned stop
+        assert rejoins == []
+        return
+    assert [sorted(map(tuple, e["workers"])) for e in rejoins] == [[(0, 1)]]
+    rejoined = rejoins[0]["step"]
+    failure = run.first_after_kill("failure")
+    assert failure is not None and failure["step"] < rejoined
+    # Re-routed until the stop, the whole mesh from the rejoin on.
+    assert all(
+        r["failed"] == ["0:1"] for r in run.records if failure["step"] <= r["step"] < rejoined
+    )
+    assert all(r["failed"] == [] for r in run.records if r["step"] >= rejoined)
 
 
 def test_process_workers_follow_the_mesh_layout():

@@ -100,6 +100,7 @@ def train(
     on_event: Any = None,
     devices: Any = None,
     on_trainer_event: Any = None,
+    stop: Any = None,
 ) -> tuple[Any, Any, Task]:
     """Build the pipeline and run args.steps steps through the injected failures;
     on_step(StepRecord) after each (tokens: input positions in the global batch).
@@ -116,7 +117,10 @@ def train(
     real, not injected: the trainer's default detector, LiveDevices. With
     args.checkpoint_dir, resume from its latest checkpoint (if any) and save
     every args.checkpoint_every steps and at the end. async-1f1b without failures
-    carries its microbatches from step to step (`train_carrying`)."""
+    carries its microbatches from step to step (`train_carrying`). `stop`: a
+    `PlannedStop` of a job of several processes; at the step it agrees on, the
+    run saves a checkpoint there and returns early (the launcher restarts the
+    job from it)."""
     data, stages, tensor = args.mesh
     fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
     ensure_host_devices(data * stages * tensor)
@@ -221,6 +225,9 @@ def train(
     )
     try:
         for step in range(state.step, args.steps):
+            if stop is not None and stop.should_stop(step):
+                checkpoints.save(state, saved, force=True)
+                break
             start = time.perf_counter()
             state, loss = trainer.step(state, (x, y))
             down = sorted(trainer.down)

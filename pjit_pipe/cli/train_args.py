@@ -265,7 +265,15 @@ def add_process_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         metavar="FILE",
         help="with --processes: append one JSON line per event (process start, committed "
-        "step, failure, switch) to FILE, each with 't' in unix seconds",
+        "step, failure, switch, rejoin) to FILE, each with 't' in unix seconds",
+    )
+    parser.add_argument(
+        "--restart",
+        action="store_true",
+        help="with --processes: when a training process dies, the survivors stop together "
+        "at a step, save it, and the whole job restarts from there with every process (the "
+        "dead one rejoins); when the coordinator dies, the job restarts from the newest "
+        "checkpoint. Saves in --checkpoint-dir (default: a temporary folder)",
     )
 
 
@@ -299,10 +307,15 @@ def check_process_args(args: argparse.Namespace) -> int:
                 f"{flag} injects events into one process; with --processes the failures are "
                 "real (kill a process): drop it"
             )
-    if args.checkpoint_dir and (tensor > 1 or args.zero):
+    if (args.checkpoint_dir or args.restart) and (tensor > 1 or args.zero):
         what = f"--mesh {data}x{stages}x{tensor}" if tensor > 1 else f"--zero {args.zero}"
+        flag = (
+            "--checkpoint-dir"
+            if args.checkpoint_dir
+            else "--restart (it restarts from a checkpoint)"
+        )
         raise UsageError(
-            f"--checkpoint-dir with --processes saves whole stage rows from each process; "
+            f"{flag} with --processes saves whole stage rows from each process; "
             f"{what} splits them over devices, which it does not read yet: drop one of them"
         )
     if args.schedule == "async-1f1b" or args.show_costs:

@@ -61,6 +61,10 @@ def run(args: argparse.Namespace) -> int:
         from pjit_pipe.cli.train_processes import launch
 
         return launch(args)
+    if args.restart:
+        from pjit_pipe.cli import UsageError
+
+        raise UsageError("--restart restarts the processes of a --processes run; add --processes N")
     directory = args.checkpoint_dir
     if not (directory and os.path.isdir(directory) and os.listdir(directory)):
         # Nothing to resume: refuse a bad plan before JAX loads (train() checks a

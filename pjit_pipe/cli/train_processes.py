@@ -28,6 +28,7 @@ arguments from DIR/args.pkl (written by `launch`).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pickle
@@ -75,6 +76,8 @@ class Events:
             key: tuple = (kind, event["step"])
         elif kind in ("failure", "switch"):
             key = (kind, event["step"], json.dumps(event["failed"]))
+        elif kind == "rejoin":
+            key = (kind, event["step"])
         else:
             key = (kind, event.get("process"), event.get("pid"))
         if key in self.seen:
@@ -96,12 +99,83 @@ _EVENT_FIELDS = {
     "step": ("step", "loss"),
     "failure": ("step", "failed"),
     "switch": ("step", "failed"),
+    "rejoin": ("step", "workers"),
 }
+
+
+class _Job:
+    """One start of the job: the coordinator and N training processes, each training
+    process's report lines read into one queue as (rank, line), None at its end."""
+
+    def __init__(self, directory: str, n: int, k: int):
+        command = [sys.executable, "-m", __name__, directory]
+        port = free_port()
+        self.coordinator = subprocess.Popen(
+            [*command, str(COORDINATOR), str(n + 1), str(port)],
+            env=local_process_env(1),
+            cwd=PACKAGE_ROOT,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+        )
+        self.workers = {
+            rank: subprocess.Popen(
+                [*command, str(rank), str(n + 1), str(port), str(k)],
+                env=local_process_env(k),
+                cwd=PACKAGE_ROOT,
+                stdin=subprocess.PIPE,  # a line there asks it to stop with the others
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            for rank in range(1, n + 1)
+        }
+        self.lines: queue.Queue = queue.Queue()
+        for rank, proc in self.workers.items():
+            threading.Thread(target=self._read, args=(rank, proc.stdout), daemon=True).start()
+        self.reported: dict[int, set[int]] = {rank: set() for rank in self.workers}
+        self.stopped_at: int | None = None  # the step a planned stop saved and left at
+
+    def reported_first(self) -> int:
+        """The first step any of this job's processes committed (sys.maxsize if none)."""
+        return min((min(steps) for steps in self.reported.values() if steps), default=sys.maxsize)
+
+    def _read(self, rank: int, stream: TextIO) -> None:
+        for line in stream:
+            self.lines.put((rank, line))
+        self.lines.put((rank, None))
+
+    def ask_to_stop(self) -> None:
+        """Ask every live training process to stop with the others (PlannedStop)."""
+        for proc in self.workers.values():
+            if proc.poll() is None:
+                with contextlib.suppress(OSError):  # it died since: a broken pipe
+                    proc.stdin.write("stop\n")
+                    proc.stdin.flush()
+
+    def end(self) -> dict[int, int]:
+        """Kill what is left, let the coordinator go; each training process's exit code."""
+        codes = {rank: _exit_code(proc) for rank, proc in self.workers.items()}
+        self.coordinator.stdin.close()  # its signal to leave
+        try:
+            self.coordinator.wait(timeout=EXIT_WAIT_S)
+        except subprocess.TimeoutExpired:
+            self.coordinator.kill()
+        return codes
+
+    def kill(self) -> None:
+        for proc in [*self.workers.values(), self.coordinator]:
+            if proc.poll() is None:
+                proc.kill()
 
 
 def launch(args: argparse.Namespace) -> int:
     """Run `args` (a parsed `pjit-pipe train --processes N` command line) over N
     local training processes and a coordinator; print as one process would.
+
+    With `--restart`, the job restarts as a whole when a training process dies
+    (after the survivors have stopped together at one step and saved it: the
+    dead process rejoins there, a `rejoin` event) or when the coordinator dies
+    (from the newest checkpoint; the steps after it run again and must give
+    the same losses).
 
     Returns:
         0 when every step up to --steps was committed, else 1 (with a line on stderr).
@@ -117,95 +191,41 @@ def launch(args: argparse.Namespace) -> int:
     n = args.processes
     on_step, close = step_printer(args)
     events = Events(args.events)
-    port = free_port()
+    losses: dict[int, float] = {}  # committed step -> its loss, as first reported
+    disagree: list[str] = []
     with tempfile.TemporaryDirectory(prefix="pjit_pipe-processes-") as tmp:
+        if args.restart and not args.checkpoint_dir:  # where the job restarts from
+            args.checkpoint_dir = str(Path(tmp) / "checkpoints")
         (Path(tmp) / "args.pkl").write_bytes(pickle.dumps(args))
-        command = [sys.executable, "-m", __name__, tmp]
-        coordinator = subprocess.Popen(
-            [*command, str(COORDINATOR), str(n + 1), str(port)],
-            env=local_process_env(1),
-            cwd=PACKAGE_ROOT,
-            stdin=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-        )
-        workers = [
-            subprocess.Popen(
-                [*command, str(rank), str(n + 1), str(port), str(k)],
-                env=local_process_env(k),
-                cwd=PACKAGE_ROOT,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            for rank in range(1, n + 1)
-        ]
-        lines: queue.Queue = queue.Queue()
-
-        def read(rank: int, stream: TextIO) -> None:
-            for line in stream:
-                lines.put((rank, line))
-            lines.put((rank, None))
-
-        for rank, proc in enumerate(workers, start=1):
-            threading.Thread(target=read, args=(rank, proc.stdout), daemon=True).start()
-        losses: dict[int, float] = {}  # committed step -> its loss, as first reported
-        reported: dict[int, set[int]] = {rank: set() for rank in range(1, n + 1)}
-        disagree: list[str] = []
-        open_streams, deadline = n, None
+        job = _Job(tmp, n, k)
         try:
-            while open_streams:
-                try:
-                    rank, line = lines.get(timeout=1.0)
-                except queue.Empty:
-                    if deadline is not None and time.monotonic() > deadline:
-                        _stop_stragglers(workers)  # their streams close next
-                        deadline = None
-                    continue
-                if line is None:
-                    open_streams -= 1
-                    continue
-                try:
-                    event = json.loads(line)
-                except ValueError:
-                    print(line, end="", file=sys.stderr)  # not a report: pass it on
-                    continue
-                if event["event"] == "step":  # every survivor commits the same
-                    step, loss = event["step"], event["loss"]
-                    reported[rank].add(step)
-                    if step in losses and abs(loss - losses[step]) > 1e-6 * abs(losses[step]):
-                        disagree.append(f"step {step}: process {rank} {loss}, else {losses[step]}")
-                    losses.setdefault(step, loss)
-                    if step == args.steps - 1 and deadline is None:
-                        deadline = time.monotonic() + EXIT_WAIT_S
-                if events.add(event) and event["event"] == "step":
-                    on_step(StepRecord(**event["record"]))
-            codes = [_exit_code(p) for p in workers]
+            while True:
+                coordinator = {"event": "process", "t": time.time(), "process": COORDINATOR}
+                events.add({**coordinator, "pid": job.coordinator.pid, "workers": []})
+                died = _run(job, args, events, losses, disagree, on_step, StepRecord)
+                codes = job.end()
+                _note_deaths(job, codes)
+                if not args.restart or not (died or job.coordinator.returncode):
+                    break
+                if job.stopped_at is not None and died:
+                    workers = [w for r in sorted(died) for w in process_workers(r, k, args.mesh)]
+                    event = {"event": "rejoin", "t": time.time(), "step": job.stopped_at}
+                    events.add({**event, "workers": workers})
+                if job.stopped_at is None and max(losses, default=-1) >= args.steps - 1:
+                    break  # the last step was committed before the death
+                job = _Job(tmp, n, k)
         finally:
             close()
             events.close()
-            for proc in workers:
-                if proc.poll() is None:
-                    proc.kill()
-            coordinator.stdin.close()  # its signal to leave
-            try:
-                coordinator.wait(timeout=EXIT_WAIT_S)
-            except subprocess.TimeoutExpired:
-                coordinator.kill()
-    for rank, code in enumerate(codes, start=1):
-        if code < 0:
-            name = signal.Signals(-code).name
-            print(
-                f"note: process {rank} (pid {workers[rank - 1].pid}) ended by {name}; "
-                "training went on without it",
-                file=sys.stderr,
-            )
+            job.kill()
     # A run resumed from a checkpoint starts at its step (none: nothing left to run).
-    first = min(losses, default=args.steps if all(c == 0 for c in codes) else 0)
+    first = min(losses, default=args.steps if all(c == 0 for c in codes.values()) else 0)
     missing = sorted(set(range(first, args.steps)) - set(losses))
-    finished = [r for r, code in enumerate(codes, start=1) if code == 0]
-    short = [r for r in finished if reported[r] != set(losses)]
+    mine = set(range(min(job.reported_first(), args.steps), args.steps))
+    short = [r for r, code in codes.items() if code == 0 and job.reported[r] != mine]
     problem = None
     if missing:
-        problem = f"the processes ended (exit codes {codes}) before step {missing[0]} was committed"
+        problem = f"the processes ended (exit codes {list(codes.values())}) before step {missing[0]} was committed"
     elif disagree:
         problem = f"processes disagree on a committed loss: {disagree[0]}"
     elif short:
@@ -214,6 +234,70 @@ def launch(args: argparse.Namespace) -> int:
         print(f"error: pjit-pipe train: {problem}", file=sys.stderr)
         return 1
     return 0
+
+
+def _run(
+    job: _Job,
+    args: argparse.Namespace,
+    events: Events,
+    losses: dict,
+    disagree: list,
+    on_step: Any,
+    record: Any,
+) -> set[int]:
+    """Read one job's reports until every training process's stream has ended,
+    printing each committed step once (the first report of it).
+
+    Returns:
+        The training processes that died (ended by a signal). With --restart, the
+        first death asks the others to stop together (`_Job.ask_to_stop`).
+    """
+    died: set[int] = set()
+    open_streams, deadline = len(job.workers), None
+    while open_streams:
+        try:
+            rank, line = job.lines.get(timeout=1.0)
+        except queue.Empty:
+            if deadline is not None and time.monotonic() > deadline:
+                _stop_stragglers(list(job.workers.values()))  # their streams close next
+                deadline = None
+            continue
+        if line is None:
+            open_streams -= 1
+            if _exit_code(job.workers[rank]) < 0:
+                died.add(rank)
+                if args.restart and job.stopped_at is None:
+                    job.ask_to_stop()
+            continue
+        try:
+            event = json.loads(line)
+        except ValueError:
+            print(line, end="", file=sys.stderr)  # not a report: pass it on
+            continue
+        if event["event"] == "stopped":
+            job.stopped_at = event["step"]
+            continue
+        if event["event"] == "step":  # every survivor commits the same
+            step, loss = event["step"], event["loss"]
+            job.reported[rank].add(step)
+            if step in losses and abs(loss - losses[step]) > 1e-6 * abs(losses[step]):
+                disagree.append(f"step {step}: process {rank} {loss}, else {losses[step]}")
+            losses.setdefault(step, loss)
+            if step == args.steps - 1 and deadline is None:
+                deadline = time.monotonic() + EXIT_WAIT_S
+        if events.add(event) and event["event"] == "step":
+            on_step(record(**event["record"]))
+    return died
+
+
+def _note_deaths(job: _Job, codes: dict[int, int]) -> None:
+    for rank, code in codes.items():
+        if code < 0:
+            print(
+                f"note: process {rank} (pid {job.workers[rank].pid}) ended by "
+                f"{signal.Signals(-code).name}; training went on without it",
+                file=sys.stderr,
+            )
 
 
 def _stop_stragglers(workers: list[subprocess.Popen]) -> None:
@@ -251,12 +335,20 @@ def _train(directory: str, rank: int, count: int, port: str, k: int) -> None:
 
     out = os.fdopen(os.dup(1), "w")  # the reports go to the launcher...
     os.dup2(2, 1)  # ...and anything else printed to stderr
-    from pjit_pipe.runtime import initialize_distributed
+    from pjit_pipe.runtime import PlannedStop, initialize_distributed
 
     initialize_distributed(f"localhost:{port}", count, rank)
     import jax
 
     from pjit_pipe.cli.train import train
+
+    stop = PlannedStop()  # the launcher asks with a line on stdin (`_Job.ask_to_stop`)
+
+    def listen() -> None:
+        if sys.stdin.readline():
+            stop.request()
+
+    threading.Thread(target=listen, daemon=True).start()
 
     args = pickle.loads((Path(directory) / "args.pkl").read_bytes())
     devices = sorted(
@@ -275,7 +367,9 @@ def _train(directory: str, rank: int, count: int, port: str, k: int) -> None:
             failed = [list(w) for w in sorted(event.failed)]
             _report(out, event.kind, step=event.step, failed=failed)
 
-    train(args, on_step, devices=devices, on_trainer_event=on_event)
+    train(args, on_step, devices=devices, on_trainer_event=on_event, stop=stop)
+    if stop.agreed is not None and stop.agreed < args.steps:  # saved there and left
+        _report(out, "stopped", step=stop.agreed)
     out.close()
     # Leave without jax.distributed.shutdown: its barrier would wait for the dead
     # processes and for the coordinator, which leaves only when every process has.

@@ -13,6 +13,7 @@ from pjit_pipe.runtime.distributed import initialize_distributed, recovery_setti
 from pjit_pipe.runtime.emulate_processes import emulate_processes
 from pjit_pipe.runtime.emulation import emulate_in_process
 from pjit_pipe.runtime.local_processes import PACKAGE_ROOT, free_port, local_process_env
+from pjit_pipe.runtime.planned_stop import PlannedStop
 from pjit_pipe.runtime.process_checkpoint import ProcessCheckpoints
 from pjit_pipe.runtime.speed import (
     FACTORS,
@@ -34,6 +35,7 @@ __all__ = [
     "InjectedFailures",
     "InjectedSlowdowns",
     "LiveDevices",
+    "PlannedStop",
     "ProcessCheckpoints",
     "ResilientTrainer",
     "SlowDetector",
