@@ -1,6 +1,8 @@
 """A real process death on a multi-process run: `pjit-pipe train --processes N`, one
 training process killed with SIGKILL mid-run (by its pid from the events file), or
-stopped with SIGSTOP past the timeouts and resumed.
+stopped with SIGSTOP past the timeouts and resumed; with `--restart`, a killed
+process rejoining (the job restarted at a step the survivors saved) and the
+coordinator killed (the job restarted from its newest checkpoint).
 
 Prints, per scenario: the time from the kill to the failure's detection (the
 survivors' `failure` event), to the first step committed after it, and the
@@ -141,6 +143,18 @@ SCENARIOS = {  # name -> (train args, victim process, after this step is committ
         3,
         12.0,
     ),
+    "2x2 mlp 1f1b, 4 processes --restart, process 2 killed and rejoined": (
+        [*MLP_2X2, "--restart"],
+        2,
+        3,
+        None,
+    ),
+    "2x2 mlp 1f1b, 4 processes --restart, the coordinator (process 0) killed": (
+        [*MLP_2X2, "--restart", "--checkpoint-every", "4"],
+        0,
+        3,
+        None,
+    ),
 }
 
 
@@ -213,6 +227,9 @@ def main() -> None:
     parser.add_argument(
         "--checkpoints-only", action="store_true", help="only the checkpoint costs (seconds)"
     )
+    parser.add_argument(
+        "--only", default=None, metavar="TEXT", help="only the kill scenarios naming TEXT"
+    )
     args = parser.parse_args()
     flags = os.environ.get("XLA_FLAGS", "")
     if "--xla_force_host_platform_device_count" not in flags:  # checkpoint_costs' 4 devices
@@ -220,7 +237,7 @@ def main() -> None:
     import jax
 
     print(f"jax {jax.__version__}, cache {args.cache_dir}")
-    for model in ("mlp", "gpt-tiny"):
+    for model in ("mlp", "gpt-tiny") if args.only is None else ():
         costs = checkpoint_costs(model)
         print(
             f"ProcessCheckpoints, 2x2 {model} in one process (both stages): copy off the "
@@ -229,13 +246,16 @@ def main() -> None:
         )
     if args.checkpoints_only:
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        across, other = save_step_cost(Path(tmp), args.timeout, Path(args.cache_dir))
-    print(
-        f"2x2 mlp 1f1b, 4 processes, a save every 4 steps: {across * 1e3:.0f} ms between "
-        f"the steps around a save, {other * 1e3:.0f} ms between others (medians)"
-    )
+    if args.only is None:
+        with tempfile.TemporaryDirectory() as tmp:
+            across, other = save_step_cost(Path(tmp), args.timeout, Path(args.cache_dir))
+        print(
+            f"2x2 mlp 1f1b, 4 processes, a save every 4 steps: {across * 1e3:.0f} ms between "
+            f"the steps around a save, {other * 1e3:.0f} ms between others (medians)"
+        )
     for name, (train_args, victim, after, stop_s) in SCENARIOS.items():
+        if args.only is not None and args.only not in name:
+            continue
         with tempfile.TemporaryDirectory() as tmp:
             run = run_with_kill(
                 Path(tmp), train_args, victim, after, args.timeout, Path(args.cache_dir), stop_s
@@ -249,8 +269,23 @@ def main() -> None:
         next_step = f"{step['t'] - run.killed_at:.2f} s" if step else "none"
         print(
             f"{name}: exit {run.returncode}; kill -> failure detected {detect}, -> next "
-            f"committed step {next_step}; steps lost {lost}"
+            f"committed step {next_step}; steps lost {lost}{_restart_times(run)}"
         )
+
+
+def _restart_times(run: KillRun) -> str:
+    """With --restart: from the restarted processes' start to the first step committed
+    for the first time (after a restart from a checkpoint, the steps run again come
+    first)."""
+    starts = sorted(e["t"] for e in run.events if e["event"] == "process" and e["process"] == 1)
+    if len(starts) < 2:
+        return ""
+    rejoin = next((e for e in run.events if e["event"] == "rejoin"), None)
+    restarted = starts[1]
+    later = [e["t"] for e in run.events if e["event"] == "step" and e["t"] > restarted]
+    first = f"{min(later) - restarted:.1f} s" if later else "none"
+    where = f"rejoin at step {rejoin['step']}; " if rejoin else ""
+    return f"; {where}restarted processes up -> first newly committed step {first}"
 
 
 if __name__ == "__main__":
