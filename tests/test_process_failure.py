@@ -183,6 +183,8 @@ def test_recovery_settings():
         (["--processes", "2", "--devices-per-process", "1"], "needs 4"),
         (["--processes", "4", "--fail", "2:0:1"], "--fail injects"),
         (["--processes", "4", "--zero", "--checkpoint-dir", "ckpt"], "--zero 1 splits them"),
+        (["--processes", "4", "--zero", "3", "--restart"], "--restart (it restarts from"),
+        (["--restart"], "add --processes N"),
     ],
 )
 def test_bad_process_options_are_refused(capsys, extra, message):

@@ -5,9 +5,9 @@ starts N + 1 Python processes over `jax.distributed` on localhost:
 
 - process 0, the coordinator, joins with one CPU device that no mesh uses and
   only hosts JAX's coordination service. The service dies with the process
-  that hosts it, and every other process with it (DESIGN notes, the probe of
-  2026-12-07); a coordinator that trains nothing has no step to fail in, so
-  the death of any training process leaves the job alive.
+  that hosts it, and every other process with it (DESIGN notes); a
+  coordinator that trains nothing has no step to fail in, so the death of any
+  training process leaves the job alive.
 - processes 1..N each own K CPU devices (gloo collectives) and run the same
   `train` as one process does, with the mesh over all their devices: process
   i holds mesh devices (i-1)K .. iK-1 in the mesh's row-major order. Each
@@ -18,8 +18,15 @@ Each training process reports to the launcher in JSON lines on its stdout
 (its own prints go to stderr); the launcher prints each committed step once,
 as one process would, and appends the events to `--events FILE`. A training
 process's death is not an error: the run succeeds when every step up to
-`--steps` was committed (from the checkpoint's step, with `--checkpoint-dir`), every process that finished committed each of them,
-and all reported the same loss for each.
+`--steps` was committed (from the checkpoint's step, with `--checkpoint-dir`),
+every process that finished committed each of the last start's steps, and all
+reported the same loss for each.
+
+With `--restart` a death restarts the job (`_Job`, one start of it): the
+survivors stop together at a step (`PlannedStop`, asked by a line on their
+stdin), save it and leave, and all N processes start again from it, the dead
+one rejoining there; the coordinator's death restarts the job from the
+newest checkpoint.
 
 Run as `python -m pjit_pipe.cli.train_processes DIR RANK`, a process reads its
 arguments from DIR/args.pkl (written by `launch`).
@@ -42,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from pjit_pipe.cli.process_events import Events
 from pjit_pipe.runtime import PACKAGE_ROOT, free_port, local_process_env
 
 COORDINATOR = 0  # the process that hosts the coordination service and trains nothing
@@ -59,48 +67,6 @@ def process_workers(rank: int, k: int, mesh: tuple[int, int, int]) -> list[list[
     """The workers training process `rank` (1..N) runs, each once, sorted."""
     found = {worker_of_index(i, mesh) for i in range((rank - 1) * k, rank * k)}
     return [list(w) for w in sorted(found)]
-
-
-class Events:
-    """The launcher's record of the run: each step, failure and switch once,
-    whichever process reports it first; `process` events from each process."""
-
-    def __init__(self, path: str | None):
-        self.file: TextIO | None = open(path, "a") if path else None  # noqa: SIM115
-        self.seen: set[tuple] = set()
-
-    def add(self, event: dict) -> bool:
-        """Record `event` unless another process reported it already; True if new."""
-        kind = event["event"]
-        if kind == "step":
-            key: tuple = (kind, event["step"])
-        elif kind in ("failure", "switch"):
-            key = (kind, event["step"], json.dumps(event["failed"]))
-        elif kind == "rejoin":
-            key = (kind, event["step"])
-        else:
-            key = (kind, event.get("process"), event.get("pid"))
-        if key in self.seen:
-            return False
-        self.seen.add(key)
-        if self.file is not None:
-            fields = {k: event[k] for k in _EVENT_FIELDS[kind] if k in event}
-            self.file.write(json.dumps({"event": kind, "t": event["t"], **fields}) + "\n")
-            self.file.flush()
-        return True
-
-    def close(self) -> None:
-        if self.file is not None:
-            self.file.close()
-
-
-_EVENT_FIELDS = {
-    "process": ("process", "pid", "workers"),
-    "step": ("step", "loss"),
-    "failure": ("step", "failed"),
-    "switch": ("step", "failed"),
-    "rejoin": ("step", "workers"),
-}
 
 
 class _Job:
@@ -204,7 +170,7 @@ def launch(args: argparse.Namespace) -> int:
                 events.add({**coordinator, "pid": job.coordinator.pid, "workers": []})
                 died = _run(job, args, events, losses, disagree, on_step, StepRecord)
                 codes = job.end()
-                _note_deaths(job, codes)
+                _note_deaths(job, codes, args.restart)
                 if not args.restart or not (died or job.coordinator.returncode):
                     break
                 if job.stopped_at is not None and died:
@@ -290,12 +256,26 @@ def _run(
     return died
 
 
-def _note_deaths(job: _Job, codes: dict[int, int]) -> None:
+def _note_deaths(job: _Job, codes: dict[int, int], restart: bool) -> None:
+    """A note on stderr for each process of `job` that died, and what followed."""
+    lost = job.coordinator.returncode
+    if lost:  # the coordination service went with it, and every process after it
+        how = f"by {signal.Signals(-lost).name}" if lost < 0 else f"with exit code {lost}"
+        then = "; the job restarts from the newest checkpoint" if restart else ""
+        print(
+            f"note: the coordinator (process 0, pid {job.coordinator.pid}) ended {how}, "
+            f"and every training process with it{then}",
+            file=sys.stderr,
+        )
+        return
     for rank, code in codes.items():
         if code < 0:
+            then = "training went on without it"
+            if job.stopped_at is not None:
+                then += f", and it rejoins at step {job.stopped_at}"
             print(
                 f"note: process {rank} (pid {job.workers[rank].pid}) ended by "
-                f"{signal.Signals(-code).name}; training went on without it",
+                f"{signal.Signals(-code).name}; {then}",
                 file=sys.stderr,
             )
 
