@@ -322,15 +322,17 @@ def _train(directory: str, rank: int, count: int, port: str, k: int) -> None:
 
     from pjit_pipe.cli.train import train
 
-    stop = PlannedStop()  # the launcher asks with a line on stdin (`_Job.ask_to_stop`)
+    args = pickle.loads((Path(directory) / "args.pkl").read_bytes())
+    # With --restart the launcher asks for a planned stop by a line on stdin
+    # (`_Job.ask_to_stop`); without, no step reads the key-value store.
+    stop = PlannedStop() if args.restart else None
 
     def listen() -> None:
         if sys.stdin.readline():
             stop.request()
 
-    threading.Thread(target=listen, daemon=True).start()
-
-    args = pickle.loads((Path(directory) / "args.pkl").read_bytes())
+    if stop is not None:
+        threading.Thread(target=listen, daemon=True).start()
     devices = sorted(
         (d for d in jax.devices() if d.process_index != COORDINATOR),
         key=lambda d: (d.process_index, d.id),
@@ -348,7 +350,7 @@ def _train(directory: str, rank: int, count: int, port: str, k: int) -> None:
             _report(out, event.kind, step=event.step, failed=failed)
 
     train(args, on_step, devices=devices, on_trainer_event=on_event, stop=stop)
-    if stop.agreed is not None and stop.agreed < args.steps:  # saved there and left
+    if stop is not None and stop.agreed is not None and stop.agreed < args.steps:  # saved, left
         _report(out, "stopped", step=stop.agreed)
     out.close()
     # Leave without jax.distributed.shutdown: its barrier would wait for the dead
