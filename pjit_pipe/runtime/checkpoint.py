@@ -68,8 +68,16 @@ def check_every_keep(every: int, keep: int | None) -> None:
         )
 
 
-def check_json(data: Any) -> None:
-    """Raise CheckpointError (before anything is written) unless `data` is JSON."""
+def save_due(state: TrainState, data: Any, every: int, force: bool) -> bool:
+    """Whether a save of `state` is due (its step a multiple of `every`, or
+    `force`), after refusing, before anything is written, what a checkpoint
+    cannot hold: `data` that is not JSON, or microbatches in flight.
+
+    Raises:
+        CheckpointError: naming which, and the fix.
+    """
+    if not force and state.step % every:
+        return False
     try:
         json.dumps(data, allow_nan=False)
     except (TypeError, ValueError) as e:
@@ -77,6 +85,12 @@ def check_json(data: Any) -> None:
             f"save: data must be JSON (dicts, lists, strings, finite numbers, None): {e}; "
             "convert it first, e.g. arrays with .tolist()"
         ) from e
+    if state.in_flight is not None:
+        raise CheckpointError(
+            "save: the state has microbatches in flight (a carrying async-1f1b step), "
+            "which a checkpoint does not hold; save train_step.flush(state)[0] instead"
+        )
+    return True
 
 
 class Checkpoints:
@@ -146,14 +160,8 @@ class Checkpoints:
                 written), or `state` has microbatches in flight (a carrying
                 async-1f1b step; save `train_step.flush(state)[0]` instead).
         """
-        if not force and state.step % self.every:
+        if not save_due(state, data, self.every, force):
             return False
-        check_json(data)
-        if state.in_flight is not None:
-            raise CheckpointError(
-                "save: the state has microbatches in flight (a carrying async-1f1b step), "
-                "which a checkpoint does not hold; save train_step.flush(state)[0] instead"
-            )
         if self.manager.latest_step() == state.step:
             return False  # already saved (e.g. the periodic save of the last step)
         module = state.module_state()

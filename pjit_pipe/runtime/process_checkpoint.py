@@ -46,7 +46,7 @@ import optax
 
 from pjit_pipe.errors import CheckpointError
 from pjit_pipe.frontend import TrainState, TrainStep
-from pjit_pipe.runtime.checkpoint import check_directory, check_every_keep, check_json, path_name
+from pjit_pipe.runtime.checkpoint import check_directory, check_every_keep, path_name, save_due
 
 INDEX, ARRAYS = "index.json", "arrays.bin"  # the two files of a copy
 COPY = re.compile(r"step_(\d+)\.process_(\d+)")
@@ -190,14 +190,8 @@ class ProcessCheckpoints:
             CheckpointError: `data` is not JSON, the state has microbatches in
                 flight, or the previous save's write failed.
         """
-        if not force and state.step % self.every:
+        if not save_due(state, data, self.every, force):
             return False
-        check_json(data)
-        if state.in_flight is not None:
-            raise CheckpointError(
-                "save: the state has microbatches in flight, which a checkpoint does not "
-                "hold; save train_step.flush(state)[0] instead"
-            )
         self.wait()
         final = self.directory / f"step_{state.step:08d}.process_{self.process}"
         if (final / INDEX).exists():
