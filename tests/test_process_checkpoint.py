@@ -1,16 +1,19 @@
 """Checkpoints of a multi-process job (runtime/process_checkpoint.py): each process
 saves its own stages with no collective, and a step is saved when the complete
 copies hold every leaf. In one process: a copy round-trips a scan stack split
-over stages onto another cut, and a step some leaf of which is in no complete
-copy is not saved. Over real processes (`pjit-pipe train --processes 4` on a
-2x2 mesh, one stage per process): save and resume without failure, saves
-after a process was killed, and a process killed inside its own save; each
-resumed run gives plain optax's losses (tests/test_process_failure.py).
+over stages onto another cut, ZeRO-1 and ZeRO-3 slices join into the module
+leaves onto another cut and level, and a step some leaf or slice of which is
+in no complete copy is not saved. Over real processes (`pjit-pipe train
+--processes 4` on a 2x2 mesh, one stage per process): save and resume without
+failure, saves after a process was killed, and a process killed inside its own
+save, with ZeRO-1 too; each resumed run gives plain optax's losses
+(tests/test_process_failure.py).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 
 import flax.linen as nn
 import jax
@@ -50,7 +53,7 @@ def mse(out, y):
     return jnp.mean((out - y) ** 2)
 
 
-def stack_state(stages: int, data: int = 1):
+def stack_state(stages: int, data: int = 1, zero: int = 0):
     x = jax.random.normal(jax.random.key(1), (8, 3))
     y = jax.random.normal(jax.random.key(2), (8, 2))
     pm = pp.pipeline(
@@ -59,6 +62,7 @@ def stack_state(stages: int, data: int = 1):
         microbatches=2,
         mesh=pp.make_mesh(data=data, stage=stages),
         optimizer=optax.adam(1e-2),
+        zero=zero,
     )
     params = jax.jit(Stack().init)(jax.random.key(0), x)
     return pm, params, (x, y)
@@ -103,8 +107,49 @@ def test_a_copy_restores_onto_another_cut_and_needs_every_leaf(tmp_path):
     assert checkpoints.saved_steps() == [6, 7]
 
 
-def train_args(steps: int, directory) -> list[str]:
-    args = ["--model", "mlp", "--mesh", "2x2", "--schedule", "1f1b"]
+def assert_restores(directory, params, opt_state, stages: int, data: int, zero: int) -> None:
+    """The newest step in `directory` restores to exactly `params` and `opt_state`
+    on a `data` x `stages` mesh at ZeRO level `zero`."""
+    other, _, batch = stack_state(stages, data=data, zero=zero)
+    like = jax.eval_shape(lambda: params)
+    restored, _ = ProcessCheckpoints(directory).restore(other.train_step(mse), batch, like)
+    for got, want in ((restored.params, params), (restored.opt_state, opt_state)):
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero, target", [(1, 3), (3, 0)], ids=["zero1", "zero3"])
+def test_zero_slices_restore_onto_another_cut_and_level_and_need_every_slice(
+    tmp_path, zero, target
+):
+    """A ZeRO state on 2x4 (each device keeps its replica's slices of the optax
+    state, with zero=3 of the parameters too, and a copy of the next replica's)
+    saves slices; they join into the module leaves on 4x2 at another level."""
+    pm, params, batch = stack_state(4, data=2, zero=zero)
+    opt_state = jax.tree.map(lambda a: a + 1, optax.adam(1e-2).init(params))  # not fresh
+    state = pm.train_step(mse).init(params, batch, opt_state, step=4)
+    checkpoints = ProcessCheckpoints(tmp_path, every=2)
+    assert checkpoints.save(state)
+    checkpoints.close()
+    (copy,) = tmp_path.glob("step_*")
+    index = json.loads((copy / "index.json").read_text())
+    sliced = [p for p in index["pieces"] if "group" in p]
+    assert {p["slice"] for p in sliced} == {0, 1}  # both replicas' slices
+    named = {p["name"] for p in index["pieces"] if "name" in p}
+    assert any("params/" in n for n in named) == (zero == 1)  # zero=3: parameters in slices
+    assert_restores(tmp_path, state.params, state.opt_state, 2, 4, target)
+    assert_restores(tmp_path, params, opt_state, 2, 4, target)
+
+    # One slice missing from every complete copy: the step is not saved.
+    index["pieces"].remove(sliced[-1])
+    (copy / "index.json").write_text(json.dumps(index))
+    assert ProcessCheckpoints(tmp_path).latest_step() is None
+
+
+def train_args(steps: int, directory, zero: int = 0) -> list[str]:
+    args = ["--model", "mlp", "--mesh", "2x2", "--schedule", "1f1b", "--zero", str(zero)]
     args += ["--microbatches", str(MICROBATCHES), "--steps", str(steps), "--processes", "4"]
     return [*args, "--checkpoint-dir", str(directory), "--checkpoint-every", "4"]
 
@@ -118,12 +163,13 @@ def copies(directory) -> dict[int, list[int]]:
     return out
 
 
-def resume(tmp_path, directory, steps: int, first: int) -> None:
+def resume(tmp_path, directory, steps: int, first: int, zero: int = 0) -> None:
     """A new 4-process run over `directory` resumes at step `first` and trains to
     `steps` with plain optax's losses."""
     folder = tmp_path / f"resume{first}"
     folder.mkdir()
-    run = run_with_kill(folder, train_args(steps, directory), None, 0, TIMEOUT_S, tmp_path)
+    args = train_args(steps, directory, zero)
+    run = run_with_kill(folder, args, None, 0, TIMEOUT_S, tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["step"] for r in run.records] == list(range(first, steps))
     want = optax_losses(steps)[first:]
@@ -168,3 +214,30 @@ def test_processes_save_after_a_kill_and_resume(tmp_path, monkeypatch, in_save):
     assert ProcessCheckpoints(directory).saved_steps() == [4, 8, 12]
     monkeypatch.delenv(KILL_IN_SAVE, raising=False)
     resume(tmp_path, directory, 16, 12)
+
+
+@pytest.mark.processes
+@pytest.mark.slow
+def test_processes_save_zero_slices_after_a_kill_in_save_and_resume(tmp_path, monkeypatch):
+    """--zero 1: process 2 (worker (0, 1)) SIGKILLs itself inside its save of step 4.
+    Step 4 is saved all the same: its peer's copy holds stage 1's optax slices,
+    its own and the neighbour copy of the dead replica's. The survivors go on
+    re-routed (the failure variant runs without ZeRO, so steps 8 and 12 are saved
+    as whole leaves). With the later steps' copies deleted, a new ZeRO-1 run joins
+    step 4's slices and resumes there with plain optax's losses."""
+    directory = tmp_path / "ckpt"
+    monkeypatch.setenv(KILL_IN_SAVE, "2:4")
+    run = run_with_kill(tmp_path, train_args(12, directory, zero=1), None, 0, TIMEOUT_S, tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert [r["step"] for r in run.records] == list(range(12))
+    np.testing.assert_allclose([r["loss"] for r in run.records], optax_losses(12), rtol=1e-5)
+    assert any(e["event"] == "switch" for e in run.events)
+    saved = copies(directory)
+    assert saved[4] == saved[8] == saved[12] == [1, 3, 4]
+    index = json.loads((directory / "step_00000004.process_4" / "index.json").read_text())
+    assert {p["slice"] for p in index["pieces"] if "group" in p} == {0, 1}
+    assert ProcessCheckpoints(directory).saved_steps() == [4, 8, 12]
+    monkeypatch.delenv(KILL_IN_SAVE)
+    for path in [*directory.glob("step_00000008.*"), *directory.glob("step_00000012.*")]:
+        shutil.rmtree(path)
+    resume(tmp_path, directory, 8, 4, zero=1)

@@ -307,16 +307,16 @@ def check_process_args(args: argparse.Namespace) -> int:
                 f"{flag} injects events into one process; with --processes the failures are "
                 "real (kill a process): drop it"
             )
-    if (args.checkpoint_dir or args.restart) and (tensor > 1 or args.zero):
-        what = f"--mesh {data}x{stages}x{tensor}" if tensor > 1 else f"--zero {args.zero}"
+    if (args.checkpoint_dir or args.restart) and tensor > 1:
         flag = (
             "--checkpoint-dir"
             if args.checkpoint_dir
             else "--restart (it restarts from a checkpoint)"
         )
         raise UsageError(
-            f"{flag} with --processes saves whole stage rows from each process; "
-            f"{what} splits them over devices, which it does not read yet: drop one of them"
+            f"{flag} with --processes saves stage rows from each process's devices; "
+            f"--mesh {data}x{stages}x{tensor} splits leaves over 'tensor' devices, whose "
+            "slices it does not join yet: drop one of them"
         )
     if args.schedule == "async-1f1b" or args.show_costs:
         what = "--schedule async-1f1b" if args.schedule == "async-1f1b" else "--show-costs"

@@ -6,15 +6,18 @@ its collectives, running beside a step's, can abort a survivor. Here no save
 or restore needs another process. Each training process writes the
 module-layout leaves (`state.params`, `state.opt_state`) of the stages its
 live workers hold, unpacked from one of its own devices' rows by ops on that
-device alone (no program over the mesh, so nothing waits on a peer), into a
+device alone (no program over the mesh, so nothing waits on a peer); under
+ZeRO, where a device keeps only slices of a stage's state, the slices its
+own devices keep, labelled so that a restore joins them into leaves
+(checkpoint_slices.py). It writes them into a
 copy of its own, `step_<step>.process_<i>/`: written in a background thread
 as `.step_<step>.process_<i>.partial/` and renamed into place once its files
 are synced to disk. A process killed during a
 save leaves a partial directory that nothing reads, so the steps saved before
 stay as they were.
 
-A step counts as saved when its complete copies together hold every leaf
-(data-parallel peers in other processes hold the same stages, so a dead
+A step counts as saved when its complete copies together hold every leaf,
+and every slice of each ZeRO part that a leaf is read from (data-parallel peers in other processes hold the same stages, so a dead
 process's stages are usually in a peer's copy). Leaves are named by their
 module paths and a stacked (nn.scan) leaf split over stages by its rows, so
 what is saved does not depend on the cut: a restore reads the leaves its own
@@ -40,15 +43,15 @@ from pathlib import Path
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
 from pjit_pipe.errors import CheckpointError
 from pjit_pipe.frontend import TrainState, TrainStep
 from pjit_pipe.runtime.checkpoint import check_directory, check_every_keep, path_name, save_due
+from pjit_pipe.runtime.checkpoint_slices import ARRAYS, Sources, zero_pieces
 
-INDEX, ARRAYS = "index.json", "arrays.bin"  # the two files of a copy
+INDEX = "index.json"  # a copy's index, beside its byte file (ARRAYS)
 COPY = re.compile(r"step_(\d+)\.process_(\d+)")
 # For tests: "I:S" makes process I SIGKILL itself inside its save of step S, with
 # its arrays written and its index not: a real death in the middle of a save.
@@ -64,6 +67,10 @@ class _Label:
 
     def __getitem__(self, rows: slice) -> _Label:
         return _Label(self.name, self.shape, (rows.start, rows.stop))
+
+    def entry(self) -> dict[str, Any]:
+        """The fields of this leaf's (or rows') entry in a copy's index."""
+        return {"name": self.name, "rows": self.rows}
 
 
 def _labelled(prefix: str, tree: Any) -> Any:
@@ -93,27 +100,42 @@ def stage_labels(view: Any) -> tuple[list[Any], list[Any], dict[str, list[int]]]
     return stage_params, stage_opts, shapes
 
 
-def local_pieces(state: TrainState) -> Iterator[tuple[_Label, np.ndarray]]:
-    """(label, host array) of each module leaf, or rows of one, that the stages of
-    this process's live workers hold, from one local holder's own rows: unpacked
-    by ops on that one device, then copied off it; nothing from another process."""
+def local_pieces(state: TrainState, groups: dict[str, dict]) -> Iterator[tuple[Any, np.ndarray]]:
+    """(label, host array) of what the stages of this process's live workers hold:
+    each module leaf, or rows of one, from one local holder's own rows, or under
+    ZeRO the slices its local holders keep (checkpoint_slices.py, which adds their
+    groups' descriptions to `groups`); unpacked by ops on the device that holds
+    them, then copied off it; nothing from another process.
+
+    Raises:
+        CheckpointError: the state's workers span several devices ('tensor').
+    """
     state.check_alive("save")
     view, me = state.view, jax.process_index()
     layout = view.layout
+    T = layout.topology.tensor
+    if T > 1:
+        raise CheckpointError(
+            f"save: a worker spans {T} 'tensor' devices, each holding a slice of the split "
+            "leaves, which a process checkpoint does not join; use Checkpoints (orbax)"
+        )
     labels = stage_labels(view)[:2]
-    shards = [
-        {k: {s.device: s for s in b.addressable_shards} for k, b in bufs.items()}
+    rows = tuple(
+        {k: {s.device: s.data[0] for s in b.addressable_shards} for k, b in bufs.items()}
         for bufs in (state.device_params, state.device_opt)
-    ]
+    )
+    replica = {d: layout.topology.workers[i].replica for i, d in enumerate(layout.devices)}
     for p, held in enumerate(layout.held):
-        local = [d for d in layout.holders(p) if d.process_index == me]
+        local = [(d, replica[d]) for d in layout.holders(p) if d.process_index == me]
         if not local:
             continue
-        for spec, part, names in zip(layout.specs.values(), shards, labels, strict=True):
-            # Single-device arrays on this process's device: eager ops on it only.
-            rows = {k: by_device[local[0]].data[0] for k, by_device in part.items()}
+        if layout.zero is not None:
+            yield from zero_pieces(layout, rows, labels, p, local, groups)
+            continue
+        first = local[0][0]
+        for spec, part, names in zip(layout.specs.values(), rows, labels, strict=True):
             for c, s in enumerate(held):
-                tree = spec.unpack(s, {k: row[c] for k, row in rows.items()})
+                tree = spec.unpack(s, {k: row[first][c] for k, row in part.items()})
                 leaves = jax.tree.leaves(tree)
                 named = jax.tree.leaves(names[s])
                 if len(leaves) != len(named):
@@ -165,7 +187,7 @@ class ProcessCheckpoints:
 
     def saved_steps(self) -> list[int]:
         """The steps whose complete copies hold every leaf, oldest first."""
-        return sorted(s for s, copies in self._copies().items() if _sources(copies) is not None)
+        return sorted(s for s, copies in self._copies().items() if Sources(copies).complete)
 
     def latest_step(self) -> int | None:
         """The newest saved step (complete copies holding every leaf), or None."""
@@ -196,14 +218,16 @@ class ProcessCheckpoints:
         final = self.directory / f"step_{state.step:08d}.process_{self.process}"
         if (final / INDEX).exists():
             return False  # already saved (e.g. the periodic save of the last step)
-        pieces = list(local_pieces(state))
+        groups: dict[str, dict] = {}
+        pieces = list(local_pieces(state, groups))
         shapes = stage_labels(state.view)[2]
         meta = {"step": state.step, "data": data, "skipped": state.skipped, "leaves": shapes}
+        meta["groups"] = groups
         self._writer = threading.Thread(target=self._write, args=(final, pieces, meta), daemon=True)
         self._writer.start()
         return True
 
-    def _write(self, final: Path, pieces: list[tuple[_Label, np.ndarray]], meta: dict) -> None:
+    def _write(self, final: Path, pieces: list[tuple[Any, np.ndarray]], meta: dict) -> None:
         """Write one copy under a partial name, then rename it into place."""
         try:
             partial = final.with_name(f".{final.name}.partial")
@@ -215,8 +239,7 @@ class ProcessCheckpoints:
                     f.write(a.tobytes())
                     entries.append(
                         {
-                            "name": label.name,
-                            "rows": label.rows,
+                            **label.entry(),
                             "dtype": a.dtype.name,
                             "shape": list(a.shape),
                             "offset": offset,
@@ -275,7 +298,7 @@ class ProcessCheckpoints:
         """
         self.wait()
         copies = self._copies()
-        saved = sorted(s for s, c in copies.items() if _sources(c) is not None)
+        saved = sorted(s for s, c in copies.items() if Sources(c).complete)
         if not saved:
             raise CheckpointError(f"no complete checkpoint in {self.directory}")
         if step is not None and step not in saved:
@@ -284,7 +307,7 @@ class ProcessCheckpoints:
                 f"it holds steps {saved}"
             )
         step = saved[-1] if step is None else step
-        sources = _sources(copies[step])
+        sources = Sources(copies[step])
         view = train_step.view(params_like, batch)
         stage_params, stage_opts, shapes = stage_labels(view)
         meta = copies[step][0]
@@ -306,7 +329,7 @@ class ProcessCheckpoints:
 
         def leaf(label: _Label, like: Any) -> np.ndarray:
             if label.name in needed:
-                return _read(sources[label.name], like.shape, like.dtype)
+                return sources.read(label.name, like.shape, like.dtype)
             return np.broadcast_to(np.zeros((), like.dtype), like.shape)  # not on this host
 
         params = jax.tree.map(leaf, _labelled("params", view.variables), view.variables)
@@ -330,48 +353,3 @@ class ProcessCheckpoints:
     def close(self) -> None:
         """Finish the pending save."""
         self.wait()
-
-
-def _sources(copies: list[dict]) -> dict[str, list[tuple[Path, dict]]] | None:
-    """Per leaf, the (copy, piece) entries that together give the whole leaf (one
-    whole piece, or row blocks covering every row), or None when some leaf is in no
-    complete copy."""
-    leaves = copies[0]["leaves"]
-    out: dict[str, list[tuple[Path, dict]]] = {}
-    blocks: dict[str, dict[int, tuple[Path, dict]]] = {}
-    for copy in copies:
-        for piece in copy["pieces"]:
-            name = piece["name"]
-            if piece["rows"] is None:
-                out.setdefault(name, [(copy["path"], piece)])
-            else:
-                blocks.setdefault(name, {}).setdefault(piece["rows"][0], (copy["path"], piece))
-    for name, shape in leaves.items():
-        if name in out:
-            continue
-        chain, row = [], 0
-        while row < shape[0] and row in blocks.get(name, {}):
-            chain.append(blocks[name][row])
-            row = chain[-1][1]["rows"][1]
-        if not chain or row != shape[0]:
-            return None
-        out[name] = chain
-    return out
-
-
-def _read(entries: list[tuple[Path, dict]], shape: tuple[int, ...], dtype: Any) -> np.ndarray:
-    """One leaf from its pieces (row blocks concatenated in order)."""
-    parts = []
-    for path, piece in entries:
-        count = int(np.prod(piece["shape"]))
-        with open(path / ARRAYS, "rb") as f:
-            f.seek(piece["offset"])
-            kind = jnp.dtype(piece["dtype"])  # bfloat16 too
-            raw = f.read(count * kind.itemsize)
-        parts.append(np.frombuffer(raw, dtype=kind).reshape(piece["shape"]))
-    whole = parts[0] if len(parts) == 1 else np.concatenate(parts)
-    if whole.shape != tuple(shape):
-        raise CheckpointError(
-            f"checkpoint {entries[0][0]}: a leaf of shape {whole.shape}, not {shape}"
-        )
-    return whole.astype(dtype)
