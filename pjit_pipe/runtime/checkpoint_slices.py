@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -76,8 +76,7 @@ def zero_pieces(
     for half in (0, 1):
         for device, replica in local:
             where.setdefault((replica + half) % zero.D, (device, half))
-    slices_of = zero.slices
-    like_slices = lambda node: jax.tree.structure(node) == jax.tree.structure(slices_of)  # noqa: E731
+    like_slices = _same_tree(zero.slices)
     for c, s in enumerate(layout.held[position]):
         param_labels, opt_labels = labels[0][s], labels[1][s]
 
@@ -100,7 +99,7 @@ def zero_pieces(
         nodes = {
             j: jax.tree.leaves(states[d][h], is_leaf=like_slices) for j, (d, h) in where.items()
         }
-        like = lambda node: jax.tree.structure(node) == jax.tree.structure(param_labels)  # noqa: E731,B023
+        like = _same_tree(param_labels)
         named_nodes = jax.tree.leaves(opt_labels, is_leaf=like)
         any_nodes = next(iter(nodes.values()))
         if len(named_nodes) != len(any_nodes):
@@ -111,6 +110,12 @@ def zero_pieces(
                 yield from _group(layout, s, named, part, groups)
             else:  # a leaf every slice's state has whole (a step count)
                 yield named, np.asarray(any_nodes[i])
+
+
+def _same_tree(tree: Any) -> Callable[[Any], bool]:
+    """Whether a node has `tree`'s structure (a parameter-shaped node of an optax state)."""
+    treedef = jax.tree.structure(tree)
+    return lambda node: jax.tree.structure(node) == treedef
 
 
 def _group(
