@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import pjit_pipe as pp
-from pjit_pipe.models.llama import Llama, LlamaConfig, lm_loss, rotate
+from pjit_pipe.models.llama import Llama, LlamaConfig, chunked_causal_attention, lm_loss, rotate
 from tests.numerics import rel_err
 
 TOKENS = jax.random.randint(jax.random.key(1), (8, 32), 0, 96)
@@ -66,6 +66,38 @@ def test_grouped_query_heads_share_their_key_value_head():
     assert rel_err(Llama(gqa).apply(bumped, TOKENS), out) > 1e-3
 
 
+def test_attention_in_query_blocks_is_the_whole_causal_softmax_and_keeps_no_score_matrix():
+    """Blocks of 8 queries give jax.nn.dot_product_attention's causal GQA values
+    and gradients, and the backward stores no [T, T] scores (each block's are
+    recomputed), where the whole-sequence attention stores them."""
+    t, kv, group, head = 32, 2, 2, 8
+    keys = jax.random.split(jax.random.key(2), 4)
+    q = jax.random.normal(keys[0], (2, t, kv, group, head))
+    k, v = (jax.random.normal(key, (2, t, kv, head)) for key in keys[1:3])
+    probe = jax.random.normal(keys[3], q.shape)
+
+    def ours(chunk):
+        return lambda q, k, v: jnp.sum(chunked_causal_attention(q, k, v, chunk) * probe)
+
+    def reference(q, k, v):
+        out = jax.nn.dot_product_attention(q.reshape(2, t, kv * group, head), k, v, is_causal=True)
+        return jnp.sum(out.reshape(q.shape) * probe)
+
+    want = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
+    got = jax.value_and_grad(ours(8), argnums=(0, 1, 2))(q, k, v)
+    assert rel_err(got[0], want[0]) < 1e-5
+    for g, w in zip(got[1], want[1], strict=True):
+        assert rel_err(g, w) < 1e-5
+
+    def largest_residual(fn):
+        _, pull = jax.vjp(fn, q, k, v)
+        return max(a.size for a in jax.tree.leaves(pull) if hasattr(a, "size"))
+
+    scores = 2 * kv * group * t * t
+    assert largest_residual(ours(t)) >= scores  # the whole sequence: its scores are stored
+    assert largest_residual(ours(8)) < scores // 2
+
+
 def test_rotary_turns_each_pair_by_its_position():
     # head size 2: one pair with frequency theta^0 = 1, so position t turns (1, 0) by t radians
     x = jnp.tile(jnp.array([1.0, 0.0]), (6, 1, 1))  # [T=6, heads=1, 2]
@@ -115,10 +147,13 @@ def test_megatron_annotations():
     assert jax.tree.all(jax.tree.map(np.array_equal, nn.unbox(boxed), plain))
 
 
-def _pipelined_case(data: int, kind: str, tie: bool) -> None:
+def _pipelined_case(data: int, kind: str, tie: bool, attention_chunk: int = 512) -> None:
     """Loss and gradients of the tiny Llama cut into 4 stages (the scanned
     blocks split between them) equal jax.value_and_grad's."""
-    model = Llama(LlamaConfig.tiny(tensor_parallel=False, tie_embeddings=tie))
+    config = LlamaConfig.tiny(
+        tensor_parallel=False, tie_embeddings=tie, attention_chunk=attention_chunk
+    )
+    model = Llama(config)
     targets = jnp.roll(TOKENS, -1, axis=1)
     mesh = pp.make_mesh(data=data, stage=4)
     pm = pp.pipeline(model, stages=4, microbatches=2, schedule=kind, mesh=mesh)
@@ -133,7 +168,9 @@ def _pipelined_case(data: int, kind: str, tie: bool) -> None:
 
 
 def test_llama_pipelined_1x4_1f1b_matches_jax():
-    _pipelined_case(1, "1f1b", tie=False)
+    """With attention in blocks of 8 queries: a checkpointed loop inside each
+    checkpointed, scanned block, as at Llama-3 sizes."""
+    _pipelined_case(1, "1f1b", tie=False, attention_chunk=8)
 
 
 # The opposite corner, with the tied head (a parameter of the first and the last

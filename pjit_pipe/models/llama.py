@@ -21,6 +21,14 @@ Mixed precision is Flax's: `dtype` is the compute dtype of every module and
 the parameters stay float32 (`param_dtype`), so with `dtype=jnp.bfloat16` the
 activations (and what crosses a pipeline cut) are bf16 while gradients come
 back float32. RMSNorm, the rotary angles and the softmax compute in float32.
+
+Attention over a sequence longer than `attention_chunk` runs one block of
+queries at a time, each block under its own checkpoint (Rabe and Staats,
+"Self-attention does not need O(n^2) memory", 2021): a block's softmax is over
+every key, so the values are those of one whole-sequence softmax, but a
+block's backward recomputes its scores, so no more than one block's
+[heads, chunk, T] scores and probabilities are live. At Llama-3-70B's 64
+heads and 4096 tokens the whole matrices are 12 GB of a block's backward.
 """
 
 from __future__ import annotations
@@ -58,6 +66,7 @@ class LlamaConfig:
     dtype: Any = jnp.float32
     remat: bool = True
     tensor_parallel: bool = True
+    attention_chunk: int = 512  # queries per attention block (module docstring)
 
     @classmethod
     def tiny(cls, vocab: int = 96, **changes: Any) -> LlamaConfig:
@@ -149,6 +158,37 @@ def rotate(x: jax.Array, theta: float) -> jax.Array:
     return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1).astype(x.dtype)
 
 
+def causal_attention(
+    q: jax.Array, k: jax.Array, v: jax.Array, offset: jax.Array | int = 0
+) -> jax.Array:
+    """softmax(q k^T / sqrt(d)) v over the keys at or before each query's position.
+
+    q [..., Tq, kv, group, d] holds the queries of positions offset..offset+Tq-1,
+    k and v [..., T, kv, d] every position's keys and values; query head (j, g)
+    reads key/value head j (grouped-query attention). Scores and softmax in
+    float32, the result in q's dtype."""
+    t_q, t, head = q.shape[-4], k.shape[-3], q.shape[-1]
+    scores = jnp.einsum("...qkgd,...skd->...kgqs", q, k).astype(jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(head))
+    causal = offset + jnp.arange(t_q)[:, None] >= jnp.arange(t)[None, :]  # [Tq, T]
+    scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
+    weights = jax.nn.softmax(scores, axis=-1).astype(q.dtype)
+    return jnp.einsum("...kgqs,...skd->...qkgd", weights, v)
+
+
+def chunked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
+    """`causal_attention` one block of `chunk` queries at a time, each block
+    checkpointed (module docstring); the whole sequence at once where it is no
+    longer than `chunk` or `chunk` does not divide it."""
+    *lead, t, kv, group, head = q.shape
+    if t <= chunk or t % chunk:
+        return causal_attention(q, k, v)
+    blocks = jnp.moveaxis(q.reshape(*lead, t // chunk, chunk, kv, group, head), len(lead), 0)
+    block = jax.checkpoint(lambda qb, start: causal_attention(qb, k, v, start))
+    out = jax.lax.map(lambda args: block(*args), (blocks, jnp.arange(0, t, chunk)))
+    return jnp.moveaxis(out, 0, len(lead)).reshape(q.shape)
+
+
 class Attention(nn.Module):
     """Causal self-attention with n_kv_heads key/value heads, each shared by
     n_heads / n_kv_heads query heads (grouped-query attention)."""
@@ -165,12 +205,7 @@ class Attention(nn.Module):
         v = _dense(c, kv * head, COLUMN, "v")(x).reshape(*lead, t, kv, head)
         q = rotate(q, c.rope_theta).reshape(*lead, t, kv, group, head)  # head h: kv h // group
         k = rotate(k, c.rope_theta)
-        scores = jnp.einsum("...qkgd,...skd->...kgqs", q, k).astype(jnp.float32)
-        scores = scores / jnp.sqrt(jnp.float32(head))
-        causal = jnp.tril(jnp.ones((t, t), dtype=bool))
-        scores = jnp.where(causal, scores, jnp.finfo(jnp.float32).min)
-        weights = jax.nn.softmax(scores, axis=-1).astype(c.dtype)
-        out = jnp.einsum("...kgqs,...skd->...qkgd", weights, v)
+        out = chunked_causal_attention(q, k, v, c.attention_chunk)
         return _dense(c, c.d_model, ROW, "o")(out.reshape(*lead, t, c.n_heads * head))
 
 
@@ -237,4 +272,14 @@ class Llama(nn.Module):
         )
 
 
-__all__ = ["Attention", "Llama", "LlamaBlock", "LlamaConfig", "RMSNorm", "SwiGLU", "lm_loss"]
+__all__ = [
+    "Attention",
+    "Llama",
+    "LlamaBlock",
+    "LlamaConfig",
+    "RMSNorm",
+    "SwiGLU",
+    "causal_attention",
+    "chunked_causal_attention",
+    "lm_loss",
+]
