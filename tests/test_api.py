@@ -80,7 +80,7 @@ def test_errors_form_one_hierarchy_that_imports_nothing_from_pjit_pipe():
         (dict(microbatches=2.5), pp.OptionError, "microbatches must be a positive integer"),
         (dict(chunks=0), pp.OptionError, "chunks must be a positive integer or None"),
         (dict(schedule="zigzag"), pp.OptionError, "choose one of gpipe, 1f1b"),
-        (dict(balance="even"), pp.OptionError, "balance: expected one of flops, params, time"),
+        (dict(balance="even"), pp.OptionError, r"balance: expected one of flops, params, flops\+"),
         (dict(costs="guess"), pp.OptionError, "costs: expected a pjit_pipe.Costs"),
         (dict(mem_limit=0), pp.OptionError, "mem_limit: expected a positive number"),
         (dict(search_time=-1.0), pp.OptionError, "search_time: expected a positive number"),

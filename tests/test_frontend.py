@@ -1,5 +1,7 @@
 """The Flax frontend: stage cutting, split/merge, stage composition, input errors."""
 
+import itertools
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
@@ -8,6 +10,7 @@ import pytest
 
 import pjit_pipe as pp
 from pjit_pipe.frontend import cut_module
+from pjit_pipe.frontend.cutter.balance import balance, group_costs
 from pjit_pipe.models import GPT, Chain, GPTConfig, ResidualMLP, hetero_layers, mse_loss
 from tests.numerics import rel_err
 
@@ -120,6 +123,31 @@ def test_balance_by_params_keeps_big_layers_apart():
     params = model.init(jax.random.key(0), x)
     cut = cut_module(model, params, x, 2, balance="params")
     assert cut.keys == (("layers_0",), ("layers_1", "layers_2", "layers_3"))
+
+
+def test_balance_of_two_measures_is_the_best_cut_by_exhaustion():
+    """With (FLOPs, parameters) per segment the cut minimises the worse of the two
+    measures' largest stage over its mean stage: checked against every cut of
+    random chains, and on a chain where the two measures pull apart."""
+    rng = np.random.default_rng(0)
+
+    def worst(costs, starts):  # independently: each measure's stage sums / its mean
+        ends = [*starts[1:], len(costs)]
+        sums = [np.sum(costs[a:b], axis=0) for a, b in zip(starts, ends, strict=True)]
+        return float(np.max(np.array(sums) / (np.sum(costs, axis=0) / len(starts))))
+
+    for _ in range(30):
+        n, stages = int(rng.integers(3, 9)), int(rng.integers(2, 4))
+        costs = rng.uniform(0.0, 10.0, size=(n, 2))
+        cuts = [[0, *c] for c in itertools.combinations(range(1, n), stages - 1)]
+        got = balance(costs.tolist(), stages)
+        assert worst(costs, got) == pytest.approx(min(worst(costs, c) for c in cuts))
+        assert max(group_costs(costs.tolist(), got)) == pytest.approx(worst(costs, got))
+    # An embedding (parameters, no FLOPs) before four equal layers: by FLOPs alone it
+    # joins a stage of two layers, by both it stays beside one
+    chain = [(0.0, 6.0), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0), (1.0, 1.0)]
+    assert balance([f for f, _ in chain], 2) == [0, 3]
+    assert balance(chain, 2) == [0, 2]
 
 
 def test_list_of_heterogeneous_layers_pipelines():

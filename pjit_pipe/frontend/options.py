@@ -26,7 +26,8 @@ from pjit_pipe.ir.slow import check_slow
 from pjit_pipe.schedules import KINDS
 from pjit_pipe.simulator import SYNCS
 
-Balance = Literal["flops", "params", "time"]
+Balance = Literal["flops", "params", "flops+params", "time"]
+GRAD_SUMS = ("accumulator", "slices")
 AsyncWeightsMode = Literal["predict", "stash", "latest"]
 ASYNC_WEIGHTS = ("predict", "stash", "latest")  # lowering/async_pipeline/async_weights.py MODES
 IN_LOOP_OPTIMIZER = ("async-1f1b",)  # kinds whose stages step inside the tick loop
@@ -56,7 +57,9 @@ class PipelineOptions:
             under every residual policy (lowering.POLICIES) and store per stage
             the fastest one whose pool rows fit those of the default policy
             (frontend/planning/residual_choice.py; `Pipelined.stage_policies`).
-        balance: what the stage cut evens out: "flops", "params" or measured "time".
+        balance: what the stage cut evens out: "flops", "params", "flops+params"
+            (the worse of the two, each relative to its mean stage: a cut whose
+            largest stage pads every device's rows less) or measured "time".
         failed: the (replica, stage) workers that are down; see `with_failures`.
         slow: the slow workers, {(replica, stage): factor >= 1} (stored as sorted
             pairs); part of their microbatches run on peers of their stage
@@ -106,6 +109,12 @@ class PipelineOptions:
             parameters between steps too, all-gathered once per step before the
             tick loop (not with tensor > 1 yet). 0 (False): off. With one
             replica (data=1) there is nothing to shard: the state is whole.
+        grad_sum: with zero 1 or 3, how the microbatches' gradients are summed:
+            "accumulator" (one float32 accumulator of the stage's rows,
+            reduce-scattered once after the tick loop) or "slices" (each
+            microbatch's gradient reduce-scattered as its W makes it, into
+            float32 slices: 1/D of the accumulator's bytes, M reduce-scatters;
+            not with tied weights). docs/memory.md weighs the two.
 
     Raises:
         OptionError: an option outside its values (each names the option, the
@@ -142,6 +151,7 @@ class PipelineOptions:
     skip_nonfinite: bool | None = None
     tick_sync: str | None = None
     zero: bool | int = False
+    grad_sum: Literal["accumulator", "slices"] = "accumulator"
 
     def resolved_tick_sync(self) -> str:
         """How the runtime synchronizes ticks.
@@ -222,6 +232,15 @@ class PipelineOptions:
                 "the tick loop (each stage steps after every microbatch), where ZeRO's "
                 "once-per-step reduce-scatter and all-gather do not fit; use a synchronous "
                 "schedule such as '1f1b' or 'zb-h1' with zero=True, or zero=False"
+            )
+        if self.grad_sum not in GRAD_SUMS:
+            raise OptionError(
+                f"grad_sum: expected one of {', '.join(GRAD_SUMS)}, got {self.grad_sum!r}"
+            )
+        if self.grad_sum == "slices" and not self.zero:
+            raise OptionError(
+                "grad_sum='slices' sums each microbatch's gradient into ZeRO's slices; "
+                "set zero=1 or zero=3 with it, or keep grad_sum='accumulator'"
             )
         self._check_mesh()
         if self.zero == 3 and self.mesh is not None and self.mesh.shape.get("tensor", 1) > 1:

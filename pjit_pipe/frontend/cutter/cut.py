@@ -54,6 +54,7 @@ import jax.numpy as jnp
 from pjit_pipe.errors import CutError, OptionError
 from pjit_pipe.frontend.cutter.adapters import Model, Path, as_model
 from pjit_pipe.frontend.cutter.balance import balance as balance_costs
+from pjit_pipe.frontend.cutter.balance import group_costs
 from pjit_pipe.frontend.cutter.events import Event, with_iterations
 from pjit_pipe.frontend.cutter.nesting import choose_levels, containers_above
 from pjit_pipe.frontend.cutter.segments import (
@@ -70,7 +71,7 @@ from pjit_pipe.frontend.cutter.stacks import split_stacks
 from pjit_pipe.frontend.cutter.stage_cut import StageCut, get_path, imbalance
 from pjit_pipe.frontend.cutter.trace import Run
 
-BALANCE = ("flops", "params", "time")
+BALANCE = ("flops", "params", "flops+params", "time")
 
 
 def _avals(tree: Any) -> Any:
@@ -324,6 +325,8 @@ def cut_module(
             float(sum(sizes[k] * scan_share[j].get(k, 1.0) for k in s.keys))
             for j, s in enumerate(segments)
         ]
+        if balance == "flops+params":
+            costs = [(s.flops, c) for s, c in zip(segments, costs, strict=True)]
     if layers is not None:
         starts = _check_layers(layers, len(segments), stages)
     elif split_points is None:
@@ -333,12 +336,13 @@ def cut_module(
     keys = [sorted(set().union(*(s.keys for s in g))) for g in groups]
     unused = sorted(set(units) - set().union(*map(set, keys)))
     keys[0] = sorted(keys[0] + unused)  # never read: they get zero gradients anywhere
-    stage_costs = [sum(costs[a:b]) for a, b in zip(starts, ends, strict=True)]
-    if layers is None and split_points is None and imbalance(stage_costs) > IMBALANCE_WARNING:
+    stage_costs = group_costs(costs, starts)  # with two measures: the worse share
+    worst = max(stage_costs) if balance == "flops+params" else imbalance(stage_costs)
+    if layers is None and split_points is None and worst > IMBALANCE_WARNING:
         warnings.warn(
             f"pipeline: the best cut of {model.name} into {stages} stages is imbalanced: "
             f"stage costs ({balance}) {[f'{c:.3g}' for c in stage_costs]}, the largest "
-            f"{imbalance(stage_costs):.2f}x the mean; the pipeline runs at the pace of "
+            f"{worst:.2f}x the mean; the pipeline runs at the pace of "
             "its slowest stage. Use fewer stages, or add pjit_pipe.boundary() markers "
             "to give the cutter finer cut points",
             stacklevel=2,
