@@ -27,7 +27,8 @@ And the memory report's rows (`--part report`): Llama-3-70B's and -8B's shapes
 on P = 8 x D = 8, one sequence of 4096 per microbatch, remat on, at ZeRO 0, 1
 and 3, against an 80 GB device; and the padding of the bundled Llama with a 32k
 vocabulary (LlamaConfig.gpu) at P = 4: the largest device's state over the mean
-of the devices' own stages'.
+of the devices' own stages', and the largest stage's FLOPs over the mean, with
+the stages cut by FLOPs and by FLOPs and parameters together.
 
 Run: python -m benchmarks.bench_memory [--steps N] [--part layout|zero|grads|report ...]
 """
@@ -40,6 +41,7 @@ os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import argparse
+import dataclasses
 import statistics
 import sys
 import time
@@ -138,11 +140,16 @@ def measure(name: str, config: GPTConfig, D: int, P: int, M: int, steps: int) ->
     )
 
 
+# (zero, grad_sum) of the tables' rows.
+LEVELS = ((0, "accumulator"), (1, "accumulator"), (1, "slices"), (3, "accumulator"), (3, "slices"))
+
+
 def zero_table(steps: int) -> None:
-    """Per ZeRO level: measured and predicted state, predicted and compiled peak, step time."""
+    """Per ZeRO level and gradient sum: measured and predicted state, predicted and
+    compiled peak, step time against ZeRO-1's with one accumulator."""
     config = GPTConfig.tiny(vocab=65)
     print(
-        f"{'mesh':>5} {'zero':>4} {'state B':>10} {'predicted':>10} {'temps B':>10} "
+        f"{'mesh':>5} {'zero':>4} {'grad_sum':>11} {'state B':>10} {'predicted':>10} {'temps B':>10} "
         f"{'peak B':>10} {'predicted':>10} {'ratio':>6} {'step ms':>8} {'vs zero1':>8}"
     )
     for D, P in ((2, 2), (4, 2), (8, 1)):
@@ -151,7 +158,7 @@ def zero_table(steps: int) -> None:
         x = rng.integers(0, config.vocab, size=(2 * D * M, config.seq_len)).astype(np.int32)
         batch = (x, np.roll(x, -1, axis=1))
         times = {}
-        for zero in (1, 0, 3):  # ZeRO-1 first: the others' times are against it
+        for zero, how in sorted(LEVELS, key=lambda z: z != (1, "accumulator")):  # it first
             pm = pp.pipeline(
                 GPT(config),
                 stages=P,
@@ -159,6 +166,7 @@ def zero_table(steps: int) -> None:
                 mesh=pp.make_mesh(data=D, stage=P),
                 optimizer=optax.adam(1e-3),
                 zero=zero,
+                grad_sum=how,
             )
             shapes = jax.eval_shape(pm.init, jax.random.key(0), x)
             report = pm.memory_report(shapes, batch, lm_loss, compiled=True)
@@ -170,14 +178,14 @@ def zero_table(steps: int) -> None:
                 return loss
 
             timed(step, 2)
-            times[zero] = timed(step, steps)
+            times[zero, how] = timed(step, steps)
             held = max(box["state"].device_bytes().values())
             largest, peak = report.largest(), report.compiled["compiled_peak"]
             print(
-                f"{D}x{P:<3} {zero:>4} {held:>10} {largest.state:>10} "
+                f"{D}x{P:<3} {zero:>4} {how:>11} {held:>10} {largest.state:>10} "
                 f"{report.compiled['compiled_temporaries']:>10} {peak:>10} "
-                f"{largest.total:>10} {largest.total / peak:6.3f} {times[zero] * 1e3:8.1f} "
-                + f"{times[zero] / times[1]:8.3f}"
+                f"{largest.total:>10} {largest.total / peak:6.3f} {times[zero, how] * 1e3:8.1f} "
+                + f"{times[zero, how] / times[1, 'accumulator']:8.3f}"
             )
 
 
@@ -236,21 +244,24 @@ def grad_sum_table(steps: int) -> None:
 
 def block_residuals(config: Any) -> None:
     """What one block's backward recomputes (the report's per-layer workspace), and
-    its attention's share: the residuals `jax.vjp` keeps of one microbatch."""
+    its attention's share: the residuals `jax.vjp` keeps of one microbatch, with
+    the attention in blocks of queries (the model's) and over the whole sequence."""
     from pjit_pipe.lowering.compute.remat_regions import region_residual_bytes
     from pjit_pipe.models.llama import Attention, LlamaBlock
 
     x = jax.ShapeDtypeStruct((1, config.seq_len, config.d_model), config.dtype)
-    got = {}
-    for name, module in (("block", LlamaBlock(config)), ("attention", Attention(config))):
-        shapes = jax.eval_shape(module.init, jax.random.key(0), x)
-        cast = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, config.dtype), shapes)
-        fn = jax.checkpoint(lambda p, x, module=module: module.apply(p, x))
-        got[name] = region_residual_bytes(fn, cast, x)
-    print(
-        f"  one block's recomputed residuals {got['block'] / 1e9:.2f} GB, its attention's "
-        f"{got['attention'] / 1e9:.2f} GB ({config.n_heads} heads x {config.seq_len}^2 scores)"
-    )
+    whole = dataclasses.replace(config, attention_chunk=config.seq_len)
+    for label, c in ((f"queries in blocks of {config.attention_chunk}", config), ("whole", whole)):
+        got = {}
+        for name, module in (("block", LlamaBlock(c)), ("attention", Attention(c))):
+            shapes = jax.eval_shape(module.init, jax.random.key(0), x)
+            cast = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, config.dtype), shapes)
+            fn = jax.checkpoint(lambda p, x, module=module: module.apply(p, x))
+            got[name] = region_residual_bytes(fn, cast, x)
+        print(
+            f"  attention {label}: one block's recomputed residuals "
+            f"{got['block'] / 1e9:.2f} GB, its attention's {got['attention'] / 1e9:.2f} GB"
+        )
 
 
 def report_table() -> None:
@@ -258,7 +269,7 @@ def report_table() -> None:
     from pjit_pipe.models.llama import Llama, LlamaConfig
 
     print(
-        f"{'model':<10} {'remat':>5} {'zero':>4} "
+        f"{'model':<10} {'remat':>5} {'zero':>4} {'grad_sum':>11} "
         + " ".join(f"{p:>11}" for p in (*PARTS, "total"))
         + f" {'fits 80GB':>9}  (GB per device)"
     )
@@ -273,27 +284,34 @@ def report_table() -> None:
                 Llama(config), stages=P, microbatches=M, optimizer=optax.adam(1e-3), remat=remat
             )
             shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
-            for zero in (0, 1, 3):
-                report = pm.memory_report(shapes, (tokens, tokens), lm_loss, data=D, zero=zero)
+            for zero, how in LEVELS:
+                report = pm.memory_report(
+                    shapes, (tokens, tokens), lm_loss, data=D, zero=zero, grad_sum=how
+                )
                 d = report.as_dict(80 * 10**9)
                 print(
-                    f"{name:<10} {remat!s:>5} {zero:>4} "
+                    f"{name:<10} {remat!s:>5} {zero:>4} {how:>11} "
                     + " ".join(f"{d[p] / 1e9:11.2f}" for p in (*PARTS, "total"))
                     + f" {d['fits']!s:>9}"
                 )
         block_residuals(config)
     config = LlamaConfig.gpu()
     tokens = jax.ShapeDtypeStruct((8, config.seq_len), np.int32)
-    pm = pp.pipeline(Llama(config), stages=4, microbatches=8, optimizer=optax.adam(1e-3))
-    shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
-    report = pm.memory_report(shapes, (tokens, tokens), lm_loss)
-    own = [d.own_state for d in report.devices]
-    largest = report.largest().state
-    print(
-        f"Llama vocab {config.vocab} at P=4: each device holds {largest:,} B; own stages "
-        + ", ".join(f"{b:,}" for b in own)
-        + f"; largest / mean own {largest / (sum(own) / len(own)):.3f}"
-    )
+    for balance in ("flops", "flops+params"):
+        pm = pp.pipeline(
+            Llama(config), stages=4, microbatches=8, optimizer=optax.adam(1e-3), balance=balance
+        )
+        shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
+        report = pm.memory_report(shapes, (tokens, tokens), lm_loss)
+        own = [d.own_state for d in report.devices]
+        largest, flops = report.largest().state, pm.cut(shapes, tokens).flops
+        print(
+            f"Llama vocab {config.vocab} at P=4, balance={balance}: each device holds "
+            f"{largest:,} B; own stages "
+            + ", ".join(f"{b:,}" for b in own)
+            + f"; largest / mean own {largest / (sum(own) / len(own)):.3f}; largest / mean "
+            f"stage FLOPs {max(flops) / (sum(flops) / len(flops)):.3f}"
+        )
 
 
 def main(argv: list[str]) -> None:

@@ -119,12 +119,14 @@ def check(
     zero: bool,
     opt_name: str,
     failed: tuple[tuple[int, int], ...] = (),
+    grad_sum: str = "accumulator",
 ):
     """Three pipelined steps with a global-norm clip equal optax's (on the
-    survivors of `failed`: the re-routed program)."""
+    survivors of `failed`: the re-routed program), summing the microbatches'
+    gradients as `grad_sum` says."""
     module, boxed, loss_fn, batches = problem(model)
     D, P, T = mesh
-    chunks = 2 if kind == "interleaved-1f1b" else 1
+    chunks = 2 if kind == "interleaved-1f1b" else None  # zb-v: its own two
     pm = pp.pipeline(
         module,
         stages=P,
@@ -135,6 +137,7 @@ def check(
         optimizer=optimizer(opt_name, clip=True),
         zero=zero,
         failed=failed,
+        grad_sum=grad_sum,
     )
     step = pm.train_step(loss_fn)
     state = step.init(boxed, batches[0])

@@ -70,6 +70,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         default=0,
         help="0: optax state whole; 1: optax state sharded over data; 3: parameters too",
     )
+    p.add_argument(
+        "--grad-sum",
+        choices=("accumulator", "slices"),
+        default="accumulator",
+        help="with --zero 1|3: sum the microbatches' gradients in one accumulator "
+        "(default) or reduce-scatter each into slices",
+    )
     p.add_argument("--schedule", choices=KINDS, default="1f1b", metavar="KIND", help="default 1f1b")
     p.add_argument(
         "--microbatches", "-m", type=positive_int, metavar="M", help="per replica; default 2P"
@@ -158,6 +165,7 @@ def run(args: argparse.Namespace) -> int:
         optimizer=optax.adam(1e-3),
         remat=args.remat,
         zero=args.zero if args.compiled else 0,
+        grad_sum=args.grad_sum if args.compiled and args.zero else "accumulator",
     )
     shapes = jax.eval_shape(model.init, jax.random.key(0), x)
     report = pm.memory_report(
@@ -167,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
         data=data,
         tensor=tensor,
         zero=args.zero,
+        grad_sum=args.grad_sum,
         compiled=args.compiled,
     )
     out = report.as_dict(args.device_memory)

@@ -159,6 +159,7 @@ def train(
         optimizer=make_optimizer(args.lr, getattr(args, "clip", None)),
         async_weights=getattr(args, "async_weights", None),
         zero=getattr(args, "zero", False),
+        grad_sum=getattr(args, "grad_sum", "accumulator"),
         **({"costs": "measure"} if getattr(args, "show_costs", False) else {}),
     )
     precompile = getattr(args, "precompile", None)

@@ -149,6 +149,14 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
         "its D replicas, 3 its parameters too, 0 (the default) neither (unstaggered "
         "schedules; docs/memory.md)",
     )
+    parser.add_argument(
+        "--grad-sum",
+        choices=("accumulator", "slices"),
+        default="accumulator",
+        help="with --zero: sum the microbatches' gradients in one float32 accumulator, "
+        "reduce-scattered once (the default), or reduce-scatter each into float32 slices "
+        "(1/D of the bytes, one reduce-scatter per microbatch; docs/memory.md)",
+    )
 
 
 def slow_events_arg(text: str) -> dict:

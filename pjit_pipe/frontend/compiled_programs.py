@@ -344,6 +344,7 @@ class CompiledPrograms(MemoryReports):
                     pairwise=self.options.resolved_tick_sync() == "neighbor",
                     # One replica has nothing to shard the state over.
                     zero=self.options.zero if self.mesh.shape["data"] > 1 else 0,
+                    grad_sum=self.options.grad_sum,
                     splits=splits,
                 ),
             )

@@ -23,6 +23,7 @@ from pjit_pipe.errors import BatchError, OptionError
 from pjit_pipe.frontend.cutter.tensor_split import stage_splits, unbox
 from pjit_pipe.frontend.inputs import leading_dim
 from pjit_pipe.frontend.mesh import tensor_size
+from pjit_pipe.frontend.options import GRAD_SUMS
 from pjit_pipe.ir.memory import split_stages
 from pjit_pipe.lowering import MemoryReport, any_split, predict_memory, traced_stages
 
@@ -42,6 +43,7 @@ class MemoryReports:
         data: int | None = None,
         tensor: int | None = None,
         zero: int | None = None,
+        grad_sum: str | None = None,
         compiled: bool = False,
     ) -> MemoryReport:
         """What each device would hold to train this pipeline, before anything is
@@ -58,6 +60,7 @@ class MemoryReports:
             tensor: T, the devices each stage's annotated weights split over (None:
                 this pipeline's mesh's).
             zero: 0, 1 or 3 (None: this pipeline's `zero`).
+            grad_sum: with zero, "accumulator" or "slices" (None: this pipeline's).
             compiled: also compile the train step on this pipeline's mesh and add
                 XLA's memory analysis of it (`MemoryReport.compiled`).
 
@@ -77,15 +80,19 @@ class MemoryReports:
         mesh_data, mesh_tensor = self.replicas, tensor_size(self.mesh)
         want_data = mesh_data if data is None else data
         want_tensor = mesh_tensor if tensor is None else tensor
-        own_level = self.options.zero
+        own_level, own_sum = self.options.zero, self.options.grad_sum
         level = own_level if zero is None else zero
+        how = own_sum if grad_sum is None else grad_sum
+        if how not in GRAD_SUMS:
+            raise OptionError(f"grad_sum: expected one of {', '.join(GRAD_SUMS)}, got {how!r}")
         if compiled and (
-            level != own_level or (want_data, want_tensor) != (mesh_data, mesh_tensor)
+            (level, how) != (own_level, own_sum)
+            or (want_data, want_tensor) != (mesh_data, mesh_tensor)
         ):
             raise OptionError(
                 f"memory_report(compiled=True): compiles on this pipeline's mesh with "
-                f"its zero, so give no data/tensor other than ({mesh_data}, {mesh_tensor}) "
-                f"and no zero other than {own_level}"
+                f"its zero, so give no data/tensor other than ({mesh_data}, {mesh_tensor}), "
+                f"no zero other than {own_level} and no grad_sum other than {own_sum!r}"
             )
         plain, boxed = unbox(params)
         plain = jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), jnp.result_type(a)), plain)
@@ -138,6 +145,7 @@ class MemoryReports:
             splits=splits,
             remat=self.remat is True,
             input_bytes=nbytes,
+            grad_sum=how,
         )
         if compiled:
             report = report.with_compiled(self._compiled_memory(plain, boxed, x, y, loss_fn))

@@ -65,6 +65,7 @@ def pipeline(
     pack_polish: float = 0.0,
     skip_nonfinite: bool | None = None,
     zero: bool | int = False,
+    grad_sum: Literal["accumulator", "slices"] = "accumulator",
     split_points: Sequence[str] | None = None,
 ) -> Pipelined | AutoPlanned | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.
@@ -112,6 +113,8 @@ def pipeline(
             finite leaves the state as it was; None: yes, except on async-1f1b.
         zero: Shard each stage's optimizer state over its data-parallel
             replicas (ZeRO-1: True or 1; docs/memory.md).
+        grad_sum: With zero, "accumulator" (one reduce-scatter a step) or
+            "slices" (one a microbatch, into 1/D of the bytes; docs/memory.md).
         split_points: The cut points by module path, where stages 1, 2, ...
             begin (["model.layers.8", ...]); None: the cutter balances.
 
@@ -155,6 +158,7 @@ def pipeline(
             pack_polish=pack_polish,
             skip_nonfinite=skip_nonfinite,
             zero=zero,
+            grad_sum=grad_sum,
         )
         check_auto_options(stages, schedule, mesh, chunks, failed)
         checked = PipelineOptions(stages=1, **settings)  # the other options fail here, not later
@@ -196,6 +200,7 @@ def pipeline(
         pack_polish=pack_polish,
         skip_nonfinite=skip_nonfinite,
         zero=zero,
+        grad_sum=grad_sum,
         split_points=split_points,
     )
     return pipeline_with(module, options)

@@ -192,7 +192,8 @@ class Pipelined(CompiledPrograms):
         # their stages' whole optax state (joined from the slices and their copies;
         # lowering/layout/zero.py).
         zero = 0 if failed else self.options.zero
-        options = dataclasses.replace(self.options, failed=failed, zero=zero)
+        grad_sum = self.options.grad_sum if zero else "accumulator"
+        options = dataclasses.replace(self.options, failed=failed, zero=zero, grad_sum=grad_sum)
         return Pipelined(self.module, options, cuts=self.cuts)  # same module and stages
 
     def with_slow(self, slow: Mapping[tuple[int, int], float]) -> Pipelined:
@@ -215,7 +216,8 @@ class Pipelined(CompiledPrograms):
         """
         # The mitigated program steps the optimizer inside its loop, which ZeRO does not.
         zero = 0 if any(f > 1 for f in dict(slow).values()) else self.options.zero
-        options = dataclasses.replace(self.options, slow=slow, zero=zero)
+        grad_sum = self.options.grad_sum if zero else "accumulator"
+        options = dataclasses.replace(self.options, slow=slow, zero=zero, grad_sum=grad_sum)
         return Pipelined(self.module, options, cuts=self.cuts)
 
     # ---- the plain module API ----

@@ -244,6 +244,7 @@ def predict_memory(
     splits: Sequence[LeafSplits] | None = None,
     remat: bool = False,
     input_bytes: int = 0,
+    grad_sum: str = "accumulator",
 ) -> MemoryReport:
     """Per pipeline position, the bytes one of its devices holds (module docstring).
 
@@ -258,6 +259,8 @@ def predict_memory(
         splits: per virtual stage, per parameter leaf, its split over 'tensor'.
         remat: the backward recomputes each stage's forward (no residual pools).
         input_bytes: bytes of the global batch (x and y), which every device receives.
+        grad_sum: with zero, "accumulator" (one whole gradient accumulator and the
+            slice its reduce-scatter leaves) or "slices" (the slices alone).
 
     Returns:
         The MemoryReport: one DeviceMemory per pipeline position (its replicas
@@ -322,6 +325,17 @@ def predict_memory(
     region = max(stages.region_bytes(s) for s in range(schedule.num_virtual_stages))
     workspace += round(WORKSPACE_REGIONS * region)
     messages = plan.store_rows * _message_row_bytes(stages)
+    # The gradient the step carries: one accumulator of the rows (and with ZeRO the
+    # slice its reduce-scatter leaves), or with grad_sum="slices" the slices and one
+    # W's reduce-scattered slice beside them.
+    slices = sliced and grad_sum == "slices"
+    grads = 2 * scattered if slices else rows + scattered
+    # A W's own output, live while its cond runs: the chunk's parameter gradient in its
+    # compute dtype (bf16 where the model reads a weight through a cast to bf16), and
+    # with "slices" the chunk's float32 row it joins for the reduce-scatter. The ops'
+    # conds share their temporaries, so the workspace is the larger of the two.
+    w_output = _row_bytes(param_spec, tensor, gather_dtypes) + (rows // v if slices else 0)
+    workspace = max(workspace, w_output)
     own = [
         _own_bytes(a, None if splits is None else splits[s], optimizer, tensor)
         for s, a in enumerate(stages.param_avals)
@@ -331,7 +345,7 @@ def predict_memory(
         DeviceMemory(
             stage=p,
             params=params,
-            grads=rows + scattered,
+            grads=grads,
             optimizer=opt,
             update=opt,
             gathered=gathered,

@@ -145,6 +145,9 @@ class LoweringOptions:
         (replicated); see layout/tensor_layout.py and docs/tensor_parallel.md.
     zero: 1 (or True): the optimizer state sharded over 'data'; 3: the parameters
         between steps too, gathered once per step (ZeRO, layout/zero.py); 0: off.
+    grad_sum: with zero, "accumulator" (one whole accumulator, reduce-scattered
+        after the tick loop) or "slices" (each W's gradient reduce-scattered into
+        the slices as it is made; compute/tick.py).
     policies: per virtual stage, the residual policy its F stores under
         (compute/residual_policy.py); None: the default policy for every stage.
     """
@@ -161,6 +164,7 @@ class LoweringOptions:
     emulate: EmulationHost | None = None
     splits: Sequence[LeafSplits] | None = None
     zero: int = 0
+    grad_sum: str = "accumulator"
     policies: Sequence[str] | None = None
 
 
@@ -276,4 +280,11 @@ def lower(
             "iterations=1 (a re-routed one: schedule.replace(staggered=False)), or untie them"
         )
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
-    return PipelineStep(schedule, program, optimizer, examples, zero=zero)
+    slices = bool(zero) and o.grad_sum == "slices"
+    if slices and shared:
+        raise OptionError(
+            f"grad_sum='slices' with tied parameters {sorted(shared)}: their copies' "
+            "gradients are summed over the stages that hold them before the reduce-scatter, "
+            "which one W alone cannot do; use grad_sum='accumulator'"
+        )
+    return PipelineStep(schedule, program, optimizer, examples, zero=zero, grad_slices=slices)

@@ -45,6 +45,7 @@ class PipelineStep(StepIO):
         optimizer: optax.GradientTransformation | None,
         examples: tuple[Any, Any, Any],
         zero: int = 0,
+        grad_slices: bool = False,
     ):
         self.schedule = schedule
         self.optimizer = optimizer
@@ -88,6 +89,8 @@ class PipelineStep(StepIO):
                     opt_state_splits(optimizer, a, h) for a, h in zip(avals, splits, strict=True)
                 ],
             )
+        # ZeRO's grad_sum="slices": each W reduce-scatters its gradient into the slices.
+        self._grad_slices = self._zero if grad_slices else None
         # Each entry point's first compile is checked for reshards inside a stage's
         # branch, which would deadlock (branch_permutes.py).
         self._vg = BranchSafeJit(jax.jit(self._value_and_grad))
@@ -156,7 +159,9 @@ class PipelineStep(StepIO):
             elif self._zero is not None:
                 # ZeRO-3 holds slices: the loop reads the rows gathered once per step.
                 whole = self._zero.gather(params) if self._zero.level == 3 else params
-                loss, grads = low.tick_loop(whole, x, y, rows, pos, reduce=self._zero.scatter)
+                loss, grads = low.tick_loop(
+                    whole, x, y, rows, pos, reduce=self._zero.scatter, slices=self._grad_slices
+                )
                 new = self._zero.step(params, grads, opt, pos)
                 if skip_nonfinite:  # grads are this replica's slices: any device's verdict
                     bad = sum(jnp.sum(~jnp.isfinite(g)) for g in grads.values())

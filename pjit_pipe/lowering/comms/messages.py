@@ -70,3 +70,9 @@ class MessageSpec:
             for a in avals
         ]
         return jax.tree.unflatten(treedef, leaves)
+
+
+def read_rows(store: Buffers, slots: list) -> list[Buffers]:
+    """The message rows at `slots` of `store`, read in one gather per dtype."""
+    read = {k: jnp.take(b, jnp.stack(slots), axis=0, mode="clip") for k, b in store.items()}
+    return [{k: r[i] for k, r in read.items()} for i in range(len(slots))]

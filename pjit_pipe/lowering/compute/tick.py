@@ -23,7 +23,8 @@ Carried through the loop (shapes per device; dtype-keyed dicts of arrays):
   cotangents (from B), any other stage's vjp residuals, until the stage's
   W/BW; both empty with remat;
 - gradient accumulators: per chunk, the chunk's parameter tree (or one flat
-  (L,) row when the positions' stages differ in shape), summed over W/BW;
+  (L,) row when the positions' stages differ in shape), summed over W/BW; with
+  ZeRO's `grad_sum="slices"` this replica's (L/D,) slices of the chunk's rows;
 - loss: (loss vector size,), the sum of this device's last-stage loss shares.
 """
 
@@ -43,9 +44,10 @@ from pjit_pipe.ir.schedule import Schedule, ScheduleError
 from pjit_pipe.ir.ticks import PackedTicks, late_channel
 from pjit_pipe.lowering.async_pipeline.async_weights import AsyncWeights
 from pjit_pipe.lowering.comms.delivery import Post
-from pjit_pipe.lowering.comms.messages import MessageSpec
+from pjit_pipe.lowering.comms.messages import MessageSpec, read_rows
 from pjit_pipe.lowering.comms.topology import Topology
 from pjit_pipe.lowering.compute.compute_dtype import compute_param_spec
+from pjit_pipe.lowering.compute.data_order import after
 from pjit_pipe.lowering.compute.emulated_ticks import EmulatedTicks, EmulationHost
 from pjit_pipe.lowering.compute.loss import LossLayout
 from pjit_pipe.lowering.compute.stages import Residuals, StageVjp
@@ -54,6 +56,7 @@ from pjit_pipe.lowering.layout.flat_buffers import Buffers
 from pjit_pipe.lowering.layout.param_layout import ChunkLayout
 from pjit_pipe.lowering.layout.shared import SharedGrads
 from pjit_pipe.lowering.layout.tensor_layout import LeafSplits
+from pjit_pipe.lowering.layout.zero import ZeroLayout
 from pjit_pipe.lowering.tick_plan import FUSED, OpRow, TickPlan, TickRow, build_plan
 
 # Whether XLA updates a buffer in place in a multi-way conditional's branches: the
@@ -220,7 +223,7 @@ class TickProgram:
             act_slots.append(row.w.in_slot)
         grad_slots = [r.g_slot for r in reads]
         outbox = [plan.outbox] if plan.deferred else []
-        got = _gather(msgs, act_slots + grad_slots + outbox)
+        got = read_rows(msgs, act_slots + grad_slots + outbox)
         acts = got[: len(act_slots)]
         grads = got[len(act_slots) : len(act_slots) + len(grad_slots)]
         late = None
@@ -266,10 +269,11 @@ class TickProgram:
 
         return lax.cond(which > 0, functools.partial(run, op), lambda *c: c, *carry)
 
-    def tick(self, plan: TickPlan, params, x, y, msgs, res, grads, row: TickRow, back_params=None):
+    def tick(self, plan, params, x, y, msgs, res, grads, row, back_params=None, add_grad=None):
         """One tick: this device's F, B and W lanes in the table's lane order (ir/ticks.py),
         then every ppermute of the plan. B and W read `back_params` when given
-        (asynchronous weights), else `params`."""
+        (asynchronous weights), else `params`. `add_grad(c, acc, dpar)` sums a W's
+        gradient into chunk c's accumulator (default: added leaf by leaf)."""
         ops = self.ops
         act = self.msg_spec.zeros()  # the activation this tick sends (F)
         grad = self.msg_spec.zeros()  # the input gradient this tick sends (B or BW)
@@ -314,7 +318,7 @@ class TickProgram:
                     if not group[0]:
                         continue
 
-                    def weight_grad(op, grad, acc, *loss, lane_row=lane_row, inbox=inbox):
+                    def weight_grad(op, grad, acc, *loss, lane_row=lane_row, inbox=inbox, c=c):
                         # A W sends nothing (its message is zeros); a BW's (or a fused
                         # group's) tick has no B (the lane rule), so the gradient channel
                         # holds one of them: their sum. (Through it, a B, W, F tick's F
@@ -322,7 +326,9 @@ class TickProgram:
                         # loss is carried through the groups that hold one.
                         msg, dpar, share = op(back, x, y, inbox, res, lane_row)
                         grad = jax.tree.map(jnp.add, grad, msg)
-                        acc = jax.tree.map(jnp.add, acc, dpar)
+                        acc = (
+                            add_grad(c, acc, dpar) if add_grad else jax.tree.map(jnp.add, acc, dpar)
+                        )
                         return (grad, acc, loss[0] + share) if loss else (grad, acc)
 
                     carry = [grad, grads[c]]
@@ -347,23 +353,37 @@ class TickProgram:
         pos: jax.Array,
         with_aux: bool = False,
         reduce: Callable[[Buffers], Buffers] | None = None,
+        slices: ZeroLayout | None = None,
     ):
         """Run every tick on this device (at pipeline position `pos`); return (the loss
         over the global batch, this device's gradient rows reduced over replicas).
         With `with_aux` the loss is (loss, aux) (see loss.py). `reduce` replaces the
-        reduction over replicas (ZeRO's reduce-scatter, zero.py)."""
+        reduction over replicas (ZeRO's reduce-scatter, zero.py). With `slices`
+        (ZeRO's layout) each W's gradient is reduce-scattered into this replica's
+        slices as it is made, inside its cond: a fault-free table runs a stage's W
+        on every replica in the same tick. No whole accumulator is carried."""
         params = self.chunk_params(params, pos)
+        msgs, res, grads = self.empty(self.plan)
+        add_grad = None
+        if slices is not None:
+            grads = [slices.zero_slices() for _ in self.layouts]
+
+            def add_grad(c: int, acc: Buffers, dpar: Any) -> Buffers:
+                return slices.add_scattered(acc, self.layouts[c].leave(dpar, pos))
 
         def tick(carry, row):
             *state, loss = carry
-            *state, dloss = self.tick(self.plan, params, x, y, *state, row)
+            *state, dloss = self.tick(self.plan, params, x, y, *state, row, add_grad=add_grad)
             return (*state, loss + dloss), None
 
-        (_, _, grads, loss), _ = lax.scan(tick, (*self.empty(self.plan), self.ops.no_loss()), rows)
-        local = self.flat_grads(grads, pos)
-        grads = (reduce or self.topo.reduce_over_replicas)(local)
-        if self.shared is not None and reduce is None:  # ZeRO's `reduce` sums them first
-            grads = self.shared(local, grads)
+        (_, _, grads, loss), _ = lax.scan(tick, (msgs, res, grads, self.ops.no_loss()), rows)
+        if slices is not None:
+            grads = {k: jnp.stack([g[k] for g in grads]) for k in grads[0]}
+        else:
+            local = self.flat_grads(grads, pos)
+            grads = (reduce or self.topo.reduce_over_replicas)(local)
+            if self.shared is not None and reduce is None:  # ZeRO's `reduce` sums them first
+                grads = self.shared(local, grads)
         total = self.topo.psum(loss, self.topo.axes)
         count = self.sched.replicas * self.sched.microbatches
         factor = self.loss.grad_factor(total, count)
@@ -371,30 +391,3 @@ class TickProgram:
             grads = {k: g * factor.astype(g.dtype) for k, g in grads.items()}
         value = self.loss.loss(total, count)
         return ((value, self.loss.aux(total)) if with_aux else value), grads
-
-
-def _gather(store: Buffers, slots: list) -> list[Buffers]:
-    """The message rows at `slots` of `store`, read in one gather per dtype."""
-    read = {k: jnp.take(b, jnp.stack(slots), axis=0, mode="clip") for k, b in store.items()}
-    return [{k: r[i] for k, r in read.items()} for i in range(len(slots))]
-
-
-def after(token: Buffers, index: jax.Array) -> jax.Array:
-    """`index`, computed from `token` as well, so that XLA runs what uses it after
-    whatever made `token` (it orders ops by data dependence only).
-
-    Under the lane order B, W, F the tick's F writes residual slots that its B, W
-    and BW have just read (their conds take the stores as read-only operands).
-    Unless F's in-place writes depend on those conds, XLA cannot tell that the
-    reads come first and copies the whole residual store on every tick. F's slot
-    indices are therefore made to depend on the gradient message, the output of
-    the B and W lanes: max(index, -|bits of one element|) is `index` exactly
-    (an index is >= 0, the other side <= 0), whatever the element holds, NaN
-    included, and XLA does not fold it away (an optimization_barrier or a
-    pass-through output does not survive to its copy insertion)."""
-    leaf = jnp.ravel(jax.tree.leaves(token)[0])[0]
-    if jnp.iscomplexobj(leaf):
-        leaf = leaf.real
-    if jnp.issubdtype(leaf.dtype, jnp.floating):  # its bits: no NaN to convert
-        leaf = lax.bitcast_convert_type(leaf, jnp.dtype(f"int{leaf.dtype.itemsize * 8}"))
-    return lax.max(index, -lax.abs(leaf.astype(jnp.int32)))

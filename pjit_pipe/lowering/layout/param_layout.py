@@ -135,6 +135,13 @@ class ChunkLayout:
             return self.spec.pieces(self.stages[0], self.unpack(self.stages[0], carried))
         return {k: [b] for k, b in self._switch(self._to_row, carried, pos).items()}
 
+    def leave(self, carried: Any, pos: jax.Array) -> Buffers:
+        """A carried gradient -> this chunk's flat buffers (`leave_pieces`, joined)."""
+        return {
+            k: jnp.concatenate([jnp.ravel(p) for p in pieces]).reshape(self.spec.shapes[k])
+            for k, pieces in self.leave_pieces(carried, pos).items()
+        }
+
     def _switch(self, convert: Any, bufs: Any, pos: jax.Array) -> Any:
         """convert(stages[pos], bufs): a switch on the position. Shaped buffers (split
         over 'tensor') are the same in both layouts and stay out of it, and the flat

@@ -138,12 +138,24 @@ class ZeroLayout:
         Tied weights' gradients are summed over their holders first (shared.py)."""
         if self.shared is not None:
             grads = self.shared(grads, grads, first_replica_only=True)
-        return {
-            k: over_devices(lax.psum, g, DATA)
-            if self.dims[k] is None
-            else lax.psum_scatter(g, DATA, scatter_dimension=1 + self.dims[k], tiled=True)
-            for k, g in grads.items()
-        }
+        return {k: self._reduce(g, k, lead=1) for k, g in grads.items()}
+
+    def zero_slices(self) -> Buffers:
+        """One chunk's gradient slices, zeros: what `add_scattered` sums into."""
+        return {k: jnp.zeros(a.shape, a.dtype) for k, a in self.slices.items()}
+
+    def add_scattered(self, acc: Buffers, row: Buffers) -> Buffers:
+        """One chunk's gradient slices `acc` plus this replica's slice of `row` (one
+        chunk's gradient buffers, one microbatch's) summed over 'data', in the
+        slices' dtype. Every replica of the stage must call it together."""
+        return {k: a + self._reduce(row[k].astype(a.dtype), k, lead=0) for k, a in acc.items()}
+
+    def _reduce(self, g: jax.Array, k: str, lead: int) -> jax.Array:
+        """Buffer `k` (after `lead` leading dimensions) summed over 'data': this
+        replica's slice of it where it is cut, else the whole buffer."""
+        if self.dims[k] is None:
+            return over_devices(lax.psum, g, DATA)
+        return lax.psum_scatter(g, DATA, scatter_dimension=lead + self.dims[k], tiled=True)
 
     def _like_slices(self, node: Any) -> bool:
         return jax.tree.structure(node, _masked) == jax.tree.structure(self.slices, _masked)
