@@ -182,8 +182,8 @@ def test_recovery_settings():
         (["--processes", "3"], "do not split evenly"),
         (["--processes", "2", "--devices-per-process", "1"], "needs 4"),
         (["--processes", "4", "--fail", "2:0:1"], "--fail injects"),
-        (["--processes", "4", "--zero", "--checkpoint-dir", "ckpt"], "--zero 1 splits them"),
-        (["--processes", "4", "--zero", "3", "--restart"], "--restart (it restarts from"),
+        (["--mesh", "2x2x2", "--processes", "4", "--checkpoint-dir", "ckpt"], "over 'tensor'"),
+        (["--mesh", "2x2x2", "--processes", "4", "--restart"], "--restart (it restarts from"),
         (["--restart"], "add --processes N"),
     ],
 )

@@ -331,10 +331,14 @@ def predict_memory(
     slices = sliced and grad_sum == "slices"
     grads = 2 * scattered if slices else rows + scattered
     # A W's own output, live while its cond runs: the chunk's parameter gradient in its
-    # compute dtype (bf16 where the model reads a weight through a cast to bf16), and
-    # with "slices" the chunk's float32 row it joins for the reduce-scatter. The ops'
-    # conds share their temporaries, so the workspace is the larger of the two.
-    w_output = _row_bytes(param_spec, tensor, gather_dtypes) + (rows // v if slices else 0)
+    # compute dtype (bf16 where the model reads a weight through a cast to bf16). With
+    # "slices" the W joins it into the chunk's float32 row for the reduce-scatter: XLA
+    # writes a float32 gradient into that row in place, a bf16 one is converted into a
+    # second buffer. The ops' conds share their temporaries: the larger one counts.
+    w_output = _row_bytes(param_spec, tensor, gather_dtypes)
+    if slices:
+        narrow = sum(_device_bytes(param_spec, k, tensor, d) for k, d in gather_dtypes.items())
+        w_output = rows // v + narrow
     workspace = max(workspace, w_output)
     own = [
         _own_bytes(a, None if splits is None else splits[s], optimizer, tensor)
