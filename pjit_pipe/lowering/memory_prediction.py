@@ -14,7 +14,8 @@ device:
   with ZeRO-3 the parameters too;
 - `grads`: the gradient the step accumulates over the microbatches (one
   buffer like the parameter rows), plus with ZeRO the slice the
-  reduce-scatter leaves;
+  reduce-scatter leaves; with `grad_sum="slices"` only slices (each W's
+  gradient reduce-scattered as it is made, compute/tick.py);
 - `update`: the optax update's working copy (the new state is written while
   the old one is read: as large as `optimizer`);
 - `gathered`: parameters all-gathered over 'data' for the step (ZeRO-1: the
@@ -27,7 +28,7 @@ device:
   of the busiest position (`WORKSPACE_MICROBATCHES`, `WORKSPACE_REMAT_CHUNKS`:
   an estimate, as XLA decides what is live at once), and where the model remats
   its own layers one layer's recomputed residuals (`WORKSPACE_REGIONS`,
-  compute/remat_regions.py);
+  compute/remat_regions.py); or a W's own gradient output where that is larger;
 - `messages`: the message store's rows (boundary activations and their
   cotangents; with remat the stored stage inputs);
 - `inputs`: the global batch each device receives (x and y, replicated).
@@ -35,8 +36,8 @@ device:
 ZeRO-3 (`zero=3`, layout/zero.py) holds the parameters in slices like ZeRO-1's
 optax state (its own and the next replica's copy), gathers them whole once per
 step before the tick loop, in their compute dtype (bf16 where the model reads
-them through a cast to bf16), accumulates the gradients whole and
-reduce-scatters them once.
+them through a cast to bf16), and sums the gradients as ZeRO-1 does (one
+accumulator reduce-scattered once, or in slices).
 """
 
 from __future__ import annotations

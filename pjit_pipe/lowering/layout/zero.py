@@ -11,7 +11,8 @@ divides (a shaped buffer with none keeps its optax state whole on every
 replica).
 
 After the tick loop the gradients are reduce-scattered over 'data'
-(`lax.psum_scatter`: replica r receives the sum of slice r), replica r runs
+(`lax.psum_scatter`: replica r receives the sum of slice r; with
+grad_sum="slices" each W's gradient is, as it is made: `add_scattered`), replica r runs
 the optax update on its slices only, and the updated slices are all-gathered
 over 'data' once per step. Each replica also keeps a copy of the next
 replica's slice state (sent by a ppermute over 'data' after each update), so
