@@ -116,3 +116,16 @@ def test_cli_slices_keep_the_accumulators_losses_through_a_failure(capsys):
         losses[how] = [json.loads(line)["loss"] for line in lines if line.startswith("{")]
     assert len(losses["slices"]) == 4
     np.testing.assert_allclose(losses["slices"], losses["accumulator"], rtol=1e-5)
+
+
+def test_cli_memory_prices_both_sums(capsys):
+    """`pjit-pipe memory --grad-sum slices` prices the slices alone: the gradient part
+    falls from the accumulator and its slice to two slices (D = 4)."""
+    from pjit_pipe.cli import main
+
+    argv = ["memory", "--model", "gpt-tiny", "--mesh", "4x2", "--zero", "1", "--json"]
+    grads = {}
+    for how in ("accumulator", "slices"):
+        assert main([*argv, "--grad-sum", how]) == 0
+        grads[how] = json.loads(capsys.readouterr().out)["grads"]
+    assert grads["slices"] * 5 == grads["accumulator"] * 2  # 2/D of (1 + 1/D) rows

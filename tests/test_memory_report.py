@@ -159,3 +159,33 @@ def test_zero_levels_by_name():
     for bad in (2, "yes", 1.0):
         with pytest.raises(OptionError, match=r"zero: expected 0 \(False\), 1 .* or 3"):
             options(bad)
+
+
+def test_cutting_by_flops_and_parameters_pads_every_device_less():
+    """A Llama whose embedding and head outweigh its blocks, at P=4: cut by FLOPs,
+    the embedding's stage is the largest and every device is padded to it; cut by
+    the worse of FLOPs and parameters, the largest device's state over the mean
+    own state falls, and so does that worse share (what the cut minimises)."""
+    from pjit_pipe.models.llama import Llama, LlamaConfig
+    from pjit_pipe.models.llama import lm_loss as llama_loss
+
+    config = LlamaConfig.tiny(vocab=2048, n_layers=8, tensor_parallel=False)
+    tokens = jax.ShapeDtypeStruct((8, config.seq_len), np.int32)
+    padding, worst = {}, {}
+    for balance in ("flops", "flops+params"):
+        pm = pp.pipeline(
+            Llama(config),
+            stages=4,
+            microbatches=2,
+            optimizer=optax.adam(1e-3),
+            balance=balance,
+            mesh=pp.make_mesh(data=1, stage=4),
+        )
+        shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
+        report = pm.memory_report(shapes, (tokens, tokens), llama_loss)
+        own = np.array([d.own_state for d in report.devices], float)
+        flops = np.array(pm.cut(shapes, tokens).flops)
+        padding[balance] = report.largest().state / own.mean()
+        worst[balance] = max(own.max() / own.mean(), flops.max() / flops.mean())
+    assert padding["flops+params"] < padding["flops"] - 0.2, padding
+    assert worst["flops+params"] < worst["flops"], worst
