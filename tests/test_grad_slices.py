@@ -33,7 +33,7 @@ from tests.tiers import EXHAUSTIVE
         ("mlp", "zb-h1", (4, 2, 1), 3),
         pytest.param("mlp", "interleaved-1f1b", (4, 2, 1), 3, marks=pytest.mark.slow),
         pytest.param("mlp", "zb-v", (2, 2, 1), 1, marks=pytest.mark.slow),
-        pytest.param("llama", "1f1b", (2, 2, 2), 1, marks=pytest.mark.slow),
+        pytest.param("llama", "1f1b", (2, 2, 2), 3, marks=pytest.mark.slow),
         pytest.param("llama", "zb-h2", (4, 2, 1), 3, marks=EXHAUSTIVE),
     ],
     ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),

@@ -290,7 +290,7 @@ def train_losing_failed_rows(pm, loss_fn, boxed, batches, fail, rejoin):
     # (2, 2, 2) with zero also covers tensor splits without it: the failure
     # variants run without ZeRO, on the joined state.
     ("shape", "zero"),
-    [pytest.param((4, 2, 1), True, marks=EXHAUSTIVE), ((2, 2, 2), True)],
+    [pytest.param((4, 2, 1), True, marks=EXHAUSTIVE), ((2, 2, 2), True), ((2, 2, 2), 3)],
 )
 def test_a_failure_and_rejoin_keep_the_fault_free_losses(shape, zero, boxed):
     """Worker (1, 0) (with tensor=2: its group of two devices) fails at step 2 (its

@@ -145,15 +145,6 @@ def test_zero3_memory_report_matches_the_compiled_step():
 
 def test_zero3_refusals_name_the_option():
     module, *_ = problem("mlp")
-    with pytest.raises(pp.OptionError, match=r"zero=3 with weights split over 'tensor'"):
-        pp.pipeline(
-            module,
-            stages=2,
-            microbatches=2,
-            mesh=pp.make_mesh(data=2, stage=2, tensor=2),
-            optimizer=optax.sgd(0.1),
-            zero=3,
-        )
     with pytest.raises(pp.OptionError, match=r"zero=3 with schedule='async-1f1b'"):
         pp.pipeline(
             module,
@@ -164,6 +155,39 @@ def test_zero3_refusals_name_the_option():
             optimizer=optax.sgd(0.1),
             zero=3,
         )
+
+
+@pytest.mark.parametrize(
+    ("model", "kind"),
+    [("llama", "1f1b"), pytest.param("tied-llama", "zb-h1", marks=pytest.mark.slow)],
+)
+def test_zero3_with_weights_split_over_tensor_trains_like_optax(model, kind):
+    """2x2x2: each slice cuts a dimension 'tensor' does not split (Megatron's
+    column- and row-parallel kernels, a vocabulary-split tied embedding)."""
+    check(model, kind, (2, 2, 2), zero=3, opt_name="adamw")
+
+
+def test_zero3_with_weights_split_over_tensor_holds_2_over_d():
+    """GPT with Megatron splits on 4x1x2: a device holds its tensor part's slices
+    and their copies, at most 1.1 x 2/D of what it holds without ZeRO."""
+    config = GPTConfig.tiny(vocab=64)
+    x = np.random.default_rng(0).integers(0, 64, size=(16, config.seq_len)).astype(np.int32)
+    batch = (x, np.roll(x, -1, axis=1))
+    held = {}
+    for zero in (0, 3):
+        pm = pp.pipeline(
+            GPT(config),
+            stages=1,
+            microbatches=2,
+            mesh=pp.make_mesh(data=4, stage=1, tensor=2),
+            optimizer=optax.adam(1e-3),
+            zero=zero,
+        )
+        state = pm.train_step(lm_loss).init(pm.init(jax.random.key(0), x), batch)
+        held[zero] = max(state.device_bytes().values())
+        report = pm.memory_report(jax.eval_shape(pm.init, jax.random.key(0), x), batch, lm_loss)
+        assert report.largest().state == held[zero]
+    assert held[3] <= 1.1 * 2 / 4 * held[0], held
 
 
 @pytest.mark.slow

@@ -107,7 +107,7 @@ class PipelineOptions:
             optimizer and an unstaggered schedule. Failure variants run without it,
             each lost slice read from the copy its neighbour keeps. 3: the
             parameters between steps too, all-gathered once per step before the
-            tick loop (not with tensor > 1 yet). 0 (False): off. With one
+            tick loop. 0 (False): off. With one
             replica (data=1) there is nothing to shard: the state is whole.
         grad_sum: with zero 1 or 3, how the microbatches' gradients are summed:
             "accumulator" (one float32 accumulator of the stage's rows,
@@ -243,11 +243,6 @@ class PipelineOptions:
                 "set zero=1 or zero=3 with it, or keep grad_sum='accumulator'"
             )
         self._check_mesh()
-        if self.zero == 3 and self.mesh is not None and self.mesh.shape.get("tensor", 1) > 1:
-            raise OptionError(
-                "zero=3 with weights split over 'tensor' (a mesh with tensor > 1) is not "
-                "built yet; use zero=1 there, or tensor=1 with zero=3"
-            )
         if self.layers is not None:
             layers = tuple((int(a), int(b)) for a, b in self.layers)
             if len(layers) != self.stages or (self.chunks or 1) != 1:

@@ -64,13 +64,8 @@ def _check_tensor(topology: Topology, splits, weights_kind: str) -> None:
 def _check_zero(program: TickProgram, level: int) -> None:
     """Refuse, by name, the programs whose optimizer runs inside the tick loop:
     ZeRO reduce-scatters the gradients and all-gathers the parameters once per
-    step, after the loop; and ZeRO-3 with weights split over 'tensor'."""
+    step, after the loop."""
     why = None
-    if level == 3 and program.splits is not None:
-        raise OptionError(
-            "zero=3 with weights split over 'tensor' is not built yet (their slices "
-            "would cut a split buffer twice); use zero=1, or tensor=1 with zero=3"
-        )
     if not program.topo.complete:
         why = (
             "failed workers: the survivors' mesh has no 'data' axis to reduce-scatter "

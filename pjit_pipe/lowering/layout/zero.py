@@ -126,7 +126,9 @@ class ZeroLayout:
         self.opt_spec = FlatSpec([(state, state)] * stages, splits=[opt_splits * 2] * stages)
         # ZeRO-3: the parameters between steps are (own slices, the next replica's) too.
         self.rows_spec = (
-            FlatSpec([(self.slices, self.slices)] * stages) if level == 3 else param_spec
+            FlatSpec([(self.slices, self.slices)] * stages, splits=[splits * 2] * stages)
+            if level == 3
+            else param_spec
         )
 
     def _slice_shape(self, shape: tuple[int, ...], dim: int | None) -> tuple[int, ...]:
