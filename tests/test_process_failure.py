@@ -93,10 +93,12 @@ def test_training_goes_on_after_a_process_is_killed_or_stopped(tmp_path, victim,
     [
         # ZeRO-1: the dead replica's optax slices live on as its neighbour's copy.
         ("mlp", 1, ["--zero", "1", "--schedule", "1f1b"], 2),
-        # ZeRO-3 (parameters in slices too) under a 2-chunk kind, a replica-1 death.
-        ("mlp", 1, ["--zero", "3", "--schedule", "interleaved-1f1b"], 3),
-        # Tensor parallelism: each process holds one worker's two 'tensor' devices.
-        ("gpt-tiny", 2, ["--schedule", "1f1b", "--clip", CLIP], 2),
+        # ZeRO-3 (parameters in slices too) under a 2-chunk kind, a replica-1 death,
+        # each microbatch's gradient reduce-scattered into the slices as it is made.
+        ("mlp", 1, ["--zero", "3", "--grad-sum", "slices", "--schedule", "interleaved-1f1b"], 3),
+        # Tensor parallelism: each process holds one worker's two 'tensor' devices,
+        # their parameter and optax slices (ZeRO-3) and a global-norm clip.
+        ("gpt-tiny", 2, ["--schedule", "1f1b", "--clip", CLIP, "--zero", "3"], 2),
     ],
     ids=["zero1", "zero3-interleaved", "tensor2"],
 )
