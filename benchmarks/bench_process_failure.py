@@ -8,7 +8,7 @@ Prints, per scenario: the time from the kill to the failure's detection (the
 survivors' `failure` event), to the first step committed after it, and the
 steps lost (committed steps missing from 0 .. --steps - 1; 0 when training
 went on); first, what a checkpoint of `ProcessCheckpoints` costs (copy, write,
-restore; `--checkpoints-only` for those alone). Run `python -m
+restore, at ZeRO 0, 1 and 3; `--checkpoints-only` for those alone). Run `python -m
 benchmarks.bench_process_failure`; each scenario
 compiles afresh (about two minutes on 2 cores): JAX writes its disk cache from
 process 0 alone, here the coordinator, which compiles nothing.
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import signal
@@ -158,9 +159,10 @@ SCENARIOS = {  # name -> (train args, victim process, after this step is committ
 }
 
 
-def checkpoint_costs(model: str, repeats: int = 5) -> dict[str, float]:
-    """`ProcessCheckpoints` on a 2x2 `model` in this process (4 CPU devices, so
-    one copy holds both stages, where a process of the 4-process run holds one):
+def checkpoint_costs(model: str, zero: int = 0, repeats: int = 5) -> dict[str, float]:
+    """`ProcessCheckpoints` on a 2x2 `model` at ZeRO level `zero` in this process (4
+    CPU devices, so one copy holds both stages, where a process of the 4-process
+    run holds one; under ZeRO each device's slices are saved apart):
     the median seconds to copy a step's leaves off the devices (what the
     training thread waits for), to write them (the background thread), and to
     restore them into the step's layout (a resumed run's share, no compile);
@@ -178,7 +180,9 @@ def checkpoint_costs(model: str, repeats: int = 5) -> dict[str, float]:
     task = make_task(model, 8, seed=0)
     x, y = task.next_batch()
     mesh = pp.make_mesh(data=2, stage=2, devices=jax.devices()[:4])
-    pm = pp.pipeline(task.model, stages=2, microbatches=2, mesh=mesh, optimizer=optax.adam(3e-3))
+    pm = pp.pipeline(
+        task.model, stages=2, microbatches=2, mesh=mesh, optimizer=optax.adam(3e-3), zero=zero
+    )
     step = pm.train_step(task.loss_fn, donate=False)
     state = step.init(jax.jit(pm.init)(jax.random.key(0), x), (x, y))
     state, _ = step(state, (x, y))
@@ -237,10 +241,12 @@ def main() -> None:
     import jax
 
     print(f"jax {jax.__version__}, cache {args.cache_dir}")
-    for model in ("mlp", "gpt-tiny") if args.only is None else ():
-        costs = checkpoint_costs(model)
+    for model, zero in itertools.product(("mlp", "gpt-tiny"), (0, 1, 3)):
+        if args.only is not None:
+            break
+        costs = checkpoint_costs(model, zero)
         print(
-            f"ProcessCheckpoints, 2x2 {model} in one process (both stages): copy off the "
+            f"ProcessCheckpoints, 2x2 {model} zero {zero} in one process (both stages): copy off the "
             f"devices {costs['copy'] * 1e3:.1f} ms (first save {costs['first copy']:.2f} s), "
             f"write {costs['write'] * 1e3:.1f} ms, restore {costs['restore'] * 1e3:.1f} ms"
         )
