@@ -67,8 +67,8 @@ def test_grouped_query_heads_share_their_key_value_head():
 
 
 def test_attention_in_query_blocks_is_the_whole_causal_softmax_and_keeps_no_score_matrix():
-    """Blocks of 8 queries give jax.nn.dot_product_attention's causal GQA values
-    and gradients, and the backward stores no [T, T] scores (each block's are
+    """Blocks of 8 or 12 queries (of 32) give jax.nn.dot_product_attention's causal
+    GQA values and gradients, and the backward stores no [T, T] scores (each block's are
     recomputed), where the whole-sequence attention stores them."""
     t, kv, group, head = 32, 2, 2, 8
     keys = jax.random.split(jax.random.key(2), 4)
@@ -84,10 +84,11 @@ def test_attention_in_query_blocks_is_the_whole_causal_softmax_and_keeps_no_scor
         return jnp.sum(out.reshape(q.shape) * probe)
 
     want = jax.value_and_grad(reference, argnums=(0, 1, 2))(q, k, v)
-    got = jax.value_and_grad(ours(8), argnums=(0, 1, 2))(q, k, v)
-    assert rel_err(got[0], want[0]) < 1e-5
-    for g, w in zip(got[1], want[1], strict=True):
-        assert rel_err(g, w) < 1e-5
+    for chunk in (8, 12):  # 12: two blocks of 12 and a last one of 8
+        got = jax.value_and_grad(ours(chunk), argnums=(0, 1, 2))(q, k, v)
+        assert rel_err(got[0], want[0]) < 1e-5
+        for g, w in zip(got[1], want[1], strict=True):
+            assert rel_err(g, w) < 1e-5
 
     def largest_residual(fn):
         _, pull = jax.vjp(fn, q, k, v)

@@ -178,15 +178,23 @@ def causal_attention(
 
 def chunked_causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, chunk: int) -> jax.Array:
     """`causal_attention` one block of `chunk` queries at a time, each block
-    checkpointed (module docstring); the whole sequence at once where it is no
-    longer than `chunk` or `chunk` does not divide it."""
+    checkpointed (module docstring), the last block shorter where `chunk` does
+    not divide the sequence; the whole sequence at once where it is no longer
+    than `chunk`."""
     *lead, t, kv, group, head = q.shape
-    if t <= chunk or t % chunk:
+    if t <= chunk:
         return causal_attention(q, k, v)
-    blocks = jnp.moveaxis(q.reshape(*lead, t // chunk, chunk, kv, group, head), len(lead), 0)
     block = jax.checkpoint(lambda qb, start: causal_attention(qb, k, v, start))
-    out = jax.lax.map(lambda args: block(*args), (blocks, jnp.arange(0, t, chunk)))
-    return jnp.moveaxis(out, 0, len(lead)).reshape(q.shape)
+    whole = t - t % chunk  # queries in full blocks
+    blocks = q[..., :whole, :, :, :].reshape(*lead, whole // chunk, chunk, kv, group, head)
+    out = jax.lax.map(
+        lambda args: block(*args), (jnp.moveaxis(blocks, len(lead), 0), jnp.arange(0, whole, chunk))
+    )
+    out = jnp.moveaxis(out, 0, len(lead)).reshape(*lead, whole, kv, group, head)
+    if whole == t:
+        return out
+    rest = block(q[..., whole:, :, :, :], whole)
+    return jnp.concatenate([out, rest], axis=-4)
 
 
 class Attention(nn.Module):
