@@ -19,6 +19,7 @@ import numpy as np
 import optax
 import pytest
 from test_memory_report import COMPILED_TOLERANCE
+from test_zero3 import cli_losses
 from test_zero_combos import BATCH, check, optimizer, problem
 
 import pjit_pipe as pp
@@ -105,15 +106,10 @@ def test_grad_sum_refusals_name_the_option():
 def test_cli_slices_keep_the_accumulators_losses_through_a_failure(capsys):
     """`pjit-pipe train --zero 3 --grad-sum slices` with worker (1, 0) down from step
     1 to 3 (its variant sums without ZeRO) gives the accumulator's losses."""
-    from pjit_pipe.cli import main
-
     argv = ["train", "--model", "mlp", "--mesh", "4x2", "--steps", "4", "--json", "--zero", "3"]
     argv += ["--fail", "1:1:0", "--rejoin", "3:1:0"]
-    losses = {}
-    for how in ("accumulator", "slices"):
-        assert main([*argv, "--grad-sum", how]) == 0
-        lines = capsys.readouterr().out.splitlines()
-        losses[how] = [json.loads(line)["loss"] for line in lines if line.startswith("{")]
+    how = ("accumulator", "slices")
+    losses = {h: cli_losses(capsys, [*argv, "--grad-sum", h]) for h in how}
     assert len(losses["slices"]) == 4
     np.testing.assert_allclose(losses["slices"], losses["accumulator"], rtol=1e-5)
 

@@ -210,17 +210,20 @@ def test_zero3_failure_and_rejoin_keep_the_fault_free_losses():
     assert rel_err(runs["failing"][1], runs["clean"][1]) <= 1e-5
 
 
-@pytest.mark.slow
-def test_cli_train_zero3_losses_equal_zero1s_through_a_failure(capsys):
+def cli_losses(capsys, argv: list[str]) -> list[float]:
+    """The losses `pjit-pipe train ... --json` prints, one per committed step."""
     from pjit_pipe.cli import main
 
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    return [json.loads(line)["loss"] for line in lines if line.startswith("{")]
+
+
+@pytest.mark.slow
+def test_cli_train_zero3_losses_equal_zero1s_through_a_failure(capsys):
     argv = ["train", "--model", "mlp", "--mesh", "4x2", "--steps", "4", "--json"]
     argv += ["--fail", "1:1:0", "--rejoin", "3:1:0"]
-    losses = {}
-    for zero in ("1", "3"):
-        assert main([*argv, "--zero", zero]) == 0
-        lines = capsys.readouterr().out.splitlines()
-        losses[zero] = [json.loads(line)["loss"] for line in lines if line.startswith("{")]
+    losses = {zero: cli_losses(capsys, [*argv, "--zero", zero]) for zero in ("1", "3")}
     assert len(losses["3"]) == 4
     np.testing.assert_allclose(losses["3"], losses["1"], rtol=1e-5)
 

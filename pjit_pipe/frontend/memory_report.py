@@ -23,7 +23,7 @@ from pjit_pipe.errors import BatchError, OptionError
 from pjit_pipe.frontend.cutter.tensor_split import stage_splits, unbox
 from pjit_pipe.frontend.inputs import leading_dim
 from pjit_pipe.frontend.mesh import tensor_size
-from pjit_pipe.frontend.options import GRAD_SUMS
+from pjit_pipe.frontend.options import check_grad_sum
 from pjit_pipe.ir.memory import split_stages
 from pjit_pipe.lowering import MemoryReport, any_split, predict_memory, traced_stages
 
@@ -83,8 +83,7 @@ class MemoryReports:
         own_level, own_sum = self.options.zero, self.options.grad_sum
         level = own_level if zero is None else zero
         how = own_sum if grad_sum is None else grad_sum
-        if how not in GRAD_SUMS:
-            raise OptionError(f"grad_sum: expected one of {', '.join(GRAD_SUMS)}, got {how!r}")
+        check_grad_sum(how)
         if compiled and (
             (level, how) != (own_level, own_sum)
             or (want_data, want_tensor) != (mesh_data, mesh_tensor)

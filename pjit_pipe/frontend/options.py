@@ -9,8 +9,8 @@ is `dataclasses.replace` on them, so a changed copy is checked the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Literal
+from dataclasses import dataclass, replace
+from typing import Any, Literal
 
 import jax
 import numpy as np
@@ -27,6 +27,7 @@ from pjit_pipe.schedules import KINDS
 from pjit_pipe.simulator import SYNCS
 
 Balance = Literal["flops", "params", "flops+params", "time"]
+GradSum = Literal["accumulator", "slices"]
 GRAD_SUMS = ("accumulator", "slices")
 AsyncWeightsMode = Literal["predict", "stash", "latest"]
 ASYNC_WEIGHTS = ("predict", "stash", "latest")  # lowering/async_pipeline/async_weights.py MODES
@@ -151,7 +152,13 @@ class PipelineOptions:
     skip_nonfinite: bool | None = None
     tick_sync: str | None = None
     zero: bool | int = False
-    grad_sum: Literal["accumulator", "slices"] = "accumulator"
+    grad_sum: GradSum = "accumulator"
+
+    def with_zero(self, zero: int, **changes: Any) -> PipelineOptions:
+        """These options at ZeRO level `zero` (and `changes`): a variant without ZeRO
+        (failed or slow workers) sums its gradients in one accumulator."""
+        grad_sum = self.grad_sum if zero else "accumulator"
+        return replace(self, zero=zero, grad_sum=grad_sum, **changes)
 
     def resolved_tick_sync(self) -> str:
         """How the runtime synchronizes ticks.
@@ -233,10 +240,7 @@ class PipelineOptions:
                 "once-per-step reduce-scatter and all-gather do not fit; use a synchronous "
                 "schedule such as '1f1b' or 'zb-h1' with zero=True, or zero=False"
             )
-        if self.grad_sum not in GRAD_SUMS:
-            raise OptionError(
-                f"grad_sum: expected one of {', '.join(GRAD_SUMS)}, got {self.grad_sum!r}"
-            )
+        check_grad_sum(self.grad_sum)
         if self.grad_sum == "slices" and not self.zero:
             raise OptionError(
                 "grad_sum='slices' sums each microbatch's gradient into ZeRO's slices; "
@@ -383,4 +387,10 @@ def _is_pair(value: object) -> bool:
     return isinstance(value, tuple | list) and len(value) == 2 and all(map(_is_int, value))
 
 
-__all__ = ["AsyncWeightsMode", "Balance", "PipelineOptions", "failed_workers"]
+def check_grad_sum(grad_sum: str) -> None:
+    """Refuse a `grad_sum` that is not one of GRAD_SUMS, by name."""
+    if grad_sum not in GRAD_SUMS:
+        raise OptionError(f"grad_sum: expected one of {', '.join(GRAD_SUMS)}, got {grad_sum!r}")
+
+
+__all__ = ["AsyncWeightsMode", "Balance", "GradSum", "PipelineOptions", "failed_workers"]

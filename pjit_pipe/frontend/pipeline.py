@@ -12,7 +12,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from pjit_pipe.errors import OptionError
-from pjit_pipe.frontend.options import AsyncWeightsMode, Balance, PipelineOptions
+from pjit_pipe.frontend.options import AsyncWeightsMode, Balance, GradSum, PipelineOptions
 from pjit_pipe.frontend.pipelined import Pipelined
 from pjit_pipe.frontend.planning.auto_plan import AutoPlanned, check_auto_options
 from pjit_pipe.frontend.planning.live_plan import planned_options
@@ -65,7 +65,7 @@ def pipeline(
     pack_polish: float = 0.0,
     skip_nonfinite: bool | None = None,
     zero: bool | int = False,
-    grad_sum: Literal["accumulator", "slices"] = "accumulator",
+    grad_sum: GradSum = "accumulator",
     split_points: Sequence[str] | None = None,
 ) -> Pipelined | AutoPlanned | PipelinedClass | Callable[[Any], Any]:
     """Pipeline a Flax model: `pipeline(module, stages=P, microbatches=M, schedule=KIND, ...)`.

@@ -191,9 +191,7 @@ class Pipelined(CompiledPrograms):
         # live replicas sum down a ppermute chain): while workers are down they hold
         # their stages' whole optax state (joined from the slices and their copies;
         # lowering/layout/zero.py).
-        zero = 0 if failed else self.options.zero
-        grad_sum = self.options.grad_sum if zero else "accumulator"
-        options = dataclasses.replace(self.options, failed=failed, zero=zero, grad_sum=grad_sum)
+        options = self.options.with_zero(0 if failed else self.options.zero, failed=failed)
         return Pipelined(self.module, options, cuts=self.cuts)  # same module and stages
 
     def with_slow(self, slow: Mapping[tuple[int, int], float]) -> Pipelined:
@@ -215,9 +213,8 @@ class Pipelined(CompiledPrograms):
                 that is not a finite number >= 1.
         """
         # The mitigated program steps the optimizer inside its loop, which ZeRO does not.
-        zero = 0 if any(f > 1 for f in dict(slow).values()) else self.options.zero
-        grad_sum = self.options.grad_sum if zero else "accumulator"
-        options = dataclasses.replace(self.options, slow=slow, zero=zero, grad_sum=grad_sum)
+        slowed = any(f > 1 for f in dict(slow).values())
+        options = self.options.with_zero(0 if slowed else self.options.zero, slow=slow)
         return Pipelined(self.module, options, cuts=self.cuts)
 
     # ---- the plain module API ----
