@@ -59,8 +59,7 @@ class PipelineOptions:
             the fastest one whose pool rows fit those of the default policy
             (frontend/planning/residual_choice.py; `Pipelined.stage_policies`).
         balance: what the stage cut evens out: "flops", "params", "flops+params"
-            (the worse of the two, each relative to its mean stage: a cut whose
-            largest stage pads every device's rows less) or measured "time".
+            (the worse of the two, each against its mean stage) or measured "time".
         failed: the (replica, stage) workers that are down; see `with_failures`.
         slow: the slow workers, {(replica, stage): factor >= 1} (stored as sorted
             pairs); part of their microbatches run on peers of their stage
@@ -110,12 +109,10 @@ class PipelineOptions:
             parameters between steps too, all-gathered once per step before the
             tick loop. 0 (False): off. With one
             replica (data=1) there is nothing to shard: the state is whole.
-        grad_sum: with zero 1 or 3, how the microbatches' gradients are summed:
-            "accumulator" (one float32 accumulator of the stage's rows,
-            reduce-scattered once after the tick loop) or "slices" (each
-            microbatch's gradient reduce-scattered as its W makes it, into
-            float32 slices: 1/D of the accumulator's bytes, M reduce-scatters;
-            not with tied weights). docs/memory.md weighs the two.
+        grad_sum: with zero 1 or 3, "accumulator" (one float32 accumulator of the
+            stage's rows, reduce-scattered after the tick loop) or "slices" (each
+            W's gradient reduce-scattered into float32 slices: 1/D of the bytes,
+            M reduce-scatters; not with tied weights; docs/memory.md).
 
     Raises:
         OptionError: an option outside its values (each names the option, the
@@ -155,8 +152,15 @@ class PipelineOptions:
     grad_sum: GradSum = "accumulator"
 
     def with_zero(self, zero: int, **changes: Any) -> PipelineOptions:
-        """These options at ZeRO level `zero` (and `changes`): a variant without ZeRO
-        (failed or slow workers) sums its gradients in one accumulator."""
+        """A copy at another ZeRO level; without ZeRO it sums in one accumulator.
+
+        Args:
+            zero: the ZeRO level of the copy.
+            changes: other options to change, as in `dataclasses.replace`.
+
+        Returns:
+            The checked copy.
+        """
         grad_sum = self.grad_sum if zero else "accumulator"
         return replace(self, zero=zero, grad_sum=grad_sum, **changes)
 
