@@ -140,8 +140,10 @@ def measure(name: str, config: GPTConfig, D: int, P: int, M: int, steps: int) ->
     )
 
 
-# (zero, grad_sum) of the tables' rows.
+# (zero, grad_sum) of the tables' rows; the report's also sum a bf16 model's slices
+# in bf16 (on the float32 tiny GPT "slices-compute" is "slices").
 LEVELS = ((0, "accumulator"), (1, "accumulator"), (1, "slices"), (3, "accumulator"), (3, "slices"))
+REPORT_LEVELS = (*LEVELS, (1, "slices-compute"), (3, "slices-compute"))
 
 
 def zero_table(steps: int) -> None:
@@ -269,7 +271,7 @@ def report_table() -> None:
     from pjit_pipe.models.llama import Llama, LlamaConfig
 
     print(
-        f"{'model':<10} {'remat':>5} {'zero':>4} {'grad_sum':>11} "
+        f"{'model':<14} {'remat':>5} {'zero':>4} {'grad_sum':>14} "
         + " ".join(f"{p:>11}" for p in (*PARTS, "total"))
         + f" {'fits 80GB':>9}  (GB per device)"
     )
@@ -279,18 +281,27 @@ def report_table() -> None:
     ):
         D, P, M = 8, 8, 8
         tokens = jax.ShapeDtypeStruct((D * M, config.seq_len), np.int32)
-        for remat in (True, False):  # the pipeline's, beside the model's per-block nn.remat
+        # the pipeline's remat (beside the model's per-block nn.remat), and the cut
+        runs = [(True, "flops"), (False, "flops"), (True, "flops+params")]
+        for remat, balance in runs:
             pm = pp.pipeline(
-                Llama(config), stages=P, microbatches=M, optimizer=optax.adam(1e-3), remat=remat
+                Llama(config),
+                stages=P,
+                microbatches=M,
+                optimizer=optax.adam(1e-3),
+                remat=remat,
+                balance=balance,
             )
             shapes = jax.eval_shape(pm.module.init, jax.random.key(0), tokens)
-            for zero, how in LEVELS:
+            levels = REPORT_LEVELS if balance == "flops" else REPORT_LEVELS[-1:]
+            for zero, how in levels:
                 report = pm.memory_report(
                     shapes, (tokens, tokens), lm_loss, data=D, zero=zero, grad_sum=how
                 )
                 d = report.as_dict(80 * 10**9)
+                label = name if balance == "flops" else f"{name} f+p"
                 print(
-                    f"{name:<10} {remat!s:>5} {zero:>4} {how:>11} "
+                    f"{label:<14} {remat!s:>5} {zero:>4} {how:>14} "
                     + " ".join(f"{d[p] / 1e9:11.2f}" for p in (*PARTS, "total"))
                     + f" {d['fits']!s:>9}"
                 )

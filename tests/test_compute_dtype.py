@@ -97,14 +97,21 @@ def test_zero3_gathers_bf16_rows_and_trains_as_zero0():
     assert 0.5 * rows < gathered < 0.51 * rows
     # The program jax hands to XLA gathers the cast rows in bf16 (XLA's CPU backend then
     # widens a bf16 all-gather on the wire, and keeps the gathered rows bf16).
-    _, program = pm.program(shapes, x, batch[1], lm_loss)
+    gathers = collective_dtypes(pm, shapes, batch, "all-gather")
+    assert "bf16" in gathers and "f32" in gathers, gathers
+
+
+def collective_dtypes(pm, shapes, batch, collective: str) -> set[str]:
+    """The dtypes of `collective` ("all-gather", "reduce-scatter") in the HLO that jax
+    hands to XLA for pm's device-layout train step (before XLA's own passes)."""
+    _, program = pm.program(shapes, batch[0], batch[1], lm_loss)
     placed = [
         jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=NamedSharding(pm.device_mesh, PS()))
         for a in batch
     ]
     lowered = program._device_steps[True, True].lower(*program.layout.avals(), *placed)
-    gathers = re.findall(r"= (\w+)\[[\d,]*\][^=]* all-gather\(", lowered.as_text("hlo"))
-    assert "bf16" in gathers and "f32" in gathers, gathers
+    pattern = rf"= (\w+)\[[\d,]*\][^=]* {collective}\("
+    return set(re.findall(pattern, lowered.as_text("hlo")))
 
 
 def _llama(dtype=jnp.float32) -> Llama:
@@ -136,8 +143,12 @@ def test_llama_stages_store_only_their_layers_inputs():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("remat", [False, True], ids=["stored", "remat"])
-def test_report_counts_the_models_remat_within_tolerance(remat):
+@pytest.mark.parametrize(
+    ("remat", "grad_sum"),
+    [(False, "accumulator"), (True, "accumulator"), (True, "slices")],
+    ids=["stored", "remat", "remat-slices"],
+)
+def test_report_counts_the_models_remat_within_tolerance(remat, grad_sum):
     x = np.random.default_rng(0).integers(0, 64, size=(16, 32)).astype(np.int32)
     batch = (x, np.roll(x, -1, axis=1))
     pm = pp.pipeline(
@@ -148,6 +159,7 @@ def test_report_counts_the_models_remat_within_tolerance(remat):
         optimizer=optax.adam(1e-3),
         zero=3,
         remat=remat,
+        grad_sum=grad_sum,
     )
     shapes = jax.eval_shape(pm.init, jax.random.key(0), x)
     report = pm.memory_report(shapes, batch, lm_loss, compiled=True)

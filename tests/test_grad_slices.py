@@ -7,17 +7,22 @@ the schedule kinds (one and two chunks per device, split backward), at ZeRO 1
 and 3 and with weights split over 'tensor'; XLA's compiled temporaries fall by
 the accumulator's bytes less a slice's, as the memory report predicts; a
 failure and rejoin keep the fault-free losses; what cannot be built (tied
-weights) or means nothing (no ZeRO) is refused by name.
+weights) or means nothing (no ZeRO) is refused by name. `grad_sum=
+"slices-compute"` reduce-scatters a bf16 model's gradients in bf16: its losses
+stay within bf16 rounding of the float32 sums'.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_compute_dtype import collective_dtypes
 from test_memory_report import COMPILED_TOLERANCE
 from test_zero3 import cli_losses
 from test_zero_combos import BATCH, check, optimizer, problem
@@ -28,20 +33,54 @@ from tests.tiers import EXHAUSTIVE
 
 
 @pytest.mark.parametrize(
-    ("model", "kind", "mesh", "zero"),
+    ("model", "kind", "mesh", "zero", "how"),
     [
-        ("mlp", "1f1b", (4, 2, 1), 1),
-        ("mlp", "zb-h1", (4, 2, 1), 3),
-        pytest.param("mlp", "interleaved-1f1b", (4, 2, 1), 3, marks=pytest.mark.slow),
-        pytest.param("mlp", "zb-v", (2, 2, 1), 1, marks=pytest.mark.slow),
-        pytest.param("llama", "1f1b", (2, 2, 2), 3, marks=pytest.mark.slow),
-        pytest.param("llama", "zb-h2", (4, 2, 1), 3, marks=EXHAUSTIVE),
+        ("mlp", "1f1b", (4, 2, 1), 1, "slices"),
+        ("mlp", "zb-h1", (4, 2, 1), 3, "slices"),
+        ("mlp", "1f1b", (2, 2, 1), 3, "slices-compute"),  # float32: the same sums
+        pytest.param("mlp", "interleaved-1f1b", (4, 2, 1), 3, "slices", marks=pytest.mark.slow),
+        pytest.param("mlp", "zb-v", (2, 2, 1), 1, "slices", marks=pytest.mark.slow),
+        pytest.param("llama", "1f1b", (2, 2, 2), 3, "slices", marks=pytest.mark.slow),
+        pytest.param("llama", "zb-h2", (4, 2, 1), 3, "slices", marks=EXHAUSTIVE),
     ],
     ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else str(v),
 )
-def test_slices_train_like_optax(model, kind, mesh, zero):
+def test_slices_train_like_optax(model, kind, mesh, zero, how):
     """Three clipped adamw steps equal optax's (1e-5): the slices hold the same sums."""
-    check(model, kind, mesh, zero, "adamw", grad_sum="slices")
+    check(model, kind, mesh, zero, "adamw", grad_sum=how)
+
+
+@pytest.mark.slow
+def test_bf16_slices_reduce_in_bf16_within_its_rounding():
+    """A bf16 GPT at 4x2, ZeRO-3: with "slices-compute" the program jax hands XLA
+    reduce-scatters bf16 rows (with "slices" float32 ones only), and its losses stay
+    within bf16 rounding of the float32 sums' (those equal zero=0's exactly:
+    test_compute_dtype.py)."""
+    model = GPT(dataclasses.replace(GPTConfig.tiny(vocab=65), dtype=jnp.bfloat16))
+    x = np.random.default_rng(0).integers(0, 65, size=(32, 32)).astype(np.int32)
+    batch = (x, np.roll(x, -1, axis=1))
+    losses, scattered = {}, {}
+    for how in ("slices", "slices-compute"):
+        pm = pp.pipeline(
+            model,
+            stages=2,
+            microbatches=4,
+            mesh=pp.make_mesh(data=4, stage=2),
+            optimizer=optax.adam(1e-2),
+            zero=3,
+            grad_sum=how,
+        )
+        step = pm.train_step(lm_loss)
+        state = step.init(pm.init(jax.random.key(0), x), batch)
+        losses[how] = []
+        for _ in range(3):
+            state, loss = step(state, batch)
+            losses[how].append(float(loss))
+        shapes = jax.eval_shape(pm.init, jax.random.key(0), x)
+        scattered[how] = collective_dtypes(pm, shapes, batch, "reduce-scatter")
+    assert scattered == {"slices": {"f32"}, "slices-compute": {"bf16", "f32"}}, scattered
+    np.testing.assert_allclose(losses["slices-compute"], losses["slices"], rtol=1e-3)
+    assert losses["slices-compute"] != losses["slices"]  # the sums did round in bf16
 
 
 def _gpt_reports(D: int, P: int) -> dict[str, object]:

@@ -72,10 +72,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument(
         "--grad-sum",
-        choices=("accumulator", "slices"),
+        choices=("accumulator", "slices", "slices-compute"),
         default="accumulator",
         help="with --zero 1|3: sum the microbatches' gradients in one accumulator "
-        "(default) or reduce-scatter each into slices",
+        "(default), reduce-scatter each into slices, or do so in the compute dtype "
+        "(slices-compute)",
     )
     p.add_argument("--schedule", choices=KINDS, default="1f1b", metavar="KIND", help="default 1f1b")
     p.add_argument(

@@ -151,11 +151,12 @@ def add_training_args(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--grad-sum",
-        choices=("accumulator", "slices"),
+        choices=("accumulator", "slices", "slices-compute"),
         default="accumulator",
         help="with --zero: sum the microbatches' gradients in one float32 accumulator, "
         "reduce-scattered once (the default), or reduce-scatter each into float32 slices "
-        "(1/D of the bytes, one reduce-scatter per microbatch; docs/memory.md)",
+        "(1/D of the bytes, one reduce-scatter per microbatch), slices-compute: those "
+        "reduce-scatters in the compute dtype (bf16 sums; docs/memory.md)",
     )
 
 

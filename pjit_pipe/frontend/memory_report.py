@@ -60,7 +60,8 @@ class MemoryReports:
             tensor: T, the devices each stage's annotated weights split over (None:
                 this pipeline's mesh's).
             zero: 0, 1 or 3 (None: this pipeline's `zero`).
-            grad_sum: with zero, "accumulator" or "slices" (None: this pipeline's).
+            grad_sum: with zero, "accumulator", "slices" or "slices-compute" (None:
+                this pipeline's).
             compiled: also compile the train step on this pipeline's mesh and add
                 XLA's memory analysis of it (`MemoryReport.compiled`).
 

@@ -27,8 +27,8 @@ from pjit_pipe.schedules import KINDS
 from pjit_pipe.simulator import SYNCS
 
 Balance = Literal["flops", "params", "flops+params", "time"]
-GradSum = Literal["accumulator", "slices"]
-GRAD_SUMS = ("accumulator", "slices")
+GradSum = Literal["accumulator", "slices", "slices-compute"]
+GRAD_SUMS = ("accumulator", "slices", "slices-compute")
 AsyncWeightsMode = Literal["predict", "stash", "latest"]
 ASYNC_WEIGHTS = ("predict", "stash", "latest")  # lowering/async_pipeline/async_weights.py MODES
 IN_LOOP_OPTIMIZER = ("async-1f1b",)  # kinds whose stages step inside the tick loop
@@ -107,12 +107,13 @@ class PipelineOptions:
             optimizer and an unstaggered schedule. Failure variants run without it,
             each lost slice read from the copy its neighbour keeps. 3: the
             parameters between steps too, all-gathered once per step before the
-            tick loop. 0 (False): off. With one
-            replica (data=1) there is nothing to shard: the state is whole.
+            tick loop. 0 (False): off. With one replica (data=1) there is nothing
+            to shard: the state is whole.
         grad_sum: with zero 1 or 3, "accumulator" (one float32 accumulator of the
-            stage's rows, reduce-scattered after the tick loop) or "slices" (each
+            stage's rows, reduce-scattered after the tick loop), "slices" (each
             W's gradient reduce-scattered into float32 slices: 1/D of the bytes,
-            M reduce-scatters; not with tied weights; docs/memory.md).
+            M reduce-scatters; not with tied weights; docs/memory.md) or
+            "slices-compute" (the same, each reduce-scatter in the compute dtype).
 
     Raises:
         OptionError: an option outside its values (each names the option, the
@@ -245,9 +246,9 @@ class PipelineOptions:
                 "schedule such as '1f1b' or 'zb-h1' with zero=True, or zero=False"
             )
         check_grad_sum(self.grad_sum)
-        if self.grad_sum == "slices" and not self.zero:
+        if self.grad_sum != "accumulator" and not self.zero:
             raise OptionError(
-                "grad_sum='slices' sums each microbatch's gradient into ZeRO's slices; "
+                f"grad_sum={self.grad_sum!r} sums each microbatch's gradient into ZeRO's slices; "
                 "set zero=1 or zero=3 with it, or keep grad_sum='accumulator'"
             )
         self._check_mesh()

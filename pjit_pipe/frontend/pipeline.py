@@ -114,7 +114,8 @@ def pipeline(
         zero: Shard each stage's optimizer state over its data-parallel
             replicas (ZeRO-1: True or 1; docs/memory.md).
         grad_sum: With zero, "accumulator" (one reduce-scatter a step) or
-            "slices" (one a microbatch, into 1/D of the bytes; docs/memory.md).
+            "slices" (one a microbatch, into 1/D of the bytes) or "slices-compute"
+            (those in the compute dtype: bf16 sums; docs/memory.md).
         split_points: The cut points by module path, where stages 1, 2, ...
             begin (["model.layers.8", ...]); None: the cutter balances.
 

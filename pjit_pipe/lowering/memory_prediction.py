@@ -14,8 +14,8 @@ device:
   with ZeRO-3 the parameters too;
 - `grads`: the gradient the step accumulates over the microbatches (one
   buffer like the parameter rows), plus with ZeRO the slice the
-  reduce-scatter leaves; with `grad_sum="slices"` only slices (each W's
-  gradient reduce-scattered as it is made, compute/tick.py);
+  reduce-scatter leaves; with `grad_sum="slices"` or `"slices-compute"` only
+  slices (each W's gradient reduce-scattered as it is made, compute/tick.py);
 - `update`: the optax update's working copy (the new state is written while
   the old one is read: as large as `optimizer`);
 - `gathered`: parameters all-gathered over 'data' for the step (ZeRO-1: the
@@ -261,7 +261,8 @@ def predict_memory(
         remat: the backward recomputes each stage's forward (no residual pools).
         input_bytes: bytes of the global batch (x and y), which every device receives.
         grad_sum: with zero, "accumulator" (one whole gradient accumulator and the
-            slice its reduce-scatter leaves) or "slices" (the slices alone).
+            slice its reduce-scatter leaves), "slices" (the slices alone) or
+            "slices-compute" (those, each W's reduce-scatter in its compute dtype).
 
     Returns:
         The MemoryReport: one DeviceMemory per pipeline position (its replicas
@@ -329,17 +330,20 @@ def predict_memory(
     # The gradient the step carries: one accumulator of the rows (and with ZeRO the
     # slice its reduce-scatter leaves), or with grad_sum="slices" the slices and one
     # W's reduce-scattered slice beside them.
-    slices = sliced and grad_sum == "slices"
+    slices = sliced and grad_sum != "accumulator"
     grads = 2 * scattered if slices else rows + scattered
     # A W's own output, live while its cond runs: the chunk's parameter gradient in its
     # compute dtype (bf16 where the model reads a weight through a cast to bf16). With
-    # "slices" the W joins it into the chunk's float32 row for the reduce-scatter: XLA
-    # writes a float32 gradient into that row in place, a bf16 one is converted into a
-    # second buffer. The ops' conds share their temporaries: the larger one counts.
+    # slices the W packs it into the chunk's row in the dtype it is reduce-scattered in
+    # and holds the slice that leaves: XLA writes a gradient of that dtype into the row
+    # in place; "slices" converts a bf16 one into a second, float32 buffer. The ops'
+    # conds share their temporaries: the larger one counts.
     w_output = _row_bytes(param_spec, tensor, gather_dtypes)
-    if slices:
-        narrow = sum(_device_bytes(param_spec, k, tensor, d) for k, d in gather_dtypes.items())
-        w_output = rows // v + narrow
+    if slices and grad_sum == "slices-compute":
+        w_output += w_output // D
+    elif slices:
+        cast = sum(_device_bytes(param_spec, k, tensor, d) for k, d in gather_dtypes.items())
+        w_output = rows // v + rows // (v * D) + cast
     workspace = max(workspace, w_output)
     own = [
         _own_bytes(a, None if splits is None else splits[s], optimizer, tensor)

@@ -141,8 +141,9 @@ class LoweringOptions:
     zero: 1 (or True): the optimizer state sharded over 'data'; 3: the parameters
         between steps too, gathered once per step (ZeRO, layout/zero.py); 0: off.
     grad_sum: with zero, "accumulator" (one whole accumulator, reduce-scattered
-        after the tick loop) or "slices" (each W's gradient reduce-scattered into
-        the slices as it is made; compute/tick.py).
+        after the tick loop), "slices" (each W's gradient reduce-scattered into
+        the slices as it is made; compute/tick.py) or "slices-compute" (the same,
+        reduce-scattered in the gradient's compute dtype).
     policies: per virtual stage, the residual policy its F stores under
         (compute/residual_policy.py); None: the default policy for every stage.
     """
@@ -275,11 +276,11 @@ def lower(
             "iterations=1 (a re-routed one: schedule.replace(staggered=False)), or untie them"
         )
     examples = (_abstract(list(stage_params)), _abstract(x), _abstract(y))
-    slices = bool(zero) and o.grad_sum == "slices"
-    if slices and shared:
+    grad_sum = o.grad_sum if zero else "accumulator"
+    if grad_sum != "accumulator" and shared:
         raise OptionError(
-            f"grad_sum='slices' with tied parameters {sorted(shared)}: their copies' "
+            f"grad_sum={grad_sum!r} with tied parameters {sorted(shared)}: their copies' "
             "gradients are summed over the stages that hold them before the reduce-scatter, "
             "which one W alone cannot do; use grad_sum='accumulator'"
         )
-    return PipelineStep(schedule, program, optimizer, examples, zero=zero, grad_slices=slices)
+    return PipelineStep(schedule, program, optimizer, examples, zero=zero, grad_sum=grad_sum)

@@ -45,7 +45,7 @@ class PipelineStep(StepIO):
         optimizer: optax.GradientTransformation | None,
         examples: tuple[Any, Any, Any],
         zero: int = 0,
-        grad_slices: bool = False,
+        grad_sum: str = "accumulator",
     ):
         self.schedule = schedule
         self.optimizer = optimizer
@@ -74,6 +74,7 @@ class PipelineStep(StepIO):
                 lowered.shared,
                 level=int(zero),
                 gather_dtypes=buffer_dtypes(lowered.param_spec, lowered.st.compute_dtypes),
+                reduce_in_compute=grad_sum == "slices-compute",
             )
             self._opt_spec = self._zero.opt_spec
         elif optimizer is not None and rows is not None:
@@ -89,8 +90,9 @@ class PipelineStep(StepIO):
                     opt_state_splits(optimizer, a, h) for a, h in zip(avals, splits, strict=True)
                 ],
             )
-        # ZeRO's grad_sum="slices": each W reduce-scatters its gradient into the slices.
-        self._grad_slices = self._zero if grad_slices else None
+        # ZeRO's grad_sum="slices" or "slices-compute": each W reduce-scatters its
+        # gradient into the slices.
+        self._grad_slices = self._zero if grad_sum != "accumulator" else None
         # Each entry point's first compile is checked for reshards inside a stage's
         # branch, which would deadlock (branch_permutes.py).
         self._vg = BranchSafeJit(jax.jit(self._value_and_grad))

@@ -369,7 +369,8 @@ class TickProgram:
             grads = [slices.zero_slices() for _ in self.layouts]
 
             def add_grad(c: int, acc: Buffers, dpar: Any) -> Buffers:
-                return slices.add_scattered(acc, self.layouts[c].leave(dpar, pos))
+                row = self.layouts[c].leave(dpar, pos, slices.reduce_dtypes)
+                return slices.add_scattered(acc, row)
 
         def tick(carry, row):
             *state, loss = carry

@@ -42,7 +42,7 @@ and accumulates each device's slice of it and no reshape crosses the split.
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -124,22 +124,31 @@ class ChunkLayout:
             return self._to_classes(self.stages[0], row)
         return self._switch(self._to_classes, row, pos)
 
-    def leave_pieces(self, carried: Any, pos: jax.Array) -> dict[str, list[jax.Array]]:
+    def leave_pieces(
+        self, carried: Any, pos: jax.Array, dtypes: Mapping[str, str] | None = None
+    ) -> dict[str, list[jax.Array]]:
         """A carried gradient -> the device's flat row (the inverse of `enter`), as the
         pieces that concatenate into each buffer (`FlatSpec.pieces`): a chunk of one
         layout hands its leaves over without packing them, so the caller builds the
-        (v, L) rows of every chunk in one concatenate."""
+        (v, L) rows of every chunk in one concatenate. `dtypes`: per buffer key, a
+        dtype its pieces are cast to instead of the buffer's own (a bf16 gradient
+        stays bf16: the cast to float32 and back is one XLA removes)."""
+        narrow = functools.partial(_cast, dict(dtypes or {}))
         if self.flat:
-            return {k: [b] for k, b in carried.items()}
+            return {k: [b] for k, b in narrow(carried).items()}
         if self.same:
-            return self.spec.pieces(self.stages[0], self.unpack(self.stages[0], carried))
-        return {k: [b] for k, b in self._switch(self._to_row, carried, pos).items()}
+            pieces = self.spec.pieces(self.stages[0], self.unpack(self.stages[0], carried))
+            return {k: [narrow({k: p})[k] for p in got] for k, got in pieces.items()}
+        to_row = lambda s, bufs: narrow(self._to_row(s, bufs))  # noqa: E731
+        return {k: [b] for k, b in self._switch(to_row, carried, pos).items()}
 
-    def leave(self, carried: Any, pos: jax.Array) -> Buffers:
+    def leave(
+        self, carried: Any, pos: jax.Array, dtypes: Mapping[str, str] | None = None
+    ) -> Buffers:
         """A carried gradient -> this chunk's flat buffers (`leave_pieces`, joined)."""
         return {
             k: jnp.concatenate([jnp.ravel(p) for p in pieces]).reshape(self.spec.shapes[k])
-            for k, pieces in self.leave_pieces(carried, pos).items()
+            for k, pieces in self.leave_pieces(carried, pos, dtypes).items()
         }
 
     def _switch(self, convert: Any, bufs: Any, pos: jax.Array) -> Any:
@@ -201,3 +210,8 @@ class ChunkLayout:
 
     def _to_row(self, s: int, carried: Any) -> Buffers:
         return self.spec.pack(s, self.unpack(s, carried))
+
+
+def _cast(dtypes: Mapping[str, str], bufs: Buffers) -> Buffers:
+    """Each buffer of `bufs` named in `dtypes` cast to that dtype."""
+    return {k: b.astype(dtypes[k]) if k in dtypes else b for k, b in bufs.items()}

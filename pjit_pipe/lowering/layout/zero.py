@@ -88,12 +88,16 @@ class ZeroLayout:
         shared: SharedGrads | None,
         level: int = 1,
         gather_dtypes: Mapping[str, str] | None = None,
+        reduce_in_compute: bool = False,
     ):
         self.D, self.optimizer, self.level = replicas, optimizer, level
         # ZeRO-3: per buffer key, the compute dtype it is all-gathered in (bf16 where
         # every leaf in it is read through a cast to bf16, compute/compute_dtype.py);
         # a buffer not named is gathered in its own dtype.
         self.gather_dtypes = dict(gather_dtypes or {})
+        # Per buffer key, the dtype a W's gradient row is reduce-scattered in when it
+        # is not the buffer's own: with grad_sum="slices-compute" the compute dtype.
+        self.reduce_dtypes = self.gather_dtypes if reduce_in_compute else {}
         self.param_spec = param_spec  # one stage's whole rows (the tick loop's layout)
         # Per buffer key: the dimension (of one chunk's buffer) cut into D slices, or None.
         self.dims: dict[str, int | None] = {}
@@ -149,9 +153,12 @@ class ZeroLayout:
 
     def add_scattered(self, acc: Buffers, row: Buffers) -> Buffers:
         """One chunk's gradient slices `acc` plus this replica's slice of `row` (one
-        chunk's gradient buffers, one microbatch's) summed over 'data', in the
-        slices' dtype. Every replica of the stage must call it together."""
-        return {k: a + self._reduce(row[k].astype(a.dtype), k, lead=0) for k, a in acc.items()}
+        chunk's gradient buffers, one microbatch's, each in its `reduce_dtypes`
+        dtype or its own) summed over 'data' in the row's dtype, then widened to the
+        slices'. A bf16 row is summed over the replicas in bf16: half the bytes
+        moved and no float32 copy of the row. Every replica of the stage must call
+        it together."""
+        return {k: a + self._reduce(row[k], k, lead=0).astype(a.dtype) for k, a in acc.items()}
 
     def _reduce(self, g: jax.Array, k: str, lead: int) -> jax.Array:
         """Buffer `k` (after `lead` leading dimensions) summed over 'data': this
