@@ -143,6 +143,27 @@ def test_cli_prices_llama3_8b_from_shapes(capsys):
     assert all(r["fits"] is (r["total"] <= 80 * 10**9) for r in reports.values())
 
 
+@pytest.mark.slow
+def test_cli_fits_llama3_70b_at_zero3_with_bf16_slices(capsys):
+    """Llama-3-70B on 8x8, 4096 tokens, remat: ZeRO-3 fits 80 GB only when the
+    gradients are summed in slices reduce-scattered in bf16: a W then holds its bf16
+    stage gradient (the gathered rows' bytes) and a 1/D slice of it, where the
+    accumulator holds a float32 row of the stage and its slice."""
+    from pjit_pipe.cli import main
+
+    argv = ["memory", "--model", "llama", "--config", "70b", "--mesh", "8x8", "--zero", "3"]
+    argv += ["--seq", "4096", "-m", "8", "--remat", "--device-memory", "80GB", "--json"]
+    reports = {}
+    for how in ("accumulator", "slices-compute"):
+        assert main([*argv, "--grad-sum", how]) == 0
+        reports[how] = json.loads(capsys.readouterr().out)
+    whole, sliced = reports["accumulator"], reports["slices-compute"]
+    assert sliced["workspace"] == sliced["gathered"] + sliced["gathered"] // 8
+    assert sliced["grads"] == sliced["params"]  # two float32 slices, as the state's
+    assert whole["grads"] == 4 * sliced["params"] + sliced["params"] // 2  # D/2 + 1/2
+    assert sliced["fits"] and not whole["fits"]
+
+
 def test_cli_refuses_config_of_another_model(capsys):
     from pjit_pipe.cli import main
 

@@ -80,6 +80,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--schedule", choices=KINDS, default="1f1b", metavar="KIND", help="default 1f1b")
     p.add_argument(
+        "--balance",
+        choices=("flops", "params", "flops+params"),
+        default="flops",
+        help="what the cutter evens over the stages (default flops; flops+params pads "
+        "every device less, docs/memory.md)",
+    )
+    p.add_argument(
         "--microbatches", "-m", type=positive_int, metavar="M", help="per replica; default 2P"
     )
     p.add_argument(
@@ -162,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
         stages=stages,
         microbatches=args.microbatches or 2 * stages,
         schedule=args.schedule,
+        balance=args.balance,
         mesh=mesh,
         optimizer=optax.adam(1e-3),
         remat=args.remat,
