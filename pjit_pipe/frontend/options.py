@@ -111,9 +111,8 @@ class PipelineOptions:
             to shard: the state is whole.
         grad_sum: with zero 1 or 3, "accumulator" (one float32 accumulator of the
             stage's rows, reduce-scattered after the tick loop), "slices" (each
-            W's gradient reduce-scattered into float32 slices: 1/D of the bytes,
-            M reduce-scatters; not with tied weights; docs/memory.md) or
-            "slices-compute" (the same, each reduce-scatter in the compute dtype).
+            W's gradient reduce-scattered into float32 slices; not with tied
+            weights) or "slices-compute" (those in the compute dtype; docs/memory.md).
 
     Raises:
         OptionError: an option outside its values (each names the option, the

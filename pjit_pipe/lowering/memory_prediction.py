@@ -334,10 +334,9 @@ def predict_memory(
     grads = 2 * scattered if slices else rows + scattered
     # A W's own output, live while its cond runs: the chunk's parameter gradient in its
     # compute dtype (bf16 where the model reads a weight through a cast to bf16). With
-    # slices the W packs it into the chunk's row in the dtype it is reduce-scattered in
-    # and holds the slice that leaves: XLA writes a gradient of that dtype into the row
-    # in place; "slices" converts a bf16 one into a second, float32 buffer. The ops'
-    # conds share their temporaries: the larger one counts.
+    # slices the W packs it into the row it reduce-scatters, in place where the dtypes
+    # agree ("slices" converts a bf16 one into a float32 row), and holds the slice that
+    # leaves. The ops' conds share their temporaries: the larger one counts.
     w_output = _row_bytes(param_spec, tensor, gather_dtypes)
     if slices and grad_sum == "slices-compute":
         w_output += w_output // D
