@@ -42,6 +42,7 @@ class KillRun:
     killed_at: float | None  # unix seconds
     stderr: str = ""
     workers: dict[int, list] = field(default_factory=dict)  # process -> its workers
+    then_killed_at: float | None = None  # the second kill (run_with_kill's `then`)
 
     def first_after_kill(self, kind: str) -> dict | None:
         """The first event of `kind` recorded after the kill."""
@@ -66,12 +67,15 @@ def run_with_kill(
     timeout_s: float,
     cache_dir: Path,
     stop_s: float | None = None,
+    then: int | None = None,
 ) -> KillRun:
     """Run `pjit-pipe train <train_args> --json --events ...` and SIGKILL training
     process `victim` (None: nobody) once step `after_step` is committed (with
-    `stop_s`: SIGSTOP it, and SIGCONT `stop_s` seconds later). The whole
-    process group is killed at the end, whatever happens; past `timeout_s` the run
-    is stopped and TimeoutError raised with the output so far."""
+    `stop_s`: SIGSTOP it, and SIGCONT `stop_s` seconds later). With `then` (and
+    --restart), SIGKILL training process `then` of the restarted job too, once it
+    has committed its first step after the rejoin. The whole process group is
+    killed at the end, whatever happens; past `timeout_s` the run is stopped and
+    TimeoutError raised with the output so far."""
     events_file = folder / "events.jsonl"
     err_file = folder / "stderr.txt"
     command = [sys.executable, "-m", "pjit_pipe", "train", *train_args, "--json"]
@@ -90,21 +94,32 @@ def run_with_kill(
             text=True,
             start_new_session=True,
         )
-    killed_pid = killed_at = None
+    killed_pid = killed_at = then_killed_at = None
     start = time.monotonic()
+
+    def waiting() -> bool:
+        return victim is not None and (killed_pid is None or then_killed_at is None)
+
     try:
-        while victim is not None and killed_pid is None and proc.poll() is None:
+        while waiting() and proc.poll() is None:
             if time.monotonic() - start > timeout_s:
                 raise TimeoutError(f"no step {after_step} within {timeout_s} s")
             events = read_events(events_file)
             pids = {e["process"]: e["pid"] for e in events if e["event"] == "process"}
-            if any(e["event"] == "step" and e["step"] >= after_step for e in events):
+            if killed_pid is not None:  # `then`'s kill, once the restarted job commits
+                rejoined = [e["t"] for e in events if e["event"] == "rejoin"]
+                if rejoined and any(e["event"] == "step" and e["t"] > rejoined[0] for e in events):
+                    os.kill(pids[then], signal.SIGKILL)  # the latest start's pid
+                    then_killed_at = time.time()
+            elif any(e["event"] == "step" and e["step"] >= after_step for e in events):
                 killed_pid = pids[victim]
                 os.kill(killed_pid, signal.SIGSTOP if stop_s else signal.SIGKILL)
                 killed_at = time.time()
                 if stop_s:  # a stall, not a death: it runs again after stop_s
                     time.sleep(stop_s)
                     os.kill(killed_pid, signal.SIGCONT)
+                if then is None:
+                    then_killed_at = killed_at  # nothing more to wait for
             time.sleep(0.01)
         try:
             out, _ = proc.communicate(timeout=max(1.0, timeout_s - (time.monotonic() - start)))
@@ -125,6 +140,7 @@ def run_with_kill(
         killed_at,
         err_file.read_text(),
         {e["process"]: e["workers"] for e in events if e["event"] == "process"},
+        then_killed_at if then is not None else None,
     )
 
 
@@ -280,18 +296,24 @@ def main() -> None:
 
 
 def _restart_times(run: KillRun) -> str:
-    """With --restart: from the restarted processes' start to the first step committed
+    """With --restart: from the restarted job's launch (its coordinator's `process`
+    event, written as the launcher starts its processes) to the first step committed
     for the first time (after a restart from a checkpoint, the steps run again come
     first)."""
-    starts = sorted(e["t"] for e in run.events if e["event"] == "process" and e["process"] == 1)
+    starts = sorted(e["t"] for e in run.events if e["event"] == "process" and e["process"] == 0)
     if len(starts) < 2:
         return ""
     rejoin = next((e for e in run.events if e["event"] == "rejoin"), None)
-    restarted = starts[1]
-    later = [e["t"] for e in run.events if e["event"] == "step" and e["t"] > restarted]
+    restarted = starts[-1]
+    seen = {e["step"] for e in run.events if e["event"] == "step" and e["t"] < restarted}
+    later = [
+        e["t"]
+        for e in run.events
+        if e["event"] == "step" and e["t"] > restarted and e["step"] not in seen
+    ]
     first = f"{min(later) - restarted:.1f} s" if later else "none"
     where = f"rejoin at step {rejoin['step']}; " if rejoin else ""
-    return f"; {where}restarted processes up -> first newly committed step {first}"
+    return f"; {where}restarted job launched -> first newly committed step {first}"
 
 
 if __name__ == "__main__":

@@ -97,8 +97,10 @@ def test_training_goes_on_after_a_process_is_killed_or_stopped(tmp_path, victim,
         # each microbatch's gradient reduce-scattered into the slices as it is made.
         ("mlp", 1, ["--zero", "3", "--grad-sum", "slices", "--schedule", "interleaved-1f1b"], 3),
         # Tensor parallelism: each process holds one worker's two 'tensor' devices,
-        # their parameter and optax slices (ZeRO-3) and a global-norm clip.
-        ("gpt-tiny", 2, ["--schedule", "1f1b", "--clip", CLIP, "--zero", "3"], 2),
+        # their parameter and optax slices (ZeRO-3) and a global-norm clip; with
+        # --restart the killed process rejoins from the survivors' process copies,
+        # each worker's tensor parts joined.
+        ("gpt-tiny", 2, ["--schedule", "1f1b", "--clip", CLIP, "--zero", "3", "--restart"], 2),
     ],
     ids=["zero1", "zero3-interleaved", "tensor2"],
 )
@@ -115,37 +117,53 @@ def test_every_combination_survives_a_killed_process(tmp_path, model, tensor, op
     failure = run.first_after_kill("failure")
     assert failure is not None, run.events
     assert sorted(map(tuple, failure["failed"])) == sorted(map(tuple, run.workers[victim]))
+    rejoins = [e for e in run.events if e["event"] == "rejoin"]
+    assert len(rejoins) == ("--restart" in options)
 
 
 @pytest.mark.processes
 @pytest.mark.slow
-@pytest.mark.parametrize("victim", [2, 0], ids=["rejoin", "coordinator"])
-def test_restart_makes_the_mesh_whole_again(tmp_path, victim):
+@pytest.mark.parametrize("victim, then", [(2, 3), (0, None)], ids=["rejoin", "coordinator"])
+def test_restart_makes_the_mesh_whole_again(tmp_path, victim, then):
     # --restart: a killed training process (2) rejoins at the step the survivors
-    # stopped and saved at; the coordinator's death (process 0, which every process
-    # needs) restarts the whole job from the newest checkpoint (saved every 4 steps).
+    # stopped and saved at. Then process 3 is killed as soon as the restarted job
+    # has committed a step, while that job still compiles the programs for the
+    # other processes' deaths in the background: the survivors wait for its
+    # compile, meet, run it, and 3 rejoins too. The coordinator's death (process 0,
+    # which every process needs) restarts the whole job from the newest checkpoint
+    # (saved every 4 steps).
     steps = 16
     args = ["--model", "mlp", "--mesh", "2x2", "--schedule", "1f1b", "--microbatches", "2"]
     args += ["--steps", str(steps), "--processes", "4", "--restart", "--checkpoint-every", "4"]
-    run = run_with_kill(tmp_path, args, victim, 3, 2 * TIMEOUT_S, tmp_path / "cache")
+    run = run_with_kill(tmp_path, args, victim, 3, 2 * TIMEOUT_S, tmp_path / "cache", then=then)
     assert run.returncode == 0, run.stderr[-3000:]
     assert [r["step"] for r in run.records] == list(range(steps))  # each printed once
     np.testing.assert_allclose([r["loss"] for r in run.records], optax_losses(steps), rtol=1e-5)
     starts = [e for e in run.events if e["event"] == "process" and e["process"] == victim]
-    assert len(starts) == 2  # the victim started again
+    assert any(e["t"] > run.killed_at for e in starts)  # the victim started again
     rejoins = [e for e in run.events if e["event"] == "rejoin"]
     if victim == 0:  # a restart from a checkpoint, not a rejoin at a planned stop
         assert rejoins == []
         return
-    assert [sorted(map(tuple, e["workers"])) for e in rejoins] == [[(0, 1)]]
-    rejoined = rejoins[0]["step"]
-    failure = run.first_after_kill("failure")
-    assert failure is not None and failure["step"] < rejoined
-    # Re-routed until the stop, the whole mesh from the rejoin on.
+    assert [sorted(map(tuple, e["workers"])) for e in rejoins] == [[(0, 1)], [(1, 0)]]
+    assert run.then_killed_at is not None
+    starts = [e for e in run.events if e["event"] == "process" and e["process"] == then]
+    assert any(e["t"] > run.then_killed_at for e in starts)  # and so did `then`
+    failures = [e for e in run.events if e["event"] == "failure"]
+    first = min(failures, key=lambda e: e["t"])
+    second = min((e for e in failures if e["t"] > run.then_killed_at), key=lambda e: e["t"])
+    assert first["step"] < rejoins[0]["step"] <= second["step"] < rejoins[1]["step"]
+    # Re-routed until each stop, the whole mesh from each rejoin on.
+    for failure, rejoin, down in ((first, rejoins[0], ["0:1"]), (second, rejoins[1], ["1:0"])):
+        assert all(
+            r["failed"] == down
+            for r in run.records
+            if failure["step"] <= r["step"] < rejoin["step"]
+        )
+    assert all(r["failed"] == [] for r in run.records if r["step"] >= rejoins[1]["step"])
     assert all(
-        r["failed"] == ["0:1"] for r in run.records if failure["step"] <= r["step"] < rejoined
+        r["failed"] == [] for r in run.records if rejoins[0]["step"] <= r["step"] < second["step"]
     )
-    assert all(r["failed"] == [] for r in run.records if r["step"] >= rejoined)
 
 
 def test_process_workers_follow_the_mesh_layout():
@@ -184,8 +202,8 @@ def test_recovery_settings():
         (["--processes", "3"], "do not split evenly"),
         (["--processes", "2", "--devices-per-process", "1"], "needs 4"),
         (["--processes", "4", "--fail", "2:0:1"], "--fail injects"),
-        (["--mesh", "2x2x2", "--processes", "4", "--checkpoint-dir", "ckpt"], "over 'tensor'"),
-        (["--mesh", "2x2x2", "--processes", "4", "--restart"], "--restart (it restarts from"),
+        (["--mesh", "2x2x2", "--processes", "8", "--checkpoint-dir", "ckpt"], "span processes"),
+        (["--mesh", "2x2x2", "--processes", "8", "--restart"], "--restart (it restarts from"),
         (["--restart"], "add --processes N"),
     ],
 )
