@@ -241,3 +241,39 @@ def test_processes_save_zero_slices_after_a_kill_in_save_and_resume(tmp_path, mo
     for path in [*directory.glob("step_00000008.*"), *directory.glob("step_00000012.*")]:
         shutil.rmtree(path)
     resume(tmp_path, directory, 8, 4, zero=1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("zero", [0, 3])
+def test_tensor_parts_join_into_leaves_that_restore_on_another_mesh(tmp_path, zero):
+    """A Llama whose weights split over 'tensor' (2x2x2, with ZeRO-3 in slices
+    over data too): each worker's split buffers are joined from its two devices,
+    and the copy restores to the same leaves on 4x2 without a tensor axis."""
+    from pjit_pipe.models import lm_loss
+    from pjit_pipe.models.llama import Llama, LlamaConfig
+
+    model = Llama(LlamaConfig.tiny(vocab=64, d_model=32, n_heads=4, n_kv_heads=2, d_ff=64))
+    x = np.random.default_rng(0).integers(0, 64, size=(8, 32)).astype(np.int32)
+    batch = (x, np.roll(x, -1, axis=1))
+
+    def pipelined(data: int, tensor: int, level: int):
+        mesh = pp.make_mesh(data=data, stage=2, tensor=tensor)
+        opt = optax.adam(1e-2)
+        return pp.pipeline(model, stages=2, microbatches=2, mesh=mesh, optimizer=opt, zero=level)
+
+    pm = pipelined(2, 2, zero)
+    params = pm.init(jax.random.key(0), x)
+    step = pm.train_step(lm_loss)
+    state, _ = step(step.init(params, batch), batch)  # trained: moments not fresh
+    checkpoints = ProcessCheckpoints(tmp_path, every=1)
+    assert checkpoints.save(state)
+    checkpoints.close()
+    like = jax.eval_shape(lambda: nn.meta.unbox(params))
+    other = pipelined(4, 1, 0).train_step(lm_loss)
+    restored, _ = ProcessCheckpoints(tmp_path).restore(other, batch, like)
+    assert restored.step == 1
+    for got, want in ((restored.params, state.params), (restored.opt_state, state.opt_state)):
+        got, want = nn.meta.unbox(got), nn.meta.unbox(want)
+        assert jax.tree.structure(got) == jax.tree.structure(want)
+        for u, v in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+            np.testing.assert_array_equal(np.asarray(u), np.asarray(v))

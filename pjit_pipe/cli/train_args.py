@@ -316,16 +316,16 @@ def check_process_args(args: argparse.Namespace) -> int:
                 f"{flag} injects events into one process; with --processes the failures are "
                 "real (kill a process): drop it"
             )
-    if (args.checkpoint_dir or args.restart) and tensor > 1:
+    if (args.checkpoint_dir or args.restart) and k % tensor:
         flag = (
             "--checkpoint-dir"
             if args.checkpoint_dir
             else "--restart (it restarts from a checkpoint)"
         )
         raise UsageError(
-            f"{flag} with --processes saves stage rows from each process's devices; "
-            f"--mesh {data}x{stages}x{tensor} splits leaves over 'tensor' devices, whose "
-            "slices it does not join yet: drop one of them"
+            f"{flag} with --processes: each process saves the workers it holds, but with "
+            f"--devices-per-process {k} a worker's {tensor} 'tensor' devices span processes; "
+            f"give each process a multiple of {tensor} devices"
         )
     if args.schedule == "async-1f1b" or args.show_costs:
         what = "--schedule async-1f1b" if args.schedule == "async-1f1b" else "--show-costs"

@@ -48,6 +48,7 @@ import optax
 
 from pjit_pipe.errors import CheckpointError
 from pjit_pipe.frontend import TrainState, TrainStep
+from pjit_pipe.lowering.comms.topology import TENSOR
 from pjit_pipe.runtime.checkpoint import check_directory, check_every_keep, path_name, save_due
 from pjit_pipe.runtime.checkpoint_slices import ARRAYS, Sources, zero_pieces
 
@@ -105,28 +106,32 @@ def local_pieces(state: TrainState, groups: dict[str, dict]) -> Iterator[tuple[A
     each module leaf, or rows of one, from one local holder's own rows, or under
     ZeRO the slices its local holders keep (checkpoint_slices.py, which adds their
     groups' descriptions to `groups`); unpacked by ops on the device that holds
-    them, then copied off it; nothing from another process.
+    them, then copied off it; nothing from another process. A worker whose weights
+    split over 'tensor' is read from its first device, each split buffer joined
+    there from its T devices' parts (`_worker_rows`).
 
     Raises:
-        CheckpointError: the state's workers span several devices ('tensor').
+        CheckpointError: a worker's 'tensor' devices span processes.
     """
     state.check_alive("save")
     view, me = state.view, jax.process_index()
     layout = view.layout
-    T = layout.topology.tensor
-    if T > 1:
-        raise CheckpointError(
-            f"save: a worker spans {T} 'tensor' devices, each holding a slice of the split "
-            "leaves, which a process checkpoint does not join; use Checkpoints (orbax)"
-        )
     labels = stage_labels(view)[:2]
     rows = tuple(
-        {k: {s.device: s.data[0] for s in b.addressable_shards} for k, b in bufs.items()}
+        {k: _worker_rows(layout, b) for k, b in bufs.items()}
         for bufs in (state.device_params, state.device_opt)
     )
-    replica = {d: layout.topology.workers[i].replica for i, d in enumerate(layout.devices)}
+    T = layout.topology.tensor
+    # each worker's first device (its rows, joined), and its replica
+    replica = {
+        d: layout.topology.workers[i // T].replica
+        for i, d in enumerate(layout.devices)
+        if i % T == 0
+    }
     for p, held in enumerate(layout.held):
-        local = [(d, replica[d]) for d in layout.holders(p) if d.process_index == me]
+        local = [
+            (d, replica[d]) for d in layout.holders(p) if d in replica and d.process_index == me
+        ]
         if not local:
             continue
         if layout.zero is not None:
@@ -141,6 +146,35 @@ def local_pieces(state: TrainState, groups: dict[str, dict]) -> Iterator[tuple[A
                 if len(leaves) != len(named):
                     raise CheckpointError(f"save: stage {s}'s state does not match its tree")
                 yield from zip(named, (np.asarray(a) for a in leaves), strict=True)
+
+
+def _worker_rows(layout: Any, buffer: jax.Array) -> dict[Any, jax.Array]:
+    """{device: its (v, ...) row of `buffer`} for this process's devices. A buffer
+    split over 'tensor' is joined, for each worker, on its first device from its T
+    devices' parts (a worker's devices are adjacent in the layout's order); the
+    others are whole on every device."""
+    shards = {s.device: s.data[0] for s in buffer.addressable_shards}
+    spec = tuple(buffer.sharding.spec)
+    T = layout.topology.tensor
+    if T == 1 or TENSOR not in spec:
+        return shards
+    axis = spec.index(TENSOR) - 1  # in a device's row, after its leading worker dimension
+    joined = {}
+    for i in range(0, len(layout.devices), T):
+        group = layout.devices[i : i + T]
+        mine = [d in shards for d in group]
+        if not any(mine):
+            continue
+        if not all(mine):
+            worker = layout.topology.workers[i // T]
+            raise CheckpointError(
+                f"save: worker ({worker.replica}, {worker.stage}) has its {T} 'tensor' devices "
+                "in several processes, so no process holds its whole weights; give each "
+                f"process whole workers (devices per process a multiple of {T})"
+            )
+        parts = np.concatenate([np.asarray(shards[d]) for d in group], axis=axis)
+        joined[group[0]] = jax.device_put(parts, group[0])
+    return joined
 
 
 class ProcessCheckpoints:
