@@ -121,9 +121,8 @@ def train(
     carries its microbatches from step to step (`train_carrying`). `stop`: a
     `PlannedStop` of a job of several processes; at the step it agrees on, the
     run saves a checkpoint there and returns early (the launcher restarts the
-    job from it). `deaths_ahead`: on such a job, compile the programs for the
-    other processes' deaths before the first step (False: in the background
-    after it, as a job restarted for a rejoin does; ResilientTrainer.init)."""
+    job from it). `deaths_ahead`: ResilientTrainer.init's (False in a job
+    restarted for a rejoin)."""
     data, stages, tensor = args.mesh
     fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
     ensure_host_devices(data * stages * tensor)

@@ -1,7 +1,7 @@
 """IR -> one jitted shard_map program per schedule (see program.py for the entry point)."""
 
 from pjit_pipe.lowering.async_pipeline.async_carry import check_carry
-from pjit_pipe.lowering.comms.topology import AXES, Topology
+from pjit_pipe.lowering.comms.topology import AXES, TENSOR, Topology
 from pjit_pipe.lowering.compute.emulated_ticks import KIND_CODES
 from pjit_pipe.lowering.compute.forward import lower_forward
 from pjit_pipe.lowering.compute.loss import LossLayout, check_loss_fn
@@ -26,6 +26,7 @@ __all__ = [
     "DEFAULT_POLICY",
     "KIND_CODES",
     "POLICIES",
+    "TENSOR",
     "Buffers",
     "ChunkLayout",
     "DeviceLayout",

@@ -48,7 +48,7 @@ import optax
 
 from pjit_pipe.errors import CheckpointError
 from pjit_pipe.frontend import TrainState, TrainStep
-from pjit_pipe.lowering.comms.topology import TENSOR
+from pjit_pipe.lowering import TENSOR
 from pjit_pipe.runtime.checkpoint import check_directory, check_every_keep, path_name, save_due
 from pjit_pipe.runtime.checkpoint_slices import ARRAYS, Sources, zero_pieces
 
