@@ -47,7 +47,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
-import numpy as np
 import optax
 
 from pjit_pipe.errors import OptionError
@@ -55,10 +54,11 @@ from pjit_pipe.ir.ticks import PackedTicks
 from pjit_pipe.lowering.comms.messages import MessageSpec
 from pjit_pipe.lowering.compute.compute_dtype import buffer_dtypes, compute_param_spec
 from pjit_pipe.lowering.compute.stages import StageVjp
-from pjit_pipe.lowering.layout.flat_buffers import FlatSpec, dtype_of, is_shaped
+from pjit_pipe.lowering.layout.flat_buffers import FlatSpec
 from pjit_pipe.lowering.layout.row_optimizer import RowOptimizer
 from pjit_pipe.lowering.layout.tensor_layout import LeafSplits, opt_state_splits
 from pjit_pipe.lowering.layout.zero import ZeroLayout
+from pjit_pipe.lowering.layout_bytes import own_bytes, row_bytes, w_output_bytes
 from pjit_pipe.lowering.tick_plan import build_plan
 
 ZERO_LEVELS = (0, 1, 3)
@@ -196,23 +196,6 @@ class MemoryReport:
         return out
 
 
-def _device_bytes(spec: FlatSpec, key: str, tensor: int, dtype: str | None = None) -> int:
-    """Bytes one device holds of one chunk's buffer `key` (in `dtype`, if given, else
-    its own): a shaped buffer split over 'tensor' is cut T ways, a flat row is
-    whole on every tensor device."""
-    itemsize = np.dtype(dtype or dtype_of(key)).itemsize
-    whole = int(np.prod(spec.shapes[key], dtype=np.int64)) * itemsize
-    if is_shaped(key) and "tensor" in spec.split_of(key):
-        return whole // tensor
-    return whole
-
-
-def _row_bytes(spec: FlatSpec, tensor: int, dtypes: dict[str, str] | None = None) -> int:
-    """Bytes one device holds of one chunk's row of every buffer of `spec` (a buffer
-    named in `dtypes` in that dtype)."""
-    return sum(_device_bytes(spec, key, tensor, (dtypes or {}).get(key)) for key in spec.sizes)
-
-
 def optimizer_spec(
     param_spec: FlatSpec,
     param_avals: Sequence[Any],
@@ -292,13 +275,14 @@ def predict_memory(
             None,
             level=zero,
             gather_dtypes=gather_dtypes,
+            reduce_in_compute=grad_sum == "slices-compute",
         )
         if sliced
         else None
     )
     opt_spec = optimizer_spec(param_spec, stages.param_avals, splits, optimizer, zero_layout)
-    rows = v * _row_bytes(param_spec, tensor)
-    opt = v * _row_bytes(opt_spec, tensor)
+    rows = v * row_bytes(param_spec, tensor)
+    opt = v * row_bytes(opt_spec, tensor)
     params, gathered, scattered = rows, 0, 0
     if sliced:
         scattered = rows // D
@@ -306,7 +290,7 @@ def predict_memory(
         if zero == 3:
             params = 2 * scattered  # its own slice and a copy of the next replica's
             # The stage's whole rows in their compute dtype, gathered before the tick loop.
-            gathered = v * _row_bytes(param_spec, tensor, zero_layout.gather_dtypes)
+            gathered = v * row_bytes(param_spec, tensor, zero_layout.gather_dtypes)
     plan = build_plan(
         table,
         remat,
@@ -314,7 +298,7 @@ def predict_memory(
         split=stages.split,
         fuse_loss=not schedule.asynchronous,
     )
-    w_row, b_row = _row_bytes(stages.w_spec, 1), _row_bytes(stages.b_spec, 1)
+    w_row, b_row = row_bytes(stages.w_spec, 1), row_bytes(stages.b_spec, 1)
     pools = 0 if remat else plan.res_slots * w_row + plan.bres_slots * b_row
     # One program: every device's workspace is sized by the busiest position's.
     residuals = [stages.residual_bytes(s)["b"] for s in range(schedule.num_virtual_stages)]
@@ -332,20 +316,12 @@ def predict_memory(
     # W's reduce-scattered slice beside them.
     slices = sliced and grad_sum != "accumulator"
     grads = 2 * scattered if slices else rows + scattered
-    # A W's own output, live while its cond runs: the chunk's parameter gradient in its
-    # compute dtype (bf16 where the model reads a weight through a cast to bf16). With
-    # slices the W packs it into the row it reduce-scatters, in place where the dtypes
-    # agree ("slices" converts a bf16 one into a float32 row), and holds the slice that
-    # leaves. The ops' conds share their temporaries: the larger one counts.
-    w_output = _row_bytes(param_spec, tensor, gather_dtypes)
-    if slices and grad_sum == "slices-compute":
-        w_output += w_output // D
-    elif slices:
-        cast = sum(_device_bytes(param_spec, k, tensor, d) for k, d in gather_dtypes.items())
-        w_output = rows // v + rows // (v * D) + cast
+    # A W's own output, live while its cond runs (the ops' conds share temporaries).
+    reduce = zero_layout.reduce_dtypes if slices else None
+    w_output = w_output_bytes(param_spec, tensor, gather_dtypes, reduce, D)
     workspace = max(workspace, w_output)
     own = [
-        _own_bytes(a, None if splits is None else splits[s], optimizer, tensor)
+        own_bytes(a, None if splits is None else splits[s], optimizer, tensor)
         for s, a in enumerate(stages.param_avals)
     ]
     share = {0: (1, 1), 1: (1, 2 / D), 3: (2 / D, 2 / D)}[zero if sliced else 0]
@@ -374,27 +350,3 @@ def _message_row_bytes(stages: StageVjp) -> int:
     cotangent between two stages, per dtype (comms/messages.py's flat rows)."""
     spec = MessageSpec(stages.act_avals[1:]).spec
     return sum(spec.nbytes(k) for k in spec.sizes)
-
-
-def _own_bytes(
-    avals: Any,
-    split: LeafSplits | None,
-    optimizer: optax.GradientTransformation,
-    tensor: int,
-) -> tuple[int, int]:
-    """(parameter, optax-state) bytes of one stage on one device, unpadded: a leaf
-    split over 'tensor' counts its slice."""
-    leaves = jax.tree.leaves(avals)
-    cut = split if split is not None else [None] * len(leaves)
-    params = 0
-    for a, how in zip(leaves, cut, strict=True):
-        b = int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-        params += b // tensor if how is not None and "tensor" in how else b
-    whole = sum(a.size * np.dtype(a.dtype).itemsize for a in leaves)
-    state = jax.eval_shape(optimizer.init, avals)
-    opt = sum(
-        int(np.prod(a.shape, dtype=np.int64)) * np.dtype(a.dtype).itemsize
-        for a in jax.tree.leaves(state)
-    )
-    # The optax state splits over 'tensor' as its parameters do.
-    return params, opt * params // max(whole, 1)

@@ -95,9 +95,6 @@ class ZeroLayout:
         # every leaf in it is read through a cast to bf16, compute/compute_dtype.py);
         # a buffer not named is gathered in its own dtype.
         self.gather_dtypes = dict(gather_dtypes or {})
-        # Per buffer key, the dtype a W's gradient row is reduce-scattered in when it
-        # is not the buffer's own: with grad_sum="slices-compute" the compute dtype.
-        self.reduce_dtypes = self.gather_dtypes if reduce_in_compute else {}
         self.param_spec = param_spec  # one stage's whole rows (the tick loop's layout)
         # Per buffer key: the dimension (of one chunk's buffer) cut into D slices, or None.
         self.dims: dict[str, int | None] = {}
@@ -105,6 +102,14 @@ class ZeroLayout:
             split = param_spec.split_of(k) if is_shaped(k) else (None,)
             free = [d for d, n in enumerate(shape) if split[d] is None and n % replicas == 0]
             self.dims[k] = free[0] if free else None
+        # Per buffer key, the dtype a W's gradient row is reduce-scattered in when it
+        # is not the buffer's own: with grad_sum="slices-compute" the compute dtype,
+        # for the flat rows (XLA's CPU backend fails to compile a bf16 reduce-scatter
+        # of a buffer split over 'tensor', "Invalid binary instruction opcode copy":
+        # those sum in their own dtype).
+        self.reduce_dtypes = {
+            k: d for k, d in self.gather_dtypes.items() if reduce_in_compute and not is_shaped(k)
+        }
         self.slices = {
             k: jax.ShapeDtypeStruct(self._slice_shape(shape, self.dims[k]), dtype_of(k))
             for k, shape in param_spec.shapes.items()
