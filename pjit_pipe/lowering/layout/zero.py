@@ -158,12 +158,15 @@ class ZeroLayout:
 
     def add_scattered(self, acc: Buffers, row: Buffers) -> Buffers:
         """One chunk's gradient slices `acc` plus this replica's slice of `row` (one
-        chunk's gradient buffers, one microbatch's, each in its `reduce_dtypes`
-        dtype or its own) summed over 'data' in the row's dtype, then widened to the
-        slices'. A bf16 row is summed over the replicas in bf16: half the bytes
-        moved and no float32 copy of the row. Every replica of the stage must call
-        it together."""
-        return {k: a + self._reduce(row[k], k, lead=0).astype(a.dtype) for k, a in acc.items()}
+        chunk's gradient buffers, one microbatch's) summed over 'data': a buffer
+        named in `reduce_dtypes` in that dtype, then widened (a bf16 sum over the
+        replicas: half the bytes moved and no float32 copy of the row), the others
+        in the slices' dtype. Every replica of the stage must call it together."""
+        dtype = self.reduce_dtypes.get
+        return {
+            k: a + self._reduce(row[k].astype(dtype(k, a.dtype)), k, lead=0).astype(a.dtype)
+            for k, a in acc.items()
+        }
 
     def _reduce(self, g: jax.Array, k: str, lead: int) -> jax.Array:
         """Buffer `k` (after `lead` leading dimensions) summed over 'data': this
