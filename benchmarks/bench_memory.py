@@ -266,9 +266,12 @@ def block_residuals(config: Any) -> None:
         )
 
 
-def report_table() -> None:
-    """The memory report's rows for Llama-3 shapes, and the 32k Llama's padding."""
+def report_table(plot: str | None = None) -> None:
+    """The memory report's rows for Llama-3 shapes, and the 32k Llama's padding;
+    with `plot`, a picture of the 70B rows (remat, cut by FLOPs) part by part."""
     from pjit_pipe.models.llama import Llama, LlamaConfig
+
+    pictured = []  # (label, the largest device's DeviceMemory) of the 70B rows
 
     print(
         f"{'model':<14} {'remat':>5} {'zero':>4} {'grad_sum':>14} "
@@ -300,12 +303,16 @@ def report_table() -> None:
                 )
                 d = report.as_dict(80 * 10**9)
                 label = name if balance == "flops" else f"{name} f+p"
+                if name.startswith("70B") and remat and balance == "flops":
+                    pictured.append((f"zero {zero}, {how}", report.largest()))
                 print(
                     f"{label:<14} {remat!s:>5} {zero:>4} {how:>14} "
                     + " ".join(f"{d[p] / 1e9:11.2f}" for p in (*PARTS, "total"))
                     + f" {d['fits']!s:>9}"
                 )
         block_residuals(config)
+    if plot:
+        draw_report(pictured, plot)
     config = LlamaConfig.gpu()
     tokens = jax.ShapeDtypeStruct((8, config.seq_len), np.int32)
     for balance in ("flops", "flops+params"):
@@ -325,9 +332,54 @@ def report_table() -> None:
         )
 
 
+def draw_report(rows: list[tuple[str, Any]], path: str) -> None:
+    """Stacked bars of each row's peak, part by part: the state, the gradient and
+    inputs, then the larger of the tick loop's parts and the update's (DeviceMemory
+    .total), against an 80 GB device."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = dict(
+        zip(
+            ("params", "optimizer", "grads", "gathered", "workspace", "activations", "update"),
+            plt.get_cmap("tab10").colors,
+            strict=False,
+        )
+    )
+    fig, ax = plt.subplots(figsize=(8.5, 0.45 * len(rows) + 1.4))
+    for y, (_, d) in enumerate(rows):
+        loop = {"activations": d.activations, "workspace": d.workspace}
+        loop["other"] = d.messages
+        after = {"update": d.update}
+        (loop if d.gathered_in_loop else after)["gathered"] = d.gathered
+        peak = loop if sum(loop.values()) >= sum(after.values()) else after
+        parts = {"params": d.params, "optimizer": d.optimizer, "grads": d.grads}
+        parts["other"] = d.inputs
+        for name, b in peak.items():
+            parts[name] = parts.get(name, 0) + b
+        left = 0.0
+        for name, b in parts.items():
+            ax.barh(y, b / 1e9, left=left, color=colors.get(name, "0.75"), edgecolor="white")
+            left += b / 1e9
+        ax.text(left + 1, y, f"{left:.1f}", va="center", fontsize=8)
+    ax.axvline(80, color="black", lw=1, ls="--")
+    ax.set_yticks(range(len(rows)), [label for label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("GB per device at the step's peak (80 GB dashed)")
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in (*colors.values(), "0.75")]
+    ax.legend(handles, [*colors, "messages, inputs"], fontsize=7, loc="lower right")
+    ax.set_title("Llama-3-70B, 8x8, 4096 tokens, m = 8, remat, adam: memory report")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=5, help="timed steps per variant")
+    parser.add_argument("--plot", default=None, help="the 70B report rows as a picture (.png)")
     parser.add_argument(
         "--part",
         action="append",
@@ -344,7 +396,7 @@ def main(argv: list[str]) -> None:
     if "grads" in parts:
         grad_sum_table(args.steps)
     if "report" in parts:
-        report_table()
+        report_table(args.plot)
 
 
 if __name__ == "__main__":
