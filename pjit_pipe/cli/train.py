@@ -101,7 +101,6 @@ def train(
     devices: Any = None,
     on_trainer_event: Any = None,
     stop: Any = None,
-    deaths_ahead: bool = True,
 ) -> tuple[Any, Any, Task]:
     """Build the pipeline and run args.steps steps through the injected failures;
     on_step(StepRecord) after each (tokens: input positions in the global batch).
@@ -121,8 +120,7 @@ def train(
     carries its microbatches from step to step (`train_carrying`). `stop`: a
     `PlannedStop` of a job of several processes; at the step it agrees on, the
     run saves a checkpoint there and returns early (the launcher restarts the
-    job from it). `deaths_ahead`: ResilientTrainer.init's (False in a job
-    restarted for a rejoin)."""
+    job from it)."""
     data, stages, tensor = args.mesh
     fail, rejoin = getattr(args, "fail", {}), getattr(args, "rejoin", {})
     ensure_host_devices(data * stages * tensor)
@@ -225,7 +223,6 @@ def train(
         (x, y),
         precompile=precompile > 0 or bool(slow),  # a --slow plan's programs, ahead
         on_compiled=on_compiled,
-        deaths_ahead=deaths_ahead,
     )
     try:
         for step in range(state.step, args.steps):

@@ -26,9 +26,7 @@ With `--restart` a death restarts the job (`_Job`, one start of it): the
 survivors stop together at a step (`PlannedStop`, asked by a line on their
 stdin), save it and leave, and all N processes start again from it, the dead
 one rejoining there; the coordinator's death restarts the job from the
-newest checkpoint. A restarted job compiles the programs for further deaths
-in the background, after its first step (ResilientTrainer.init's
-`deaths_ahead`), so a rejoin waits for one compile.
+newest checkpoint.
 
 Run as `python -m pjit_pipe.cli.train_processes DIR RANK`, a process reads its
 arguments from DIR/args.pkl (written by `launch`).
@@ -75,7 +73,7 @@ class _Job:
     """One start of the job: the coordinator and N training processes, each training
     process's report lines read into one queue as (rank, line), None at its end."""
 
-    def __init__(self, directory: str, n: int, k: int, restarted: bool = False):
+    def __init__(self, directory: str, n: int, k: int):
         command = [sys.executable, "-m", __name__, directory]
         port = free_port()
         self.coordinator = subprocess.Popen(
@@ -87,7 +85,7 @@ class _Job:
         )
         self.workers = {
             rank: subprocess.Popen(
-                [*command, str(rank), str(n + 1), str(port), str(k), str(int(restarted))],
+                [*command, str(rank), str(n + 1), str(port), str(k)],
                 env=local_process_env(k),
                 cwd=PACKAGE_ROOT,
                 stdin=subprocess.PIPE,  # a line there asks it to stop with the others
@@ -181,7 +179,7 @@ def launch(args: argparse.Namespace) -> int:
                     events.add({**event, "workers": workers})
                 if job.stopped_at is None and max(losses, default=-1) >= args.steps - 1:
                     break  # the last step was committed before the death
-                job = _Job(tmp, n, k, restarted=True)
+                job = _Job(tmp, n, k)
         finally:
             close()
             events.close()
@@ -311,10 +309,8 @@ def _report(out: TextIO, event: str, **fields: Any) -> None:
     out.flush()
 
 
-def _train(directory: str, rank: int, count: int, port: str, k: int, restarted: bool) -> None:
-    """A training process: join the job, report itself, train, report each step. In a
-    restarted job the programs for the other processes' deaths compile in the
-    background, after the first step: the rejoin waits for one compile, not all."""
+def _train(directory: str, rank: int, count: int, port: str, k: int) -> None:
+    """A training process: join the job, report itself, train, report each step."""
     import dataclasses
 
     out = os.fdopen(os.dup(1), "w")  # the reports go to the launcher...
@@ -353,14 +349,7 @@ def _train(directory: str, rank: int, count: int, port: str, k: int, restarted: 
             failed = [list(w) for w in sorted(event.failed)]
             _report(out, event.kind, step=event.step, failed=failed)
 
-    train(
-        args,
-        on_step,
-        devices=devices,
-        on_trainer_event=on_event,
-        stop=stop,
-        deaths_ahead=not restarted,
-    )
+    train(args, on_step, devices=devices, on_trainer_event=on_event, stop=stop)
     if stop is not None and stop.agreed is not None and stop.agreed < args.steps:  # saved, left
         _report(out, "stopped", step=stop.agreed)
     out.close()
@@ -386,4 +375,4 @@ if __name__ == "__main__":
     if _rank == COORDINATOR:
         _coordinate(_count, _port)
     else:
-        _train(_dir, _rank, _count, _port, int(sys.argv[5]), sys.argv[6] == "1")
+        _train(_dir, _rank, _count, _port, int(sys.argv[5]))

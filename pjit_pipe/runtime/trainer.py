@@ -157,7 +157,6 @@ class ResilientTrainer:
         precompile: bool = True,
         background: bool = True,
         on_compiled: Callable[[Variant], None] | None = None,
-        deaths_ahead: bool = True,
     ) -> TrainState:
         """The initial state, after compiling the fault-free step.
 
@@ -167,9 +166,8 @@ class ResilientTrainer:
         speed monitor, the slow workers an `InjectedSlowdowns` plan goes
         through follow them, and every single slow worker at `slow_factors`
         comes last. With `LiveDevices` (a job of several processes), the
-        programs for each other process's death compile whatever `precompile`
-        says: before this returns with `deaths_ahead`, else first in the
-        background; either way the processes leave together.
+        programs for each other process's death compile before this returns,
+        whatever `precompile` says, and the processes leave together.
 
         Args:
             params: Module-layout parameters, or a TrainState (e.g. a restored
@@ -179,12 +177,6 @@ class ResilientTrainer:
             background: Compile them in a background thread (else before
                 returning).
             on_compiled: Called with each variant once it is compiled.
-            deaths_ahead: With LiveDevices, compile each other process's death
-                before the first step, so a death switches programs within the
-                collective timeout. False: the first step comes that many compiles
-                sooner (a job restarted for a rejoin), and a death before its
-                program is ready waits for the compile; the survivors then meet
-                in a barrier before running it, so none starts it alone.
 
         Returns:
             The TrainState in the fault-free pipeline's device layout.
@@ -204,32 +196,26 @@ class ResilientTrainer:
             state = step.init(params, batch)
         self.variants = Variants(self.pipelined, self.loss_fn, state, batch, self.cache_dir)
         self.variants.get(())
-        planned: list = []  # the failure sets to compile first
         if isinstance(self.detector, LiveDevices):
-            # The programs for the other processes' deaths; ahead, the processes
-            # then start together: a survivor that compiled its switch later than
-            # the collective timeout would break the step for all.
+            # Every process compiles the programs of the other processes' deaths
+            # before the first step, then they start together: a survivor that
+            # compiled its switch later than the collective timeout would break
+            # the step for all.
             needed = self.detector.planned(jax.process_index())
-            if deaths_ahead:
-                self.variants.precompile(0, background=False, first=needed)
-            else:
-                planned = needed
+            self.variants.precompile(0, background=False, first=needed)
             self.detector.sync()
-        elif precompile and isinstance(self.detector, InjectedFailures):
-            planned = self.detector.planned()
-        if precompile or planned:
+        if precompile:
+            planned = self.detector.planned() if isinstance(self.detector, InjectedFailures) else []
             slow_planned = (
-                self.speeds.planned()
-                if precompile and isinstance(self.speeds, InjectedSlowdowns)
-                else []
+                self.speeds.planned() if isinstance(self.speeds, InjectedSlowdowns) else []
             )
             self.variants.precompile(
-                self.max_failures if precompile else 0,
+                self.max_failures,
                 background,
                 on_compiled,
                 first=planned,
                 slow_first=slow_planned,
-                slow_factors=self.slow_factors if precompile and self.speeds is not None else (),
+                slow_factors=self.slow_factors if self.speeds is not None else (),
             )
         return state
 
