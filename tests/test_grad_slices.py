@@ -51,6 +51,17 @@ def test_slices_train_like_optax(model, kind, mesh, zero, how):
     check(model, kind, mesh, zero, "adamw", grad_sum=how)
 
 
+def three_losses(pm, batch) -> list[float]:
+    """The losses of three steps of `pm` on `batch` (an LM's tokens and targets)."""
+    step = pm.train_step(lm_loss)
+    state = step.init(pm.init(jax.random.key(0), batch[0]), batch)
+    losses = []
+    for _ in range(3):
+        state, loss = step(state, batch)
+        losses.append(float(loss))
+    return losses
+
+
 @pytest.mark.slow
 def test_bf16_slices_reduce_in_bf16_within_its_rounding():
     """A bf16 GPT at 4x2, ZeRO-3: with "slices-compute" the program jax hands XLA
@@ -71,12 +82,7 @@ def test_bf16_slices_reduce_in_bf16_within_its_rounding():
             zero=3,
             grad_sum=how,
         )
-        step = pm.train_step(lm_loss)
-        state = step.init(pm.init(jax.random.key(0), x), batch)
-        losses[how] = []
-        for _ in range(3):
-            state, loss = step(state, batch)
-            losses[how].append(float(loss))
+        losses[how] = three_losses(pm, batch)
         shapes = jax.eval_shape(pm.init, jax.random.key(0), x)
         scattered[how] = collective_dtypes(pm, shapes, batch, "reduce-scatter")
     assert scattered == {"slices": {"f32"}, "slices-compute": {"bf16", "f32"}}, scattered
@@ -105,12 +111,7 @@ def test_bf16_slices_with_weights_split_over_tensor():
             zero=3,
             grad_sum=how,
         )
-        step = pm.train_step(lm_loss)
-        state = step.init(pm.init(jax.random.key(0), x), batch)
-        losses[how] = []
-        for _ in range(3):
-            state, loss = step(state, batch)
-            losses[how].append(float(loss))
+        losses[how] = three_losses(pm, batch)
     np.testing.assert_allclose(losses["slices-compute"], losses["accumulator"], rtol=1e-3)
 
 
